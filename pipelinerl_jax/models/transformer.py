@@ -1,0 +1,324 @@
+"""Decoder-only LM in Flax (linen) covering Qwen2 / Qwen2.5 and Llama-3.
+
+Parameter pytree (layers stacked on a leading axis L by `nn.scan`; kernels are [in, out]):
+
+  embed/embedding                      [V, D]
+  layers/input_norm/scale              [L, D]
+  layers/attn/{q,k,v}_proj/kernel      [L, D, H*Dh | K*Dh]    (+ /bias [L, ...] when qkv_bias)
+  layers/attn/o_proj/kernel            [L, H*Dh, D]
+  layers/post_attn_norm/scale          [L, D]
+  layers/mlp/{gate,up}_proj/kernel     [L, D, F]
+  layers/mlp/down_proj/kernel          [L, F, D]
+  final_norm/scale                     [D]
+  lm_head/kernel                       [D, V]                 (absent when embeddings are tied)
+
+Shape letters: B batch, T query tokens, S key/cache slots, D model width, H query heads,
+K key/value heads, G = H // K, Dh head dim, F MLP width, V vocab, L layers.
+
+Two entry points share one module:
+  * training rows: `token_logprobs` -- packed rows with segment ids; attention never crosses a
+    segment; returns log pi(target) and the entropy of each position's distribution.
+  * generation: `decode` -- writes the new tokens' keys/values into a KV cache at their positions
+    and attends to every cache slot at or before each query's position.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, NamedTuple
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+_MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)  # finite, so fully masked rows stay NaN-free
+
+
+@dataclasses.dataclass(frozen=True)
+class RopeScaling:
+  """RoPE frequency scaling; `kind` is HF's rope_type ('linear' or 'llama3')."""
+  kind: str
+  factor: float = 1.0
+  low_freq_factor: float = 1.0
+  high_freq_factor: float = 4.0
+  original_max_position_embeddings: int = 8192
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+  """Architecture and numerics. Built from an HF config.json by `models.hf_io.load_config`."""
+  vocab_size: int
+  hidden_size: int
+  intermediate_size: int
+  num_layers: int
+  num_heads: int
+  num_kv_heads: int
+  head_dim: int
+  rope_theta: float = 10000.0
+  rope_scaling: RopeScaling | None = None
+  rms_norm_eps: float = 1e-6
+  qkv_bias: bool = False          # Qwen2 has q/k/v biases, Llama does not.
+  tie_embeddings: bool = False
+  max_position_embeddings: int = 32768
+  architecture: str = 'Qwen2ForCausalLM'
+  param_dtype: str = 'float32'    # master weights
+  dtype: str = 'float32'          # activations / matmuls
+  lm_head_fp32: bool = True       # logits in fp32: keeps trainer and sampler log-probs close
+  remat: bool = False             # rematerialize each layer in the backward pass
+
+  def __post_init__(self):
+    if self.num_heads % self.num_kv_heads:
+      raise ValueError(f'num_heads={self.num_heads} is not a multiple of '
+                       f'num_kv_heads={self.num_kv_heads}')
+
+  @property
+  def num_params(self) -> int:
+    d, f, v, l = self.hidden_size, self.intermediate_size, self.vocab_size, self.num_layers
+    q, kv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+    per_layer = d * (q + 2 * kv) + q * d + 3 * d * f + 2 * d
+    if self.qkv_bias:
+      per_layer += q + 2 * kv
+    return v * d * (1 if self.tie_embeddings else 2) + l * per_layer + d
+
+
+class KVCache(NamedTuple):
+  """Keys and values of every layer: [L, B, S, K, Dh] each."""
+  k: jax.Array
+  v: jax.Array
+
+
+def init_cache(config: ModelConfig, batch_size: int, max_len: int, dtype: Any = None) -> KVCache:
+  shape = (config.num_layers, batch_size, max_len, config.num_kv_heads, config.head_dim)
+  dtype = dtype or config.dtype
+  return KVCache(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype))
+
+
+def rope_inv_freq(config: ModelConfig) -> jax.Array:
+  """Inverse frequencies [Dh/2], with HF's 'linear' and 'llama3' scaling rules."""
+  dh = config.head_dim
+  inv_freq = 1.0 / (config.rope_theta ** (jnp.arange(0, dh, 2, dtype=jnp.float32) / dh))
+  s = config.rope_scaling
+  if s is None:
+    return inv_freq
+  if s.kind == 'linear':
+    return inv_freq / s.factor
+  if s.kind == 'llama3':
+    # Long wavelengths are slowed by `factor`, short ones kept, the band between interpolated.
+    old_len = s.original_max_position_embeddings
+    low_wavelen, high_wavelen = old_len / s.low_freq_factor, old_len / s.high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = jnp.where(wavelen > low_wavelen, inv_freq / s.factor, inv_freq)
+    smooth = (old_len / wavelen - s.low_freq_factor) / (s.high_freq_factor - s.low_freq_factor)
+    smoothed = (1 - smooth) * scaled / s.factor + smooth * scaled
+    is_medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+    return jnp.where(is_medium, smoothed, scaled)
+  raise ValueError(f'rope_scaling.rope_type={s.kind!r} is not supported (default, linear, llama3)')
+
+
+def apply_rope(x_BxTxNxDh: jax.Array, positions_BxT: jax.Array, inv_freq: jax.Array) -> jax.Array:
+  """HF's non-interleaved rotary embedding (the two halves of Dh are the pairs)."""
+  angles_BxTxF = positions_BxT[..., None].astype(jnp.float32) * inv_freq
+  cos = jnp.cos(angles_BxTxF)[:, :, None, :]
+  sin = jnp.sin(angles_BxTxF)[:, :, None, :]
+  x = x_BxTxNxDh.astype(jnp.float32)
+  x1, x2 = jnp.split(x, 2, axis=-1)
+  out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+  return out.astype(x_BxTxNxDh.dtype)
+
+
+class RMSNorm(nn.Module):
+  eps: float
+  dtype: Any
+  param_dtype: Any
+
+  @nn.compact
+  def __call__(self, x):
+    scale = self.param('scale', nn.initializers.ones, (x.shape[-1],), self.param_dtype)
+    x32 = x.astype(jnp.float32)
+    x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+    return (x32 * scale.astype(jnp.float32)).astype(self.dtype)
+
+
+def _dense(features, use_bias, config, name):
+  return nn.Dense(features, use_bias=use_bias, dtype=config.dtype, param_dtype=config.param_dtype,
+                  kernel_init=nn.initializers.normal(0.02), name=name)
+
+
+class Attention(nn.Module):
+  config: ModelConfig
+
+  @nn.compact
+  def __call__(self, x_BxTxD, positions_BxT, mask_BxTxS, layer_cache):
+    c = self.config
+    b, t, _ = x_BxTxD.shape
+    q = _dense(c.num_heads * c.head_dim, c.qkv_bias, c, 'q_proj')(x_BxTxD)
+    k = _dense(c.num_kv_heads * c.head_dim, c.qkv_bias, c, 'k_proj')(x_BxTxD)
+    v = _dense(c.num_kv_heads * c.head_dim, c.qkv_bias, c, 'v_proj')(x_BxTxD)
+    inv_freq = rope_inv_freq(c)
+    q_BxTxHxDh = apply_rope(q.reshape(b, t, c.num_heads, c.head_dim), positions_BxT, inv_freq)
+    k_BxTxKxDh = apply_rope(k.reshape(b, t, c.num_kv_heads, c.head_dim), positions_BxT, inv_freq)
+    v_BxTxKxDh = v.reshape(b, t, c.num_kv_heads, c.head_dim)
+
+    if layer_cache is None:  # training rows: keys are the row's own tokens
+      k_BxSxKxDh, v_BxSxKxDh = k_BxTxKxDh, v_BxTxKxDh
+      new_cache = None
+    else:  # generation: write at each token's position, then read the whole cache
+      cache_k, cache_v = layer_cache
+      rows = jnp.arange(b)[:, None]
+      # Positions >= S (padding) are dropped, so padded prompt tokens write nowhere.
+      k_BxSxKxDh = cache_k.at[rows, positions_BxT].set(k_BxTxKxDh.astype(cache_k.dtype), mode='drop')
+      v_BxSxKxDh = cache_v.at[rows, positions_BxT].set(v_BxTxKxDh.astype(cache_v.dtype), mode='drop')
+      new_cache = (k_BxSxKxDh, v_BxSxKxDh)
+
+    g = c.num_heads // c.num_kv_heads
+    q_BxTxKxGxDh = q_BxTxHxDh.reshape(b, t, c.num_kv_heads, g, c.head_dim)
+    scores = jnp.einsum('btkgd,bskd->bkgts', q_BxTxKxGxDh, k_BxSxKxDh.astype(c.dtype),
+                        preferred_element_type=jnp.float32) / math.sqrt(c.head_dim)
+    scores = jnp.where(mask_BxTxS[:, None, None], scores, _MASK_VALUE)
+    probs = jax.nn.softmax(scores, axis=-1).astype(c.dtype)
+    out_BxTxKxGxDh = jnp.einsum('bkgts,bskd->btkgd', probs, v_BxSxKxDh.astype(c.dtype))
+    out = out_BxTxKxGxDh.reshape(b, t, c.num_heads * c.head_dim)
+    return _dense(c.hidden_size, False, c, 'o_proj')(out), new_cache
+
+
+class MLP(nn.Module):
+  config: ModelConfig
+
+  @nn.compact
+  def __call__(self, x):
+    c = self.config
+    gate = _dense(c.intermediate_size, False, c, 'gate_proj')(x)
+    up = _dense(c.intermediate_size, False, c, 'up_proj')(x)
+    return _dense(c.hidden_size, False, c, 'down_proj')(nn.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+  """One pre-norm block; `nn.scan` calls it with (carry, scanned cache slice, broadcast args)."""
+  config: ModelConfig
+
+  @nn.compact
+  def __call__(self, x_BxTxD, layer_cache, positions_BxT, mask_BxTxS):
+    c = self.config
+    norm = lambda name: RMSNorm(c.rms_norm_eps, c.dtype, c.param_dtype, name=name)
+    h, new_cache = Attention(c, name='attn')(norm('input_norm')(x_BxTxD), positions_BxT,
+                                            mask_BxTxS, layer_cache)
+    x_BxTxD = x_BxTxD + h
+    x_BxTxD = x_BxTxD + MLP(c, name='mlp')(norm('post_attn_norm')(x_BxTxD))
+    return x_BxTxD, new_cache
+
+
+class Transformer(nn.Module):
+  """Returns final-norm hidden states [B, T, D] and the updated cache (None without one)."""
+  config: ModelConfig
+
+  @nn.compact
+  def __call__(self, tokens_BxT, positions_BxT, mask_BxTxS, cache: KVCache | None = None):
+    c = self.config
+    embed = nn.Embed(c.vocab_size, c.hidden_size, dtype=c.dtype, param_dtype=c.param_dtype,
+                     embedding_init=nn.initializers.normal(0.02), name='embed')
+    x_BxTxD = embed(tokens_BxT)
+    layer_cls = nn.remat(DecoderLayer, prevent_cse=False) if c.remat else DecoderLayer
+    layers = nn.scan(layer_cls, variable_axes={'params': 0}, split_rngs={'params': True},
+                     in_axes=(0, nn.broadcast, nn.broadcast), length=c.num_layers)(c, name='layers')
+    layer_caches = None if cache is None else (cache.k, cache.v)
+    x_BxTxD, new_caches = layers(x_BxTxD, layer_caches, positions_BxT, mask_BxTxS)
+    x_BxTxD = RMSNorm(c.rms_norm_eps, c.dtype, c.param_dtype, name='final_norm')(x_BxTxD)
+    if not c.tie_embeddings and self.is_initializing():
+      # Created here so init makes it; applied by `logits`, which may run in fp32 / chunks.
+      _dense(c.vocab_size, False, c, 'lm_head')(x_BxTxD)
+    return x_BxTxD, (None if cache is None else KVCache(*new_caches))
+
+
+# ---------------------------------------------------------------------------------------------
+# Pure functions over (params, config, arrays).
+
+
+def segment_mask(segment_ids_BxT: jax.Array) -> jax.Array:
+  """Causal mask within each packed segment; segment 0 is padding (attends only to itself)."""
+  t = segment_ids_BxT.shape[1]
+  causal_TxT = jnp.tril(jnp.ones((t, t), bool))
+  same = segment_ids_BxT[:, :, None] == segment_ids_BxT[:, None, :]
+  real = (segment_ids_BxT != 0)[:, :, None]
+  return (causal_TxT & same & real) | jnp.eye(t, dtype=bool)
+
+
+def cache_mask(positions_BxT: jax.Array, cache_len: int) -> jax.Array:
+  """A query at position p sees cache slots 0..p (slot j holds the token at position j)."""
+  return jnp.arange(cache_len)[None, None, :] <= positions_BxT[:, :, None]
+
+
+def init_params(config: ModelConfig, rng: jax.Array) -> dict:
+  tokens = jnp.zeros((1, 1), jnp.int32)
+  return Transformer(config).init(rng, tokens, tokens, jnp.ones((1, 1, 1), bool))['params']
+
+
+def hidden_states(params, config: ModelConfig, tokens_BxT, positions_BxT, segment_ids_BxT):
+  h, _ = Transformer(config).apply({'params': params}, tokens_BxT, positions_BxT,
+                                   segment_mask(segment_ids_BxT))
+  return h
+
+
+def logits(params, config: ModelConfig, h_BxTxD: jax.Array) -> jax.Array:
+  """Logits [B, T, V]; fp32 when config.lm_head_fp32."""
+  if config.tie_embeddings:
+    w_DxV = params['embed']['embedding'].T
+  else:
+    w_DxV = params['lm_head']['kernel']
+  dtype = jnp.float32 if config.lm_head_fp32 else config.dtype
+  return jnp.einsum('btd,dv->btv', h_BxTxD.astype(dtype), w_DxV.astype(dtype),
+                    preferred_element_type=jnp.float32)
+
+
+def forward_logits(params, config: ModelConfig, tokens_BxT, positions_BxT=None,
+                   segment_ids_BxT=None):
+  """Full-sequence logits; defaults: positions 0..T-1, a single segment per row."""
+  b, t = tokens_BxT.shape
+  if positions_BxT is None:
+    positions_BxT = jnp.broadcast_to(jnp.arange(t), (b, t))
+  if segment_ids_BxT is None:
+    segment_ids_BxT = jnp.ones((b, t), jnp.int32)
+  return logits(params, config, hidden_states(params, config, tokens_BxT, positions_BxT,
+                                              segment_ids_BxT))
+
+
+def token_logprobs(params, config: ModelConfig, tokens_BxT, targets_BxT, positions_BxT,
+                   segment_ids_BxT, temperature: float = 1.0, chunk_size: int = 1024):
+  """log pi(target_t | tokens_<=t) and the entropy of that distribution, both [B, T] fp32.
+
+  Logits are made `chunk_size` positions at a time so a [B, T, V] array never exists at once
+  (V is 152k for Qwen2.5); rematerialized in the backward pass for the same reason.
+  """
+  h_BxTxD = hidden_states(params, config, tokens_BxT, positions_BxT, segment_ids_BxT)
+  b, t, d = h_BxTxD.shape
+  chunk = min(chunk_size, t)
+  pad = (-t) % chunk
+  h_BxTxD = jnp.pad(h_BxTxD, ((0, 0), (0, pad), (0, 0)))
+  targets_BxT = jnp.pad(targets_BxT, ((0, 0), (0, pad)))
+  n = (t + pad) // chunk
+  h_NxBxCxD = h_BxTxD.reshape(b, n, chunk, d).swapaxes(0, 1)
+  tg_NxBxC = targets_BxT.reshape(b, n, chunk).swapaxes(0, 1)
+
+  @jax.checkpoint
+  def one_chunk(h_BxCxD, tg_BxC):
+    z_BxCxV = logits(params, config, h_BxCxD) / temperature
+    logz_BxC = jax.nn.logsumexp(z_BxCxV, axis=-1)
+    logp_BxC = jnp.take_along_axis(z_BxCxV, tg_BxC[..., None], axis=-1)[..., 0] - logz_BxC
+    p_BxCxV = jax.nn.softmax(z_BxCxV, axis=-1)
+    entropy_BxC = logz_BxC - jnp.sum(p_BxCxV * z_BxCxV, axis=-1)
+    return logp_BxC, entropy_BxC
+
+  logp_NxBxC, ent_NxBxC = jax.lax.map(lambda a: one_chunk(*a), (h_NxBxCxD, tg_NxBxC))
+  unchunk = lambda x: x.swapaxes(0, 1).reshape(b, n * chunk)[:, :t]
+  return unchunk(logp_NxBxC), unchunk(ent_NxBxC)
+
+
+def decode(params, config: ModelConfig, tokens_BxT, positions_BxT, cache: KVCache):
+  """Runs T new tokens per row against the cache: returns (logits [B, T, V], new cache).
+
+  Prefill is T = prompt length (pad with positions >= cache length); a decode step is T = 1.
+  """
+  mask = cache_mask(positions_BxT, cache.k.shape[2])
+  h, new_cache = Transformer(config).apply({'params': params}, tokens_BxT, positions_BxT, mask,
+                                           cache)
+  return logits(params, config, h), new_cache
