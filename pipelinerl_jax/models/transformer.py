@@ -137,7 +137,8 @@ class RMSNorm(nn.Module):
     scale = self.param('scale', nn.initializers.ones, (x.shape[-1],), self.param_dtype)
     x32 = x.astype(jnp.float32)
     x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
-    return (x32 * scale.astype(jnp.float32)).astype(self.dtype)
+    # Cast before scaling, as HF and vLLM do, so bf16 results agree with the sampler's.
+    return x32.astype(self.dtype) * scale.astype(self.dtype)
 
 
 def _dense(features, use_bias, config, name):

@@ -1,0 +1,241 @@
+"""Variable-length RL samples -> fixed [R, T] numpy rows for the jitted train step.
+
+A sample is the token sequence prompt + completion (n = P + C tokens). It becomes n - 1
+positions in next-token layout: position i holds token i and, as its target, token i + 1, so the
+model's log pi(target) at position i conditions only on tokens <= i of the same sample.
+Targets that are completion tokens carry the loss (loss_mask = 1) and the per-token sampler
+data (behaviour log-probs, policy versions, advantage, optional reference log-probs).
+
+Samples are placed first-fit decreasing into rows of T = seq_len positions; `segment_ids`
+(1..k per row, 0 = padding) keep attention inside a sample and `positions` restart at 0 for each.
+
+Shape letters: R rows, T positions per row, M micro-batches, P prompt, C completion tokens.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Sequence
+
+import numpy as np
+
+_OVERLONG_MODES = ('error', 'truncate')
+
+
+@dataclasses.dataclass(frozen=True, eq=False)  # eq=False: `==` on array fields is ambiguous
+class Sample:
+  """One finished rollout; arrays are converted with np.asarray (lists are fine)."""
+  prompt_tokens: np.ndarray        # int [P]
+  completion_tokens: np.ndarray    # int [C]
+  behaviour_logprobs: np.ndarray   # float [C]: log mu of each completion token under the sampler
+  versions: np.ndarray             # int [C]: policy version that produced each token
+  advantage: float
+  reward: float = 0.0
+  ref_logprobs: np.ndarray | None = None  # float [C]
+  group_id: int = -1
+
+  def __post_init__(self):
+    def as_1d(name, kind):
+      x = np.asarray(getattr(self, name))
+      if x.ndim != 1:
+        raise ValueError(f'Sample.{name} must be 1-D, got shape {x.shape}')
+      if x.size and x.dtype.kind not in kind:
+        raise ValueError(f'Sample.{name} must have dtype kind in {kind!r}, got {x.dtype}')
+      object.__setattr__(self, name, x)
+      return x
+
+    prompt = as_1d('prompt_tokens', 'iu')
+    completion = as_1d('completion_tokens', 'iu')
+    if prompt.size < 1:
+      raise ValueError('Sample.prompt_tokens is empty; a sample needs at least one prompt token')
+    if completion.size < 1:
+      raise ValueError('Sample.completion_tokens is empty; a sample needs at least one '
+                       'completion token')
+    for name, tokens in (('prompt_tokens', prompt), ('completion_tokens', completion)):
+      if tokens.min() < 0:
+        raise ValueError(f'Sample.{name} has a negative token id {tokens.min()}')
+    c = completion.size
+    per_token = [('behaviour_logprobs', 'fiu'), ('versions', 'iu')]
+    if self.ref_logprobs is not None:
+      per_token.append(('ref_logprobs', 'fiu'))
+    for name, kind in per_token:
+      x = as_1d(name, kind)
+      if x.size != c:
+        raise ValueError(f'Sample.{name} has length {x.size}, completion_tokens has {c}')
+      # A NaN or inf here would poison every importance ratio of the batch.
+      if x.dtype.kind == 'f' and not np.all(np.isfinite(x)):
+        raise ValueError(f'Sample.{name} has non-finite values')
+    if not math.isfinite(self.advantage):
+      raise ValueError(f'Sample.advantage must be finite, got {self.advantage}')
+
+
+@dataclasses.dataclass(frozen=True)
+class PackStats:
+  num_samples: int
+  num_rows: int
+  num_tokens: int          # real (non-padding) positions
+  num_loss_tokens: int
+  truncated_samples: int
+  truncated_tokens: int    # completion tokens dropped by overlong='truncate'
+  fill: float              # num_tokens / (num_rows * seq_len)
+
+
+def _kept_positions(samples: Sequence[Sample], seq_len: int, overlong: str) -> np.ndarray:
+  """Positions each sample occupies after the overlong policy; raises on what cannot fit."""
+  kept = np.empty(len(samples), np.int64)
+  for i, s in enumerate(samples):
+    p, c = s.prompt_tokens.size, s.completion_tokens.size
+    n_pos = p + c - 1
+    if n_pos > seq_len:
+      if overlong == 'error':
+        raise ValueError(f'sample {i} has {p + c} tokens (prompt {p} + completion {c}) but a '
+                         f'row of seq_len={seq_len} holds at most {seq_len + 1}; raise seq_len '
+                         f"or pass overlong='truncate'")
+      if p > seq_len:  # not even one completion token would be a target
+        raise ValueError(f'sample {i}: prompt of {p} tokens leaves no completion token within '
+                         f'seq_len={seq_len} (needs prompt <= seq_len to truncate)')
+      n_pos = seq_len
+    kept[i] = n_pos
+  return kept
+
+
+def _first_fit_decreasing(lengths: np.ndarray, seq_len: int):
+  """Row, offset and segment id (1..k, left to right) of each item, and the rows used.
+
+  Longest first, ties in input order; each item goes into the first row with room for it.
+  """
+  order = np.argsort(-lengths, kind='stable')
+  free = np.full(len(lengths), seq_len, np.int64)  # at most one row per item
+  count = np.zeros(len(lengths), np.int64)
+  row, offset, segment = (np.empty(len(lengths), np.int64) for _ in range(3))
+  used = 0
+  for i in order:
+    fits = free[:used] >= lengths[i]
+    r = int(fits.argmax()) if fits.any() else used
+    used = max(used, r + 1)
+    count[r] += 1
+    row[i], offset[i], segment[i] = r, seq_len - free[r], count[r]
+    free[r] -= lengths[i]
+  return row, offset, segment, used
+
+
+def _num_rows(used: int, num_rows: int | None, row_multiple: int, seq_len: int) -> int:
+  if num_rows is None:
+    return -(-used // row_multiple) * row_multiple
+  if num_rows % row_multiple:
+    raise ValueError(f'num_rows={num_rows} is not a multiple of row_multiple={row_multiple}')
+  if used > num_rows:
+    raise ValueError(f'the samples need {used} rows of seq_len={seq_len} (first-fit '
+                     f'decreasing) but num_rows={num_rows}')
+  return num_rows
+
+
+def pack_samples(samples: Sequence[Sample], seq_len: int, *, num_rows: int | None = None,
+                 row_multiple: int = 1,
+                 overlong: str = 'error') -> tuple[dict[str, np.ndarray], PackStats]:
+  """Packs samples into [R, seq_len] arrays; see the module docstring for the layout.
+
+  Returns (batch, stats). batch keys: tokens, targets, positions, segment_ids, loss_mask,
+  behaviour_logprobs, advantages, versions, sample_index, and ref_logprobs when every sample has
+  them. Off the loss positions the per-token fields are 0 (versions -1, sample_index -1 on padding).
+  """
+  if seq_len < 1 or row_multiple < 1 or (num_rows is not None and num_rows < 0):
+    raise ValueError(f'need seq_len >= 1, row_multiple >= 1, num_rows >= 0; got {seq_len}, '
+                     f'{row_multiple}, {num_rows}')
+  if overlong not in _OVERLONG_MODES:
+    raise ValueError(f'overlong={overlong!r}; expected one of {_OVERLONG_MODES}')
+  has_ref = [s.ref_logprobs is not None for s in samples]
+  if any(has_ref) and not all(has_ref):
+    # Dropping the reference for the whole batch would silently turn off the KL term.
+    missing = [i for i, h in enumerate(has_ref) if not h]
+    raise ValueError(f'ref_logprobs given for some samples but missing for samples {missing[:8]}')
+
+  kept_N = _kept_positions(samples, seq_len, overlong)
+  row_N, offset_N, segment_N, used = _first_fit_decreasing(kept_N, seq_len)
+  rows = _num_rows(used, num_rows, row_multiple, seq_len)
+
+  shape = (rows, seq_len)
+  batch = {
+      'tokens': np.zeros(shape, np.int32),
+      'targets': np.zeros(shape, np.int32),
+      'positions': np.zeros(shape, np.int32),
+      'segment_ids': np.zeros(shape, np.int32),
+      'loss_mask': np.zeros(shape, np.float32),
+      'behaviour_logprobs': np.zeros(shape, np.float32),
+      'advantages': np.zeros(shape, np.float32),
+      'versions': np.full(shape, -1, np.int32),
+      'sample_index': np.full(shape, -1, np.int32),
+  }
+  if samples and all(has_ref):
+    batch['ref_logprobs'] = np.zeros(shape, np.float32)
+
+  num_loss = 0
+  for i, s in enumerate(samples):
+    n, r, o, p = int(kept_N[i]), int(row_N[i]), int(offset_N[i]), s.prompt_tokens.size
+    seq = np.concatenate([s.prompt_tokens, s.completion_tokens])[:n + 1]
+    span = slice(o, o + n)
+    batch['tokens'][r, span] = seq[:-1]
+    batch['targets'][r, span] = seq[1:]
+    batch['positions'][r, span] = np.arange(n)
+    batch['segment_ids'][r, span] = segment_N[i]
+    batch['sample_index'][r, span] = i
+    # Position j predicts token j + 1, a completion token from j = p - 1 on.
+    c = n - (p - 1)
+    loss = slice(o + p - 1, o + n)
+    batch['loss_mask'][r, loss] = 1.0
+    batch['behaviour_logprobs'][r, loss] = s.behaviour_logprobs[:c]
+    batch['advantages'][r, loss] = s.advantage
+    batch['versions'][r, loss] = s.versions[:c]
+    if 'ref_logprobs' in batch:
+      batch['ref_logprobs'][r, loss] = s.ref_logprobs[:c]
+    num_loss += c
+
+  full_N = np.array([s.prompt_tokens.size + s.completion_tokens.size - 1 for s in samples],
+                    np.int64)
+  num_tokens = int(kept_N.sum())
+  stats = PackStats(
+      num_samples=len(samples),
+      num_rows=rows,
+      num_tokens=num_tokens,
+      num_loss_tokens=num_loss,
+      truncated_samples=int(np.sum(full_N > kept_N)),
+      truncated_tokens=int(np.sum(full_N - kept_N)),
+      fill=num_tokens / (rows * seq_len) if rows else 0.0,
+  )
+  return batch, stats
+
+
+def split_microbatches(batch: dict[str, np.ndarray], num_micro: int) -> dict[str, np.ndarray]:
+  """[R, ...] -> [M, R/M, ...]: micro-batch m holds rows m*R/M .. (m+1)*R/M - 1."""
+  if num_micro < 1:
+    raise ValueError(f'num_micro={num_micro} must be >= 1')
+  out = {}
+  for key, x in batch.items():
+    r = x.shape[0]
+    if r % num_micro:
+      raise ValueError(f'batch[{key!r}] has {r} rows, not divisible by num_micro={num_micro}; '
+                       f'pack with row_multiple={num_micro}')
+    out[key] = x.reshape(num_micro, r // num_micro, *x.shape[1:])
+  return out
+
+
+def unpack_per_token(values_RxT, batch: dict[str, np.ndarray]) -> list[np.ndarray]:
+  """Per sample (list index = sample_index), `values` at its loss positions, in token order.
+
+  Works on a packed batch or its split_microbatches view, given values of the same shape.
+  """
+  mask = np.asarray(batch['loss_mask'])
+  values = np.asarray(values_RxT)
+  if values.shape != mask.shape:
+    raise ValueError(f'values have shape {values.shape}, the batch has {mask.shape}')
+  at_loss = mask.reshape(-1) > 0
+  # Row-major order keeps each sample's positions in order: a sample lies in one row.
+  index_L = np.asarray(batch['sample_index']).reshape(-1)[at_loss]
+  values_L = values.reshape(-1)[at_loss]
+  order = np.argsort(index_L, kind='stable')
+  if not index_L.size:
+    return []
+  num_samples = int(index_L.max()) + 1
+  counts = np.bincount(index_L, minlength=num_samples)
+  return np.split(values_L[order], np.cumsum(counts)[:-1])

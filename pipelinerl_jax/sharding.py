@@ -1,0 +1,89 @@
+"""Device mesh and partitioning: the one place that decides where every array lives.
+
+Mesh axes: 'data' (pure data parallel: params replicated), 'fsdp' (data parallel with params,
+gradients and optimizer state sharded), 'tensor' (Megatron-style split of heads / MLP width).
+Params are placed by regex rules over their '/'-joined pytree path; a rule names a mesh axis for
+each dimension. A dimension that the axis size does not divide is left unsplit rather than
+failing, so tiny test models run on any mesh.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Sequence
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+MESH_AXES = ('data', 'fsdp', 'tensor')
+BATCH_AXES = ('data', 'fsdp')  # rows of a packed batch are split over both data axes
+
+# Dimension layouts follow pipelinerl_jax/models/transformer.py (stacked layers lead with L).
+PARAM_RULES: Sequence[tuple[str, tuple]] = (
+    (r'embed/embedding$', ('tensor', 'fsdp')),                    # [V, D]
+    (r'attn/(q|k|v)_proj/kernel$', (None, 'fsdp', 'tensor')),     # [L, D, H*Dh]
+    (r'attn/(q|k|v)_proj/bias$', (None, 'tensor')),               # [L, H*Dh]
+    (r'attn/o_proj/kernel$', (None, 'tensor', 'fsdp')),           # [L, H*Dh, D]
+    (r'mlp/(gate|up)_proj/kernel$', (None, 'fsdp', 'tensor')),    # [L, D, F]
+    (r'mlp/down_proj/kernel$', (None, 'tensor', 'fsdp')),         # [L, F, D]
+    (r'lm_head/kernel$', ('fsdp', 'tensor')),                     # [D, V]
+    (r'.*', ()),                                                  # norms: replicated
+)
+
+
+def make_mesh(data: int = 1, fsdp: int = -1, tensor: int = 1, devices=None) -> Mesh:
+  """A (data, fsdp, tensor) mesh; one size may be -1 to take the remaining devices."""
+  devices = list(jax.devices() if devices is None else devices)
+  sizes = [data, fsdp, tensor]
+  if sizes.count(-1) > 1:
+    raise ValueError(f'mesh: at most one of data/fsdp/tensor may be -1, got {sizes}')
+  known = int(np.prod([s for s in sizes if s != -1]))
+  if -1 in sizes:
+    if len(devices) % known:
+      raise ValueError(f'mesh: {len(devices)} devices are not divisible by {known}')
+    sizes[sizes.index(-1)] = len(devices) // known
+  if int(np.prod(sizes)) != len(devices):
+    raise ValueError(f'mesh: data*fsdp*tensor = {sizes} needs {int(np.prod(sizes))} devices, '
+                     f'{len(devices)} available')
+  return Mesh(np.asarray(devices).reshape(sizes), MESH_AXES)
+
+
+def path_str(path) -> str:
+  """'layers/attn/q_proj/kernel' for a pytree key path (dict keys, attributes, indices)."""
+  def part(k):
+    for attr in ('key', 'name', 'idx'):
+      if hasattr(k, attr):
+        return str(getattr(k, attr))
+    return str(k)
+  return '/'.join(part(k) for k in path)
+
+
+def spec_for(path: str, shape: tuple[int, ...], mesh: Mesh, rules=PARAM_RULES) -> P:
+  for pattern, axes in rules:
+    if re.search(pattern, path):
+      break
+  axes = tuple(axes) + (None,) * (len(shape) - len(axes))
+  if len(axes) != len(shape):
+    raise ValueError(f'partition rule {pattern!r} has {len(axes)} axes for {path} of shape {shape}')
+  kept = [a if a is not None and dim % mesh.shape[a] == 0 else None for a, dim in zip(axes, shape)]
+  return P(*kept)
+
+
+def param_shardings(params, mesh: Mesh, rules=PARAM_RULES):
+  """NamedSharding for every leaf of a params pytree (arrays or ShapeDtypeStructs)."""
+  return jax.tree_util.tree_map_with_path(
+      lambda path, x: NamedSharding(mesh, spec_for(path_str(path), x.shape, mesh, rules)), params)
+
+
+def batch_sharding(mesh: Mesh, leading_dims: int = 0) -> NamedSharding:
+  """Packed rows split over (data, fsdp); `leading_dims` unsplit axes (e.g. micro-batches) first."""
+  return NamedSharding(mesh, P(*([None] * leading_dims), BATCH_AXES))
+
+
+def replicated(mesh: Mesh) -> NamedSharding:
+  return NamedSharding(mesh, P())
+
+
+def data_parallel_size(mesh: Mesh) -> int:
+  return mesh.shape['data'] * mesh.shape['fsdp']

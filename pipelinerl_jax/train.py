@@ -1,0 +1,177 @@
+"""The trainer's numeric core: `train_step(state, batch) -> (state, metrics)`, pure and jitted.
+
+The batch is packed rows split into micro-batches, every array [M, R, T] (see packing.py).
+Gradients are accumulated over the M micro-batches with `lax.scan`; the loss of each is
+normalized by totals over the whole batch, so the accumulated gradient is exactly the
+full-batch gradient. A non-finite loss or gradient skips the update (params, optimizer state
+and step unchanged) and is reported in `metrics['skipped']`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any, Callable
+
+import flax
+import jax
+import jax.numpy as jnp
+import optax
+
+from pipelinerl_jax import losses
+from pipelinerl_jax import sharding as sharding_lib
+from pipelinerl_jax.models import transformer
+
+BATCH_KEYS = ('tokens', 'targets', 'positions', 'segment_ids', 'loss_mask', 'behaviour_logprobs',
+              'advantages')
+
+
+@flax.struct.dataclass
+class TrainState:
+  step: jax.Array             # optimizer updates applied so far = the policy version
+  params: Any
+  opt_state: Any
+
+
+@dataclasses.dataclass(frozen=True)
+class OptimizerConfig:
+  lr: float = 1e-6
+  schedule: str = 'constant'     # 'constant' (paper) or 'cosine', both after a linear warmup
+  warmup_steps: int = 0
+  total_steps: int = 1000        # cosine decay horizon
+  min_lr_ratio: float = 0.1      # cosine floor, as a fraction of lr
+  b1: float = 0.9
+  b2: float = 0.999
+  eps: float = 1e-8
+  weight_decay: float = 0.0
+  max_grad_norm: float = 1.0     # global-norm clipping; 0 disables it
+
+  def __post_init__(self):
+    if not self.lr > 0:
+      raise ValueError(f'optimizer.lr must be > 0, got {self.lr}')
+    if self.schedule not in ('constant', 'cosine'):
+      raise ValueError(f"optimizer.schedule must be 'constant' or 'cosine', got {self.schedule!r}")
+    if self.warmup_steps < 0 or self.total_steps < 1:
+      raise ValueError('optimizer.warmup_steps must be >= 0 and optimizer.total_steps >= 1')
+    if self.max_grad_norm < 0:
+      raise ValueError(f'optimizer.max_grad_norm must be >= 0, got {self.max_grad_norm}')
+
+
+def lr_schedule(config: OptimizerConfig) -> optax.Schedule:
+  if config.schedule == 'cosine':
+    return optax.warmup_cosine_decay_schedule(
+        0.0, config.lr, config.warmup_steps, max(config.total_steps, config.warmup_steps + 1),
+        end_value=config.lr * config.min_lr_ratio)
+  warmup = max(config.warmup_steps, 1)
+  return lambda step: config.lr * jnp.minimum(1.0, (step + 1) / warmup)
+
+
+def make_optimizer(config: OptimizerConfig) -> optax.GradientTransformation:
+  # Decay only matrices: norm scales and biases are stacked over layers, so ndim can't tell.
+  decay_mask = lambda params: jax.tree_util.tree_map_with_path(
+      lambda path, _: sharding_lib.path_str(path).endswith(('kernel', 'embedding')), params)
+  adamw = optax.adamw(lr_schedule(config), b1=config.b1, b2=config.b2, eps=config.eps,
+                      weight_decay=config.weight_decay, mask=decay_mask)
+  if config.max_grad_norm:
+    return optax.chain(optax.clip_by_global_norm(config.max_grad_norm), adamw)
+  return adamw
+
+
+def init_train_state(params, optimizer: optax.GradientTransformation) -> TrainState:
+  return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=optimizer.init(params))
+
+
+def batch_totals(batch) -> tuple[jax.Array, jax.Array]:
+  """(sequences, loss tokens) over the whole batch: the loss normalizers (paper: / B sequences)."""
+  starts = (batch['positions'] == 0) & (batch['segment_ids'] != 0)
+  num_samples = jnp.maximum(jnp.sum(starts), 1).astype(jnp.float32)
+  num_tokens = jnp.maximum(jnp.sum(batch['loss_mask']), 1.0).astype(jnp.float32)
+  return num_samples, num_tokens
+
+
+def make_train_step(model_config: transformer.ModelConfig, loss_config: losses.LossConfig,
+                    optimizer: optax.GradientTransformation, schedule: optax.Schedule,
+                    temperature: float = 1.0) -> Callable:
+  """Returns the pure `train_step(state, batch) -> (state, metrics)`."""
+
+  def micro_loss(params, micro, num_samples, num_tokens):
+    logp_RxT, entropy_RxT = transformer.token_logprobs(
+        params, model_config, micro['tokens'], micro['targets'], micro['positions'],
+        micro['segment_ids'], temperature=temperature)
+    return losses.policy_loss(logp_RxT, entropy_RxT, micro, loss_config,
+                              num_samples=num_samples, num_tokens=num_tokens)
+
+  grad_fn = jax.value_and_grad(micro_loss, has_aux=True)
+
+  def train_step(state: TrainState, batch):
+    num_samples, num_tokens = batch_totals(batch)
+    first = jax.tree.map(lambda x: x[0], batch)
+    _, stats_shape = jax.eval_shape(micro_loss, state.params, first, num_samples, num_tokens)
+    # Zeros are neutral for sums; -inf for maxima (combine_stats takes the max of '_max' keys).
+    stats0 = {k: jnp.full(v.shape, -jnp.inf if k.endswith('_max') else 0, v.dtype)
+              for k, v in stats_shape.items()}
+    grads0 = jax.tree.map(jnp.zeros_like, state.params)
+
+    def accumulate(carry, micro):
+      grads_acc, loss_acc, stats_acc = carry
+      (loss, stats), grads = grad_fn(state.params, micro, num_samples, num_tokens)
+      return (jax.tree.map(jnp.add, grads_acc, grads), loss_acc + loss,
+              losses.combine_stats(stats_acc, stats)), None
+
+    (grads, loss, stats), _ = jax.lax.scan(accumulate, (grads0, jnp.zeros(()), stats0), batch)
+
+    grad_norm = optax.tree.norm(grads)
+    ok = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+    updates, new_opt_state = optimizer.update(grads, state.opt_state, state.params)
+    new_params = optax.apply_updates(state.params, updates)
+    keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(ok, n, o), new, old)
+    new_state = TrainState(step=state.step + ok.astype(jnp.int32),
+                           params=keep(new_params, state.params),
+                           opt_state=keep(new_opt_state, state.opt_state))
+    metrics = dict(losses.finalize_metrics(stats))
+    metrics.update(loss=loss, grad_norm=grad_norm, lr=schedule(state.step),
+                   skipped=1 - ok.astype(jnp.int32), num_samples=num_samples,
+                   num_tokens=num_tokens)
+    return new_state, metrics
+
+  return train_step
+
+
+def state_shardings(state: TrainState, mesh):
+  """Shardings for a TrainState: params by the partition rules, optimizer moments likewise
+  (they mirror the params), scalars replicated. Works on arrays or ShapeDtypeStructs."""
+  param_sh = sharding_lib.param_shardings(state.params, mesh)
+  by_shape_path = {}
+  jax.tree_util.tree_map_with_path(
+      lambda p, x, s: by_shape_path.setdefault(sharding_lib.path_str(p), (x.shape, s)),
+      state.params, param_sh)
+
+  def for_opt_leaf(path, x):
+    # optax states nest the param tree under their own keys (e.g. '1/0/mu/layers/...'): use the
+    # sharding of the param whose path ends this leaf's path and whose shape it has.
+    p = sharding_lib.path_str(path)
+    for param_path, (shape, sh) in by_shape_path.items():
+      if (p == param_path or p.endswith('/' + param_path)) and x.shape == shape:
+        return sh
+    return sharding_lib.replicated(mesh)
+
+  return TrainState(step=sharding_lib.replicated(mesh), params=param_sh,
+                    opt_state=jax.tree_util.tree_map_with_path(for_opt_leaf, state.opt_state))
+
+
+def jit_train_step(train_step: Callable, state_sharding: TrainState, mesh, batch_keys=BATCH_KEYS):
+  """`jax.jit` with explicit shardings: state donated, batch rows split over (data, fsdp)."""
+  batch_sh = {k: sharding_lib.batch_sharding(mesh, leading_dims=1) for k in batch_keys}
+  return jax.jit(train_step, in_shardings=(state_sharding, batch_sh),
+                 out_shardings=(state_sharding, sharding_lib.replicated(mesh)),
+                 donate_argnums=(0,))
+
+
+def create_sharded_state(params, optimizer, mesh) -> tuple[TrainState, TrainState]:
+  """Places params by the rules and builds the optimizer state directly in its sharding."""
+  shapes = jax.eval_shape(functools.partial(init_train_state, optimizer=optimizer), params)
+  shardings = state_shardings(shapes, mesh)
+  params = jax.device_put(params, shardings.params)
+  state = jax.jit(functools.partial(init_train_state, optimizer=optimizer),
+                  out_shardings=shardings)(params)
+  return state, shardings
