@@ -250,8 +250,10 @@ def cache_mask(positions_BxT: jax.Array, cache_len: int) -> jax.Array:
 
 
 def init_params(config: ModelConfig, rng: jax.Array) -> dict:
+  """Random params (normal(0.02) kernels, unit norms). Jitted: eager init is ~4x slower."""
   tokens = jnp.zeros((1, 1), jnp.int32)
-  return Transformer(config).init(rng, tokens, tokens, jnp.ones((1, 1, 1), bool))['params']
+  init = lambda key: Transformer(config).init(key, tokens, tokens, jnp.ones((1, 1, 1), bool))
+  return jax.jit(init)(rng)['params']
 
 
 def hidden_states(params, config: ModelConfig, tokens_BxT, positions_BxT, segment_ids_BxT):

@@ -1,0 +1,556 @@
+"""Hugging Face checkpoints <-> the parameter pytree of `models.transformer`.
+
+One name map (`name_map`) ties every HF tensor name to a pytree leaf; loading, saving and weight
+streaming (`hf_tensors`) all read it, so the three cannot drift apart.
+
+Checkpoints are safetensors files: an 8-byte little-endian header length, a JSON header
+{name: {dtype, shape, data_offsets}} (offsets relative to the end of the header), then raw bytes.
+The reader and writer here are ours so that bf16 maps to `ml_dtypes.bfloat16` and loading can
+memory-map: `load_params` builds each leaf with `jax.make_array_from_callback`, whose callback
+copies only one device's slice out of the mapped file, so the whole model never sits on one device
+(or in host memory) at once.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import itertools
+import json
+import logging
+import math
+import os
+import re
+from pathlib import Path
+from typing import Any, Iterator
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+
+from pipelinerl_jax.models.transformer import ModelConfig, RopeScaling
+
+CONFIG_FILE = 'config.json'
+SINGLE_FILE = 'model.safetensors'
+INDEX_FILE = 'model.safetensors.index.json'
+_SHARD_RE = re.compile(r'model-\d{5}-of-\d{5}\.safetensors$')
+
+_ARCHITECTURES = ('Qwen2ForCausalLM', 'LlamaForCausalLM')
+_MODEL_TYPES = {'qwen2': 'Qwen2ForCausalLM', 'llama': 'LlamaForCausalLM'}
+# HF's per-class defaults for fields a config.json may leave out.
+_DEFAULT_MAX_POSITIONS = {'Qwen2ForCausalLM': 32768, 'LlamaForCausalLM': 2048}
+_OVERRIDABLE = ('param_dtype', 'dtype', 'lm_head_fp32', 'remat')
+
+_ST_DTYPES = {
+    'F64': np.dtype(np.float64), 'F32': np.dtype(np.float32), 'F16': np.dtype(np.float16),
+    'BF16': np.dtype(ml_dtypes.bfloat16), 'I64': np.dtype(np.int64), 'I32': np.dtype(np.int32),
+    'I16': np.dtype(np.int16), 'I8': np.dtype(np.int8), 'U8': np.dtype(np.uint8),
+    'BOOL': np.dtype(np.bool_),
+}
+_ST_NAMES = {v: k for k, v in _ST_DTYPES.items()}
+_SAVE_DTYPES = {'bfloat16': 'BF16', 'float32': 'F32', 'float16': 'F16'}
+
+
+# ---------------------------------------------------------------------------------------------
+# config.json
+
+
+def load_config(model_dir: str | os.PathLike, **overrides) -> ModelConfig:
+  """ModelConfig from `model_dir/config.json`.
+
+  Overrides set the numerics only: param_dtype, dtype, lm_head_fp32, remat.
+  """
+  path = Path(model_dir) / CONFIG_FILE
+  if not path.is_file():
+    raise FileNotFoundError(f'{path}: no such file (expected an HF model directory)')
+  try:
+    hf = json.loads(path.read_text())
+  except json.JSONDecodeError as e:
+    raise ValueError(f'{path}: not valid JSON ({e})') from None
+  return config_from_hf(hf, source=str(path), **overrides)
+
+
+def config_from_hf(hf: dict, source: str = CONFIG_FILE, **overrides) -> ModelConfig:
+  """ModelConfig from a parsed HF config dict; `source` names the file in error messages."""
+  def fail(msg):
+    raise ValueError(f'{source}: {msg}')
+
+  def field(name, default=None, kind=int):
+    if name not in hf or hf[name] is None:
+      if default is None:
+        fail(f'missing field {name!r}')
+      return default
+    value = hf[name]
+    if kind is int and (isinstance(value, bool) or not isinstance(value, int)):
+      fail(f'field {name!r} must be an integer, got {value!r}')
+    return kind(value)
+
+  arch = _architecture(hf, fail)
+  if hf.get('hidden_act', 'silu') != 'silu':
+    fail(f"hidden_act={hf['hidden_act']!r} is not supported (only 'silu')")
+  if arch == 'Qwen2ForCausalLM':
+    if hf.get('use_sliding_window'):
+      fail('use_sliding_window=true is not supported (sliding-window attention is not '
+           'implemented; every layer attends to the full context)')
+    qkv_bias = True
+  else:
+    if hf.get('mlp_bias'):
+      fail('mlp_bias=true is not supported (the MLP has no biases)')
+    if hf.get('attention_bias'):
+      # HF Llama's attention_bias also puts a bias on o_proj, which the model lacks.
+      fail('attention_bias=true is not supported (it adds q/k/v and o_proj biases; the model '
+           'has no o_proj bias)')
+    qkv_bias = False
+  layer_types = set(hf.get('layer_types') or ()) - {'full_attention'}
+  if layer_types:
+    fail(f'layer_types {sorted(layer_types)} are not supported (only full_attention)')
+
+  hidden, heads = field('hidden_size'), field('num_attention_heads')
+  if 'head_dim' in hf and hf['head_dim'] is not None:
+    head_dim = field('head_dim')
+  elif hidden % heads:
+    fail(f'missing field head_dim, and hidden_size={hidden} is not a multiple of '
+         f'num_attention_heads={heads}')
+  else:
+    head_dim = hidden // heads
+  max_positions = field('max_position_embeddings', _DEFAULT_MAX_POSITIONS[arch])
+  theta, scaling = _rope_from_hf(hf, max_positions, fail)
+
+  unknown = set(overrides) - set(_OVERRIDABLE)
+  if unknown:
+    raise TypeError(f'load_config: cannot override {sorted(unknown)}; only {list(_OVERRIDABLE)}')
+  for name in ('param_dtype', 'dtype'):
+    if name in overrides and not jnp.issubdtype(jnp.dtype(overrides[name]), jnp.floating):
+      raise ValueError(f'load_config: {name}={overrides[name]!r} is not a floating dtype')
+  return ModelConfig(
+      vocab_size=field('vocab_size'),
+      hidden_size=hidden,
+      intermediate_size=field('intermediate_size'),
+      num_layers=field('num_hidden_layers'),
+      num_heads=heads,
+      num_kv_heads=field('num_key_value_heads', heads),
+      head_dim=head_dim,
+      rope_theta=theta,
+      rope_scaling=scaling,
+      rms_norm_eps=field('rms_norm_eps', 1e-6, float),
+      qkv_bias=qkv_bias,
+      tie_embeddings=field('tie_word_embeddings', False, bool),
+      max_position_embeddings=max_positions,
+      architecture=arch,
+      **overrides)
+
+
+def _architecture(hf, fail) -> str:
+  archs = hf.get('architectures')
+  if archs:
+    if len(archs) != 1 or archs[0] not in _ARCHITECTURES:
+      fail(f'architectures={archs} is not supported (expected one of {list(_ARCHITECTURES)})')
+    return archs[0]
+  model_type = hf.get('model_type')
+  if model_type not in _MODEL_TYPES:
+    fail(f'no architectures field, and model_type={model_type!r} is not supported '
+         f'(expected one of {list(_MODEL_TYPES)})')
+  return _MODEL_TYPES[model_type]
+
+
+def _rope_from_hf(hf, max_positions, fail) -> tuple[float, RopeScaling | None]:
+  """(rope_theta, scaling) from `rope_parameters` (transformers 5) or rope_theta/rope_scaling."""
+  # Same precedence as transformers: a legacy rope_scaling dict wins over rope_parameters.
+  key = 'rope_scaling' if hf.get('rope_scaling') else 'rope_parameters'
+  rope = dict(hf.get(key) or {})
+  if any(isinstance(v, dict) for v in rope.values()):
+    fail(f'{key}: per-layer-type rope parameters are not supported')
+  theta = float(rope.get('rope_theta', hf.get('rope_theta', 10000.0)))
+  kind = rope.get('rope_type', rope.get('type', 'default'))
+  if rope.get('partial_rotary_factor', 1.0) != 1.0:
+    fail(f"{key}.partial_rotary_factor={rope['partial_rotary_factor']} is not supported")
+
+  def need(name):
+    if rope.get(name) is None:
+      fail(f'{key}: rope_type={kind!r} needs field {name!r}')
+    return rope[name]
+
+  if kind == 'default':
+    return theta, None
+  if kind == 'linear':
+    return theta, RopeScaling('linear', factor=float(need('factor')))
+  if kind == 'llama3':
+    # transformers' fallback chain for the pre-scaling context length.
+    original = rope.get('original_max_position_embeddings',
+                        hf.get('original_max_position_embeddings', max_positions))
+    return theta, RopeScaling('llama3', factor=float(need('factor')),
+                              low_freq_factor=float(need('low_freq_factor')),
+                              high_freq_factor=float(need('high_freq_factor')),
+                              original_max_position_embeddings=int(original))
+  fail(f"{key}.rope_type={kind!r} is not supported (expected 'default', 'linear' or 'llama3')")
+
+
+def hf_config(config: ModelConfig, dtype: str = 'bfloat16', extra: dict | None = None) -> dict:
+  """The config.json dict for `config`; keys of `extra` (an original config.json) are kept."""
+  c = config
+  if c.architecture not in _ARCHITECTURES:
+    raise ValueError(f'architecture={c.architecture!r} cannot be saved '
+                     f'(expected one of {list(_ARCHITECTURES)})')
+  is_qwen2 = c.architecture == 'Qwen2ForCausalLM'
+  if is_qwen2 and not c.qkv_bias:
+    raise ValueError('Qwen2ForCausalLM always has q/k/v biases; config has qkv_bias=False')
+  if not is_qwen2 and c.qkv_bias:
+    raise ValueError('LlamaForCausalLM cannot express q/k/v biases without an o_proj bias; '
+                     'config has qkv_bias=True')
+  rope = {'rope_theta': c.rope_theta, 'rope_type': 'default'}
+  if c.rope_scaling is not None:
+    s = c.rope_scaling
+    rope.update(rope_type=s.kind, factor=s.factor)
+    if s.kind == 'llama3':
+      rope.update(low_freq_factor=s.low_freq_factor, high_freq_factor=s.high_freq_factor,
+                  original_max_position_embeddings=s.original_max_position_embeddings)
+  ours = {
+      'architectures': [c.architecture],
+      'model_type': 'qwen2' if is_qwen2 else 'llama',
+      'vocab_size': c.vocab_size,
+      'hidden_size': c.hidden_size,
+      'intermediate_size': c.intermediate_size,
+      'num_hidden_layers': c.num_layers,
+      'num_attention_heads': c.num_heads,
+      'num_key_value_heads': c.num_kv_heads,
+      'head_dim': c.head_dim,
+      'hidden_act': 'silu',
+      'max_position_embeddings': c.max_position_embeddings,
+      'rms_norm_eps': c.rms_norm_eps,
+      'rope_parameters': rope,
+      'tie_word_embeddings': c.tie_embeddings,
+      'dtype': dtype,
+      'torch_dtype': dtype,  # the key transformers < 4.56 reads
+  }
+  if is_qwen2:
+    ours.update(use_sliding_window=False, sliding_window=None)
+  else:
+    ours.update(attention_bias=False, mlp_bias=False)
+  # Keys that would contradict ours (legacy rope fields, a quantization we did not apply).
+  stale = {'rope_scaling', 'rope_theta', 'quantization_config', 'layer_types', 'max_window_layers'}
+  kept = {k: v for k, v in (extra or {}).items() if k not in stale}
+  return {**kept, **ours}
+
+
+# ---------------------------------------------------------------------------------------------
+# The name map.
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorSpec:
+  """One pytree leaf and the HF tensor(s) it comes from."""
+  hf_name: str                # per-layer names hold '{i}', the layer index
+  path: tuple[str, ...]       # keys into the params pytree
+  shape: tuple[int, ...]      # the leaf's shape (leading L when stacked)
+  stacked: bool = False       # one HF tensor per layer, stacked on axis 0 of the leaf
+  transposed: bool = False    # HF Linear weight is [out, in]; a Dense kernel is [in, out]
+
+  @property
+  def hf_shape(self) -> tuple[int, ...]:
+    shape = self.shape[1:] if self.stacked else self.shape
+    return shape[::-1] if self.transposed else shape
+
+  def name(self, layer: int | None = None) -> str:
+    return self.hf_name.format(i=layer) if self.stacked else self.hf_name
+
+
+def name_map(config: ModelConfig) -> list[TensorSpec]:
+  """Every leaf of the params pytree in checkpoint order; q/k/v and gate/up stay adjacent."""
+  c = config
+  d, f, l = c.hidden_size, c.intermediate_size, c.num_layers
+  widths = {'q': c.num_heads * c.head_dim, 'k': c.num_kv_heads * c.head_dim,
+            'v': c.num_kv_heads * c.head_dim}
+  layer = lambda hf, path, shape, **kw: TensorSpec(f'model.layers.{{i}}.{hf}', ('layers', *path),
+                                                   (l, *shape), stacked=True, **kw)
+  specs = [TensorSpec('model.embed_tokens.weight', ('embed', 'embedding'), (c.vocab_size, d))]
+  specs += [layer(f'self_attn.{p}_proj.weight', ('attn', f'{p}_proj', 'kernel'), (d, n),
+                  transposed=True) for p, n in widths.items()]
+  if c.qkv_bias:
+    specs += [layer(f'self_attn.{p}_proj.bias', ('attn', f'{p}_proj', 'bias'), (n,))
+              for p, n in widths.items()]
+  specs += [
+      layer('self_attn.o_proj.weight', ('attn', 'o_proj', 'kernel'), (widths['q'], d),
+            transposed=True),
+      layer('mlp.gate_proj.weight', ('mlp', 'gate_proj', 'kernel'), (d, f), transposed=True),
+      layer('mlp.up_proj.weight', ('mlp', 'up_proj', 'kernel'), (d, f), transposed=True),
+      layer('mlp.down_proj.weight', ('mlp', 'down_proj', 'kernel'), (f, d), transposed=True),
+      layer('input_layernorm.weight', ('input_norm', 'scale'), (d,)),
+      layer('post_attention_layernorm.weight', ('post_attn_norm', 'scale'), (d,)),
+      TensorSpec('model.norm.weight', ('final_norm', 'scale'), (d,)),
+  ]
+  if not c.tie_embeddings:
+    specs.append(TensorSpec('lm_head.weight', ('lm_head', 'kernel'), (d, c.vocab_size),
+                            transposed=True))
+  return specs
+
+
+def _checkpoint_order(config: ModelConfig) -> Iterator[tuple[str, TensorSpec, int | None]]:
+  """(hf_name, spec, layer) for every HF tensor; per-layer tensors come layer by layer."""
+  for stacked, group in itertools.groupby(name_map(config), key=lambda s: s.stacked):
+    group = list(group)
+    for i in (range(config.num_layers) if stacked else [None]):
+      for spec in group:
+        yield spec.name(i), spec, i
+
+
+def _leaf(params, path):
+  for key in path:
+    params = params[key]
+  return params
+
+
+def hf_tensors(params, config: ModelConfig, dtype: Any = None) -> Iterator[tuple[str, Any]]:
+  """Yields (hf_name, array in HF layout), one layer at a time, fused groups adjacent.
+
+  Arrays stay where the params are (jax arrays on device: ready for `torch.from_dlpack`); each
+  is one layer's slice, transposed to [out, in] where HF uses Linear weights, cast to `dtype`.
+  """
+  dtype = None if dtype is None else jnp.dtype(dtype)
+  for name, spec, i in _checkpoint_order(config):
+    yield name, _hf_layout(_leaf(params, spec.path), i, spec.transposed, dtype)
+
+
+@functools.partial(jax.jit, static_argnames=('transposed', 'dtype'))
+def _hf_layout(x, layer, transposed, dtype):
+  # Jitted with a traced layer index: one compile per leaf shape rather than per layer.
+  x = x if layer is None else x[layer]
+  x = x.T if transposed else x
+  return x if dtype is None else x.astype(dtype)
+
+
+# ---------------------------------------------------------------------------------------------
+# safetensors files.
+
+
+def read_safetensors_header(path: str | os.PathLike) -> tuple[dict[str, dict], int]:
+  """({name: {dtype, shape, data_offsets}}, byte offset where the data starts)."""
+  path = Path(path)
+  size = path.stat().st_size
+  with open(path, 'rb') as f:
+    head = f.read(8)
+    n = int.from_bytes(head, 'little') if len(head) == 8 else -1
+    if n < 2 or 8 + n > size:
+      raise ValueError(f'{path}: not a safetensors file (header length {n}, file size {size})')
+    try:
+      header = json.loads(f.read(n))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+      raise ValueError(f'{path}: unreadable safetensors header ({e})') from None
+  if not isinstance(header, dict):
+    raise ValueError(f'{path}: safetensors header is not a JSON object')
+  header.pop('__metadata__', None)
+  data_start = 8 + n
+  for name, entry in header.items():
+    try:
+      dtype = _ST_DTYPES.get(entry['dtype'])
+      (begin, end), shape = entry['data_offsets'], entry['shape']
+    except (KeyError, TypeError, ValueError):
+      raise ValueError(f'{path}: malformed header entry for tensor {name!r}: {entry!r}') from None
+    if dtype is None:
+      raise ValueError(f'{path}: tensor {name!r} has unsupported dtype {entry["dtype"]!r}')
+    if end - begin != math.prod(shape) * dtype.itemsize or data_start + end > size:
+      raise ValueError(f'{path}: tensor {name!r} data_offsets {entry["data_offsets"]} do not fit '
+                       f'shape {entry["shape"]} {entry["dtype"]} in a {size}-byte file')
+  return header, data_start
+
+
+def _tensor_view(mmap: np.memmap, entry: dict, data_start: int) -> np.ndarray:
+  """Zero-copy view of one tensor; pages are read only when a slice of it is copied."""
+  begin, end = entry['data_offsets']
+  raw = mmap[data_start + begin:data_start + end]
+  return raw.view(_ST_DTYPES[entry['dtype']]).reshape(entry['shape'])
+
+
+def _write_safetensors(path: Path, tensors: list[tuple[str, tuple[int, ...], np.dtype]],
+                       arrays: Iterator[tuple[str, Any]]):
+  """Writes the header from `tensors` (name, shape, dtype), then each array as it arrives."""
+  header, offset = {'__metadata__': {'format': 'pt'}}, 0
+  for name, shape, dtype in tensors:
+    nbytes = math.prod(shape) * dtype.itemsize
+    header[name] = {'dtype': _ST_NAMES[dtype], 'shape': list(shape),
+                    'data_offsets': [offset, offset + nbytes]}
+    offset += nbytes
+  blob = json.dumps(header, separators=(',', ':')).encode()
+  blob += b' ' * (-len(blob) % 8)  # keeps tensor data 8-byte aligned
+  tmp = path.with_name(path.name + '.tmp')
+  with open(tmp, 'wb') as f:
+    f.write(len(blob).to_bytes(8, 'little'))
+    f.write(blob)
+    for name, shape, dtype in tensors:
+      got_name, x = next(arrays)
+      x = np.ascontiguousarray(np.asarray(x))
+      if got_name != name or x.shape != tuple(shape) or x.dtype != dtype:
+        raise AssertionError(f'{path}: expected {name} {shape} {dtype}, got {got_name} '
+                             f'{x.shape} {x.dtype}')
+      x.tofile(f)
+  os.replace(tmp, path)  # readers never see a half-written file
+
+
+# ---------------------------------------------------------------------------------------------
+# Loading and saving.
+
+
+def _locate_tensors(model_dir: Path) -> tuple[dict[str, tuple[Path, dict, int]], Path]:
+  """{hf_name: (file, header entry, data start)} and the file that lists the tensors."""
+  single, index = model_dir / SINGLE_FILE, model_dir / INDEX_FILE
+  if single.is_file():
+    header, start = read_safetensors_header(single)
+    return {name: (single, entry, start) for name, entry in header.items()}, single
+  if not index.is_file():
+    raise FileNotFoundError(f'{model_dir}: neither {SINGLE_FILE} nor {INDEX_FILE} exists')
+  try:
+    weight_map = json.loads(index.read_text())['weight_map']
+  except (json.JSONDecodeError, KeyError, TypeError) as e:
+    raise ValueError(f'{index}: no readable weight_map ({e!r})') from None
+  located = {}
+  for shard_name in sorted(set(weight_map.values())):
+    shard = model_dir / shard_name
+    if not shard.is_file():
+      raise FileNotFoundError(f'{index}: shard {shard_name!r} is listed in weight_map but '
+                              f'{shard} does not exist')
+    header, start = read_safetensors_header(shard)
+    for name, entry in header.items():
+      if weight_map.get(name) == shard_name:
+        located[name] = (shard, entry, start)
+  for name, shard_name in weight_map.items():
+    if name not in located:
+      raise ValueError(f'{model_dir / shard_name}: tensor {name!r} is listed in {index.name} but '
+                       'missing from this shard')
+  return located, index
+
+
+def load_params(model_dir: str | os.PathLike, config: ModelConfig, shardings=None) -> dict:
+  """Params pytree from an HF safetensors checkpoint, cast to config.param_dtype.
+
+  `shardings`: a pytree of `jax.sharding.Sharding` shaped like the params (None: all on the
+  first local device). Each device's slice is copied straight from the memory-mapped file.
+  """
+  model_dir = Path(model_dir)
+  located, listing = _locate_tensors(model_dir)
+  specs = name_map(config)
+  source = {}  # hf_name -> (file, header entry, data start), shapes checked
+  for name, spec, _ in _checkpoint_order(config):
+    if name not in located:
+      raise ValueError(f'{listing}: tensor {name!r} is missing (implied by {CONFIG_FILE})')
+    file, entry, start = located[name]
+    if tuple(entry['shape']) != spec.hf_shape:
+      raise ValueError(f'{file}: tensor {name!r} has shape {tuple(entry["shape"])} but '
+                       f'{CONFIG_FILE} implies {spec.hf_shape}')
+    source[name] = located[name]
+  tied_head = {'lm_head.weight'} if config.tie_embeddings else set()  # some tied files keep it
+  unused = sorted(set(located) - set(source) - tied_head)
+  if unused:
+    logging.warning('%s: ignoring %d tensors not in the model, e.g. %s', listing, len(unused),
+                    unused[:3])
+
+  sharding_of = _shardings_by_path(specs, shardings)
+  dtype = jnp.dtype(config.param_dtype)
+  mmaps = {}  # one read-only mapping per file, dropped when loading is done
+
+  def view(name, transposed):
+    file, entry, start = source[name]
+    if file not in mmaps:
+      mmaps[file] = np.memmap(file, dtype=np.uint8, mode='r')
+    x = _tensor_view(mmaps[file], entry, start)
+    return x.T if transposed else x  # still a view: nothing is read yet
+
+  params = {}
+  for spec in specs:
+    callback = _slice_reader(spec, view, dtype)
+    leaf = jax.make_array_from_callback(spec.shape, sharding_of[spec.path], callback)
+    node = params
+    for key in spec.path[:-1]:
+      node = node.setdefault(key, {})
+    node[spec.path[-1]] = leaf
+  return params
+
+
+def _slice_reader(spec: TensorSpec, view, dtype):
+  """The make_array_from_callback callback: copies one index (tuple of slices) of the leaf."""
+  def read(index):
+    index = tuple(index) + (slice(None),) * (len(spec.shape) - len(index))
+    shape = tuple(len(range(*s.indices(n))) for s, n in zip(index, spec.shape))
+    out = np.empty(shape, dtype)
+    if spec.stacked:
+      layers = range(*index[0].indices(spec.shape[0]))
+      for j, i in enumerate(layers):  # only this slice's layers are touched
+        out[j] = view(spec.name(i), spec.transposed)[index[1:]]
+    else:
+      out[...] = view(spec.name(), spec.transposed)[index]
+    return out
+  return read
+
+
+def _shardings_by_path(specs, shardings) -> dict[tuple[str, ...], jax.sharding.Sharding]:
+  if shardings is None:
+    device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+    return {spec.path: device for spec in specs}
+  flat = jax.tree_util.tree_flatten_with_path(shardings)[0]
+  by_path = {tuple(str(getattr(k, 'key', k)) for k in path): s for path, s in flat}
+  want = {spec.path for spec in specs}
+  if set(by_path) != want:
+    missing, extra = sorted(want - set(by_path)), sorted(set(by_path) - want)
+    raise ValueError(f'shardings do not match the params: missing {missing}, unexpected {extra}')
+  return by_path
+
+
+def save_params(params, config: ModelConfig, out_dir: str | os.PathLike,
+                dtype: str = 'bfloat16', max_shard_bytes: int | None = None,
+                extra_config: dict | None = None) -> list[Path]:
+  """Writes config.json and model.safetensors (or shards + index) that transformers can load.
+
+  Tensors go to disk one at a time (one layer's slice, gathered to host), so host memory holds
+  at most one tensor beyond what the params already occupy. Returns the files written.
+  """
+  if dtype not in _SAVE_DTYPES:
+    raise ValueError(f'save_params: dtype={dtype!r} is not one of {list(_SAVE_DTYPES)}')
+  out_dir = Path(out_dir)
+  out_dir.mkdir(parents=True, exist_ok=True)
+  np_dtype = _ST_DTYPES[_SAVE_DTYPES[dtype]]
+  entries = [(name, spec.hf_shape, np_dtype) for name, spec, _ in _checkpoint_order(config)]
+  shards = _split_shards(entries, max_shard_bytes)
+  arrays = hf_tensors(params, config, dtype=np_dtype)
+
+  written = []
+  if len(shards) == 1:  # as transformers does: no index for a checkpoint that fits one file
+    _write_safetensors(out_dir / SINGLE_FILE, shards[0], arrays)
+    written.append(out_dir / SINGLE_FILE)
+  else:
+    weight_map = {}
+    for k, shard in enumerate(shards):
+      shard_name = f'model-{k + 1:05d}-of-{len(shards):05d}.safetensors'
+      _write_safetensors(out_dir / shard_name, shard, arrays)
+      weight_map.update({name: shard_name for name, _, _ in shard})
+      written.append(out_dir / shard_name)
+    total = sum(math.prod(shape) * d.itemsize for _, shape, d in entries)
+    index = {'metadata': {'total_size': total}, 'weight_map': weight_map}
+    _write_json(out_dir / INDEX_FILE, index)
+    written.append(out_dir / INDEX_FILE)
+  _write_json(out_dir / CONFIG_FILE, hf_config(config, dtype, extra_config))
+  written.append(out_dir / CONFIG_FILE)
+  # A previous save with other sharding would otherwise shadow or mix with this one.
+  for old in out_dir.iterdir():
+    if (old.name in (SINGLE_FILE, INDEX_FILE) or _SHARD_RE.match(old.name)) and old not in written:
+      old.unlink()
+  return written
+
+
+def _split_shards(entries, max_shard_bytes):
+  """Consecutive runs of tensors, each at most max_shard_bytes (a larger tensor goes alone)."""
+  if max_shard_bytes is None:
+    return [entries]
+  shards, current, size = [], [], 0
+  for entry in entries:
+    nbytes = math.prod(entry[1]) * entry[2].itemsize
+    if current and size + nbytes > max_shard_bytes:
+      shards.append(current)
+      current, size = [], 0
+    current.append(entry)
+    size += nbytes
+  return shards + [current]
+
+
+def _write_json(path: Path, obj):
+  tmp = path.with_name(path.name + '.tmp')
+  tmp.write_text(json.dumps(obj, indent=2, sort_keys=True) + '\n')
+  os.replace(tmp, path)
