@@ -1,0 +1,72 @@
+"""Train-step benchmark: a --quick run end to end, and the FLOP count it reports."""
+
+import functools
+import json
+import math
+import os
+import pathlib
+import subprocess
+import sys
+
+import jax
+import numpy as np
+
+from pipelinerl_jax.bench import train_step as bench
+from pipelinerl_jax.models import transformer
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+
+POSITIVE_KEYS = ('params', 'flop_params', 'devices', 'rows', 'seq_len', 'micro', 'samples',
+                 'tokens', 'fill', 'compile_s', 'step_s_median', 'step_s_min', 'tokens_per_s',
+                 'flops_per_step', 'flop_per_s')
+
+
+def test_quick_run_writes_json_and_prints_table(tmp_path):
+  """As a user runs it: `python -m`, so the script itself sets up the 4 simulated devices of
+  its mesh before jax starts (the XLA_FLAGS conftest set are dropped to prove it)."""
+  out = tmp_path / 'bench.json'
+  env = {k: v for k, v in os.environ.items() if k != 'XLA_FLAGS'}
+  proc = subprocess.run(
+      [sys.executable, '-m', 'pipelinerl_jax.bench.train_step', '--quick', '--mesh=1,2,2',
+       f'--out={out}'], cwd=ROOT, env=env, capture_output=True, text=True, timeout=180)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+
+  report = json.loads(out.read_text())
+  assert report['config']['quick'] and report['config']['mesh'] == [1, 2, 2]
+  (result,) = report['results']
+  missing = set(bench.RESULT_KEYS) - result.keys()
+  assert not missing, missing
+  for key in POSITIVE_KEYS:
+    assert math.isfinite(result[key]) and result[key] > 0, (key, result[key])
+  assert math.isfinite(result['loss'])
+  assert result['model'] == 'tiny' and result['mesh'] == '1,2,2' and result['devices'] == 4
+  assert result['step_s_min'] <= result['step_s_median']
+  # Packed: several samples share a row, so the segment mask was exercised.
+  assert result['samples'] > result['rows']
+
+  lines = proc.stdout.splitlines()
+  assert lines[0].split()[:3] == ['model', 'params', 'mesh']
+  assert set(lines[1]) <= {'-', ' '}
+  assert lines[2].split()[:3] == ['tiny', '238k', '1,2,2']
+
+
+def test_flop_params_leave_out_only_the_embedding_lookup():
+  for name, config in bench.MODEL_PRESETS.items():
+    shapes = jax.eval_shape(functools.partial(transformer.init_params, config),
+                            jax.random.PRNGKey(0))
+    total = sum(x.size for x in jax.tree.leaves(shapes))
+    assert total == config.num_params, name
+    embedding = shapes['embed']['embedding'].size
+    assert 'lm_head' in shapes  # untied: the lm_head matmul is counted, the lookup is not
+    assert bench.flop_params(config) == total - embedding, name
+
+
+def test_train_flops_counts_each_sample_with_its_own_context():
+  config = bench.MODEL_PRESETS['tiny']
+  # Row 0 packs samples of 3 and 2 positions and one padding position; row 1 one of 4.
+  segment_ids = np.array([[1, 1, 1, 2, 2, 0],
+                          [1, 1, 1, 1, 0, 0]])
+  n = bench.flop_params(config)
+  width = config.num_heads * config.head_dim
+  want = 6 * n * 9 + 12 * config.num_layers * width * (3**2 + 2**2 + 4**2)
+  assert bench.train_flops(config, segment_ids) == want
