@@ -68,6 +68,8 @@ class ModelConfig:
   remat: bool = False             # rematerialize each layer in the backward pass
 
   def __post_init__(self):
+    if self.head_dim % 2:
+      raise ValueError(f'head_dim={self.head_dim} must be even (RoPE rotates pairs)')
     if self.num_heads % self.num_kv_heads:
       raise ValueError(f'num_heads={self.num_heads} is not a multiple of '
                        f'num_kv_heads={self.num_kv_heads}')

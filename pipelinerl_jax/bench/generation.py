@@ -1,0 +1,166 @@
+"""Generation engine throughput: tokens/s at several slot counts H, with and without in-flight
+weight updates.
+
+  python -m pipelinerl_jax.bench.generation [--quick] [--out PATH] [--slots 1,8,32,64]
+
+For each H and mode a fresh engine runs a warm-up that compiles every shape it needs, then
+--repeats timed runs of the same workload shapes (other seeds); the median is reported. Modes:
+  none              no update
+  update            new weights every --update-every token steps, stale KV cache kept
+  update+recompute  same, every in-flight sequence re-prefilled under the new weights
+The model is random (no checkpoint): throughput does not depend on the weights' values. Prints
+a table and writes the rows as JSON. Nothing here asserts timing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import pathlib
+import platform
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from pipelinerl_jax.generation import api
+from pipelinerl_jax.generation import engine as engine_lib
+from pipelinerl_jax.models import transformer
+
+MODES = ('none', 'update', 'update+recompute')
+
+
+def model_config(quick: bool) -> transformer.ModelConfig:
+  if quick:
+    return transformer.ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64,
+                                   num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8)
+  return transformer.ModelConfig(vocab_size=512, hidden_size=128, intermediate_size=384,
+                                 num_layers=4, num_heads=4, num_kv_heads=2, head_dim=32)
+
+
+def workload(num_requests: int, vocab: int, max_prompt: int, max_new: int, seed: int):
+  """Prompts of 8..max_prompt tokens and budgets of max_new/2..max_new: sequences end at
+  different steps, so slots are refilled while others decode. Shapes depend on `num_requests`
+  only, never on `seed`."""
+  shape_rng = np.random.default_rng(0)
+  lengths = shape_rng.integers(8, max_prompt + 1, num_requests)
+  budgets = shape_rng.integers(max(1, max_new // 2), max_new + 1, num_requests)
+  rng = np.random.default_rng(seed)
+  return [api.Request(f'{seed}-{i}', list(rng.integers(0, vocab, n)),
+                      api.SamplingParams(temperature=1.0, max_tokens=int(m)),
+                      seed=seed * 100003 + i)
+          for i, (n, m) in enumerate(zip(lengths, budgets))]
+
+
+def run_once(eng: engine_lib.JaxEngine, requests, param_sets, update_every: int) -> dict:
+  """Steps until the workload is done, publishing new params every `update_every` steps
+  (tokens/s counts prefill, updates and host bookkeeping: it is end-to-end)."""
+  for r in requests:
+    eng.submit(r)
+  steps = tokens = updates = busy_total = 0
+  start = time.perf_counter()
+  while eng.num_unfinished:
+    if update_every and steps and steps % update_every == 0:
+      version = eng.version + 1
+      eng.update_params(param_sets[version % 2], version)
+      updates += 1
+    busy_total += min(eng.num_unfinished, eng.config.num_slots)
+    for c in eng.step():
+      tokens += len(c.tokens)
+    steps += 1
+  wall = time.perf_counter() - start
+  return dict(wall_s=wall, tokens=tokens, steps=steps, tokens_per_s=tokens / wall,
+              ms_per_step=1e3 * wall / steps, mean_busy=busy_total / steps, updates=updates)
+
+
+def bench(args) -> list[dict]:
+  config = model_config(args.quick)
+  params_a = transformer.init_params(config, jax.random.PRNGKey(0))
+  params_b = transformer.init_params(config, jax.random.PRNGKey(1))
+  max_seq_len = args.max_prompt + args.max_new_tokens
+  rows = []
+  for h in args.slots:
+    num_requests = max(2, args.requests_per_slot * h)
+    for mode in args.modes:
+      engine_config = engine_lib.EngineConfig(num_slots=h, max_seq_len=max_seq_len,
+                                              min_prefill_len=args.min_prefill_len,
+                                              recompute_kv=mode == 'update+recompute')
+      every = 0 if mode == 'none' else args.update_every
+      # Fresh copies: the engine may keep what it is given (see api.Engine.update_params).
+      param_sets = [jax.tree.map(jnp.copy, p) for p in (params_a, params_b)]
+      with engine_lib.JaxEngine(config, param_sets[0], engine_config) as eng:
+        t0 = time.perf_counter()
+        run_once(eng, workload(num_requests, config.vocab_size, args.max_prompt,
+                               args.max_new_tokens, seed=1), param_sets, every)
+        warmup_s = time.perf_counter() - t0
+        traces = sum(engine_lib.TRACES.values())
+        # The median of a few runs: a shared host's noise is larger than small effects.
+        results = [run_once(eng, workload(num_requests, config.vocab_size, args.max_prompt,
+                                          args.max_new_tokens, seed=2 + rep), param_sets, every)
+                   for rep in range(args.repeats)]
+        result = sorted(results, key=lambda r: r['tokens_per_s'])[len(results) // 2]
+        stats = eng.stats()
+      row = dict(slots=h, mode=mode, update_every=every, requests=num_requests,
+                 warmup_s=warmup_s, retraces=sum(engine_lib.TRACES.values()) - traces,
+                 tokens_per_s_runs=[r['tokens_per_s'] for r in results],
+                 prefill_calls=stats.get('prefill_calls', 0),
+                 kv_recomputes=stats.get('kv_recomputes', 0), **result)
+      rows.append(row)
+      print_row(row)
+  return rows
+
+
+HEADER = (f'{"H":>3} {"mode":<17} {"tok/s":>9} {"ms/step":>8} {"busy":>5} {"steps":>6} '
+          f'{"tokens":>7} {"updates":>7} {"warmup_s":>8} {"retrace":>7}')
+
+
+def print_row(r):
+  print(f'{r["slots"]:>3} {r["mode"]:<17} {r["tokens_per_s"]:>9.0f} {r["ms_per_step"]:>8.2f} '
+        f'{r["mean_busy"]:>5.1f} {r["steps"]:>6} {r["tokens"]:>7} {r["updates"]:>7} '
+        f'{r["warmup_s"]:>8.1f} {r["retraces"]:>7}', flush=True)
+
+
+def main(argv=None):
+  parser = argparse.ArgumentParser(description=__doc__.split('\n\n')[0])
+  parser.add_argument('--quick', action='store_true', help='tiny model and workload (seconds)')
+  parser.add_argument('--out', default='/tmp/pipelinerl_jax_bench/generation.json')
+  parser.add_argument('--slots', default=None, help='comma-separated H values')
+  parser.add_argument('--modes', default=','.join(MODES))
+  parser.add_argument('--update-every', type=int, default=8, help='token steps between updates')
+  parser.add_argument('--requests-per-slot', type=int, default=None)
+  parser.add_argument('--max-prompt', type=int, default=None)
+  parser.add_argument('--max-new-tokens', type=int, default=None)
+  parser.add_argument('--min-prefill-len', type=int, default=None)
+  parser.add_argument('--repeats', type=int, default=None, help='timed runs; the median is shown')
+  args = parser.parse_args(argv)
+  defaults = (dict(slots='1,4', requests_per_slot=2, max_prompt=16, max_new_tokens=16,
+                   min_prefill_len=16, repeats=1) if args.quick else
+              dict(slots='1,8,32,64', requests_per_slot=3, max_prompt=64, max_new_tokens=128,
+                   min_prefill_len=64, repeats=3))
+  for name, value in defaults.items():
+    if getattr(args, name) is None:
+      setattr(args, name, value)
+  args.slots = [int(s) for s in str(args.slots).split(',')]
+  args.modes = [m for m in args.modes.split(',') if m]
+  unknown = set(args.modes) - set(MODES)
+  if unknown:
+    parser.error(f'unknown modes {sorted(unknown)}; choose from {MODES}')
+
+  device, config = jax.devices()[0], model_config(args.quick)
+  print(f'device: {device.device_kind} ({jax.default_backend()}), jax {jax.__version__}; '
+        f'model: D={config.hidden_size} L={config.num_layers} V={config.vocab_size}; '
+        f'S={args.max_prompt + args.max_new_tokens}')
+  print(HEADER)
+  rows = bench(args)
+  out = dict(device=str(device), backend=jax.default_backend(), host=platform.node(),
+             model=dataclasses.asdict(config), args=vars(args), rows=rows)
+  path = pathlib.Path(args.out)
+  path.parent.mkdir(parents=True, exist_ok=True)
+  path.write_text(json.dumps(out, indent=1))
+  print(f'wrote {path}')
+
+
+if __name__ == '__main__':
+  main()

@@ -1,0 +1,126 @@
+"""The one interface every generation backend implements (the embedded JAX engine, vLLM, ...).
+
+The actor thread owns an engine: it submits requests, calls `step()` in a loop and ships the
+finished completions to the trainer; the trainer (or its weight publisher) calls
+`update_params` from another thread whenever it has new weights. Every generated token carries
+log mu (its log-prob under the distribution it was actually drawn from) and the version of the
+params that drew it, which is what the importance weights and the lag metrics need.
+"""
+
+from __future__ import annotations
+
+import abc
+import dataclasses
+from typing import Any, Literal, Sequence
+
+import numpy as np
+
+FinishReason = Literal['stop', 'length']
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class SamplingParams:
+  """temperature 0 = greedy; top_k 0 = off; top_p 1.0 = off. A generated stop token is kept as
+  the last token of the completion (its log-prob is part of the sequence being trained)."""
+  temperature: float = 1.0
+  top_p: float = 1.0
+  top_k: int = 0
+  max_tokens: int
+  stop_token_ids: tuple[int, ...] = ()
+
+  def __post_init__(self):
+    if self.max_tokens < 1:
+      raise ValueError(f'max_tokens={self.max_tokens} must be >= 1')
+    if not 0.0 < self.top_p <= 1.0:
+      raise ValueError(f'top_p={self.top_p} must be in (0, 1]')
+    if self.top_k < 0 or self.temperature < 0:
+      raise ValueError(f'top_k={self.top_k} and temperature={self.temperature} must be >= 0')
+    object.__setattr__(self, 'stop_token_ids', tuple(int(t) for t in self.stop_token_ids))
+
+
+@dataclasses.dataclass(frozen=True)
+class Request:
+  """`seed` is required on purpose: the samples of a request are a function of (seed, params)
+  only, so the G samples of one prompt need G different seeds."""
+  request_id: str
+  prompt_tokens: Sequence[int]
+  sampling: SamplingParams
+  seed: int
+  metadata: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+
+@dataclasses.dataclass
+class Completion:
+  """tokens / logprobs / versions are aligned [N] arrays (int32, float32 log mu, int64)."""
+  request_id: str
+  prompt_tokens: list[int]
+  tokens: np.ndarray
+  logprobs: np.ndarray
+  versions: np.ndarray
+  finish_reason: FinishReason
+  metadata: dict[str, Any]
+
+
+class Engine(abc.ABC):
+  """Continuous-batching generator whose weights can change between two token steps."""
+
+  @abc.abstractmethod
+  def submit(self, request: Request) -> None:
+    """Queues a request; it is admitted into a free slot by a later `step()`."""
+
+  @abc.abstractmethod
+  def step(self) -> list[Completion]:
+    """Applies a pending weight update, admits pending requests into free slots, then
+    generates one token for every busy slot. Returns the requests this step finished."""
+
+  @abc.abstractmethod
+  def update_params(self, params: Any, version: int) -> None:
+    """Publishes new weights; safe to call from another thread. They take effect at the next
+    token step (a newer update before then replaces this one); sequences in flight continue.
+
+    Ownership contract: the engine keeps `params` (or, on another device, a copy of them) until
+    the next update. The caller must therefore hand over buffers nobody will donate or delete
+    -- the trainer publishes a copy, never the arrays its donated train step consumes.
+    """
+
+  @abc.abstractmethod
+  def stats(self) -> dict[str, Any]:
+    """At least: tokens_generated, tokens_per_s, busy_slots, pending, version."""
+
+  @property
+  @abc.abstractmethod
+  def num_unfinished(self) -> int:
+    """Requests submitted but not yet returned by `step()` (pending + in flight)."""
+
+  @abc.abstractmethod
+  def close(self) -> None:
+    """Releases the backend's resources; the engine is unusable afterwards."""
+
+  def __enter__(self):
+    return self
+
+  def __exit__(self, *exc):
+    self.close()
+
+
+def generate(engine: Engine, requests: Sequence[Request]) -> list[Completion]:
+  """Runs `step()` until every request is done; completions come back in request order.
+
+  For tests and evaluation, on an idle engine: other work's completions would come back from
+  these steps, so an engine with unfinished work is refused rather than silently drained.
+  """
+  if engine.num_unfinished:
+    raise ValueError(f'engine has {engine.num_unfinished} unfinished requests of its own')
+  ids = [r.request_id for r in requests]
+  if len(set(ids)) != len(ids):
+    raise ValueError('request ids must be unique')
+  for r in requests:
+    engine.submit(r)
+  done: dict[str, Completion] = {}
+  while len(done) < len(requests):
+    if engine.num_unfinished == 0:
+      raise RuntimeError(f'engine has no work left but {len(requests) - len(done)} requests '
+                         'are missing')
+    for c in engine.step():
+      done[c.request_id] = c
+  return [done[i] for i in ids]
