@@ -166,13 +166,20 @@ class Attention(nn.Module):
     if layer_cache is None:  # training rows: keys are the row's own tokens
       k_BxSxKxDh, v_BxSxKxDh = k_BxTxKxDh, v_BxTxKxDh
       new_cache = None
-    else:  # generation: write at each token's position, then read the whole cache
-      cache_k, cache_v = layer_cache
+    else:  # generation: write at each token's position, then read this layer's cache
+      # The whole [L, B, S, K, Dh] cache rides in the layer scan's carry and only the T new
+      # tokens are scattered into it, so a decode step updates the cache in place instead of
+      # rebuilding it (as scanning over per-layer slices would).
+      cache_k, cache_v, layer = layer_cache
       rows = jnp.arange(b)[:, None]
       # Positions >= S (padding) are dropped, so padded prompt tokens write nowhere.
-      k_BxSxKxDh = cache_k.at[rows, positions_BxT].set(k_BxTxKxDh.astype(cache_k.dtype), mode='drop')
-      v_BxSxKxDh = cache_v.at[rows, positions_BxT].set(v_BxTxKxDh.astype(cache_v.dtype), mode='drop')
-      new_cache = (k_BxSxKxDh, v_BxSxKxDh)
+      cache_k = cache_k.at[layer, rows, positions_BxT].set(k_BxTxKxDh.astype(cache_k.dtype),
+                                                           mode='drop')
+      cache_v = cache_v.at[layer, rows, positions_BxT].set(v_BxTxKxDh.astype(cache_v.dtype),
+                                                           mode='drop')
+      k_BxSxKxDh = jax.lax.dynamic_index_in_dim(cache_k, layer, 0, keepdims=False)
+      v_BxSxKxDh = jax.lax.dynamic_index_in_dim(cache_v, layer, 0, keepdims=False)
+      new_cache = (cache_k, cache_v, layer)
 
     g = c.num_heads // c.num_kv_heads
     q_BxTxKxGxDh = q_BxTxHxDh.reshape(b, t, c.num_kv_heads, g, c.head_dim)
@@ -197,18 +204,22 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-  """One pre-norm block; `nn.scan` calls it with (carry, scanned cache slice, broadcast args)."""
+  """One pre-norm block. `nn.scan` calls it with carry (x, cache) where cache is None (training)
+  or (k, v, layer index) over all layers (generation)."""
   config: ModelConfig
 
   @nn.compact
-  def __call__(self, x_BxTxD, layer_cache, positions_BxT, mask_BxTxS):
+  def __call__(self, carry, positions_BxT, mask_BxTxS):
+    x_BxTxD, cache = carry
     c = self.config
     norm = lambda name: RMSNorm(c.rms_norm_eps, c.dtype, c.param_dtype, name=name)
-    h, new_cache = Attention(c, name='attn')(norm('input_norm')(x_BxTxD), positions_BxT,
-                                            mask_BxTxS, layer_cache)
+    h, cache = Attention(c, name='attn')(norm('input_norm')(x_BxTxD), positions_BxT, mask_BxTxS,
+                                         cache)
     x_BxTxD = x_BxTxD + h
     x_BxTxD = x_BxTxD + MLP(c, name='mlp')(norm('post_attn_norm')(x_BxTxD))
-    return x_BxTxD, new_cache
+    if cache is not None:
+      cache = (cache[0], cache[1], cache[2] + 1)  # the next layer's index
+    return (x_BxTxD, cache), None
 
 
 class Transformer(nn.Module):
@@ -223,14 +234,14 @@ class Transformer(nn.Module):
     x_BxTxD = embed(tokens_BxT)
     layer_cls = nn.remat(DecoderLayer, prevent_cse=False) if c.remat else DecoderLayer
     layers = nn.scan(layer_cls, variable_axes={'params': 0}, split_rngs={'params': True},
-                     in_axes=(0, nn.broadcast, nn.broadcast), length=c.num_layers)(c, name='layers')
-    layer_caches = None if cache is None else (cache.k, cache.v)
-    x_BxTxD, new_caches = layers(x_BxTxD, layer_caches, positions_BxT, mask_BxTxS)
+                     in_axes=(nn.broadcast, nn.broadcast), length=c.num_layers)(c, name='layers')
+    carry = None if cache is None else (cache.k, cache.v, jnp.zeros((), jnp.int32))
+    (x_BxTxD, new_caches), _ = layers((x_BxTxD, carry), positions_BxT, mask_BxTxS)
     x_BxTxD = RMSNorm(c.rms_norm_eps, c.dtype, c.param_dtype, name='final_norm')(x_BxTxD)
     if not c.tie_embeddings and self.is_initializing():
       # Created here so init makes it; applied by `logits`, which may run in fp32 / chunks.
       _dense(c.vocab_size, False, c, 'lm_head')(x_BxTxD)
-    return x_BxTxD, (None if cache is None else KVCache(*new_caches))
+    return x_BxTxD, (None if cache is None else KVCache(new_caches[0], new_caches[1]))
 
 
 # ---------------------------------------------------------------------------------------------
