@@ -1,0 +1,289 @@
+"""math-verify in a pool of worker processes, under a hard time limit per sample.
+
+math-verify's own timeouts use SIGALRM, which only interrupts Python bytecode: sympy stuck in C
+(expanding `9^{9^{9^9}}`, an integer with a billion digits) never sees the signal. So every
+comparison runs in a worker process, and the parent kills a worker that overruns its deadline
+and starts a fresh one. A pathological answer costs its timeout; it never stalls the caller for
+longer, and it cannot leave a half-dead worker behind to poison later samples.
+
+Workers are plain `python -P verify.py` subprocesses talking over a socketpair, not
+multiprocessing children: those would re-import the parent's `__main__` (the actor, with JAX)
+in every worker, or fork a process that has JAX's threads running. A replacement starts in the
+background (about 0.5 s to import math_verify) while the other workers carry on.
+
+Verdicts, one per (gold, answer) pair:
+  'correct' | 'wrong'  math-verify's judgement
+  'unparsable'         the answer did not parse to any math object
+  'gold_unparsable'    the reference answer did not parse (a dataset problem, not the model's)
+  'timeout'            the sample ran past `timeout_s`; its worker was killed and replaced
+  'error'              the worker raised (RecursionError, MemoryError, ...), died, or never started
+
+This file imports nothing from the project: it runs as a script in the workers.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import functools
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import weakref
+from multiprocessing import connection as mp_connection
+
+VERDICTS = ('correct', 'wrong', 'unparsable', 'gold_unparsable', 'timeout', 'error')
+_READY = 'ready'
+
+
+# --- the worker side -------------------------------------------------------------------------
+
+def _parse_boxed(latex: str) -> list:
+  import math_verify
+  # Re-boxed so both sides take math-verify's \boxed path; timeouts are the pool's (see above).
+  return math_verify.parse('\\boxed{' + latex + '}', parsing_timeout=None)
+
+
+@functools.lru_cache(maxsize=4096)
+def _parse_gold(gold: str) -> tuple:
+  return tuple(_parse_boxed(gold))  # a group's G samples share one reference answer
+
+
+def _has_math(parsed: list) -> bool:
+  import sympy
+  # parse() falls back to the raw string when nothing parses: only strings means no math.
+  return any(isinstance(x, (sympy.Basic, sympy.MatrixBase)) for x in parsed)
+
+
+def judge(gold: str, answer: str) -> str:
+  """The verdict for one pair, in this process and with no time limit (what a worker runs)."""
+  import math_verify
+  gold_parsed = list(_parse_gold(gold))
+  parsed = _parse_boxed(answer)
+  if gold_parsed and math_verify.verify(gold_parsed, parsed, timeout_seconds=None):
+    return 'correct'  # (with a string-only gold, by exact string match)
+  if not _has_math(gold_parsed):
+    return 'gold_unparsable'
+  return 'wrong' if _has_math(parsed) else 'unparsable'
+
+
+def _worker_main(fd: int, memory_limit_mb: int, cpu_backstop_s: int) -> None:
+  import resource
+  # Ctrl-C reaches the whole process group; the parent, not the signal, ends workers.
+  signal.signal(signal.SIGINT, signal.SIG_IGN)
+  if memory_limit_mb > 0:  # a runaway bignum raises MemoryError instead of OOM-ing the host
+    limit = memory_limit_mb * 2**20
+    resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
+  # Its "timeout is disabled" warnings are moot here: the parent enforces the timeout.
+  logging.getLogger('math_verify').setLevel(logging.CRITICAL)
+  import math_verify  # noqa: F401  (import before READY: start-up is not charged to a sample)
+  conn = mp_connection.Connection(fd)
+  conn.send(_READY)
+  while True:
+    try:
+      job = conn.recv()
+    except (EOFError, OSError):
+      return  # the parent is gone
+    if job is None:
+      return
+    # Backstop for an orphan (the parent died without killing us) stuck in C: the kernel ends
+    # this process once the job has used cpu_backstop_s more seconds of CPU.
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    used = int(usage.ru_utime + usage.ru_stime) + 1
+    hard = resource.getrlimit(resource.RLIMIT_CPU)[1]
+    soft = used + cpu_backstop_s
+    resource.setrlimit(resource.RLIMIT_CPU,
+                       (soft if hard == resource.RLIM_INFINITY else min(soft, hard), hard))
+    try:
+      verdict = judge(*job)
+    except Exception:  # RecursionError on deep nesting, MemoryError, sympy internals
+      verdict = 'error'
+    conn.send(verdict)
+
+
+# --- the parent side -------------------------------------------------------------------------
+
+@dataclasses.dataclass
+class _Worker:
+  proc: subprocess.Popen
+  conn: mp_connection.Connection
+  ready: bool = False  # True once it sent _READY; only ready workers get jobs
+
+
+class VerifyPool:
+  """`num_workers` processes judging (gold, answer) pairs; see `verify_many`.
+
+  A sample's clock starts when it is handed to a worker, so a batch of n samples takes at most
+  about ceil(n / num_workers) * timeout_s (plus start-up, for the first batch: `wait_ready`).
+  Thread-safe (one batch at a time).
+  """
+
+  def __init__(self, num_workers: int = 2, timeout_s: float = 5.0, memory_limit_mb: int = 4096,
+               start_timeout_s: float = 60.0):
+    if num_workers < 1:
+      raise ValueError(f'num_workers={num_workers} must be >= 1')
+    if not timeout_s > 0:
+      raise ValueError(f'timeout_s={timeout_s} must be > 0')
+    self.timeout_s, self.memory_limit_mb = timeout_s, memory_limit_mb
+    self.start_timeout_s = start_timeout_s
+    self.counters = {'timeout': 0, 'error': 0, 'restarts': 0, 'start_failures': 0}
+    self._lock = threading.Lock()
+    # A slot is None after a failed start; it is retried at the next batch, not in a tight loop.
+    self._workers: list[_Worker | None] = [None] * num_workers
+    self._finalizer = weakref.finalize(self, _kill_all, self._workers)  # also runs at exit
+    self._fill_slots()
+
+  def verify_many(self, pairs: list[tuple[str, str]]) -> list[str]:
+    """One verdict per (gold, answer) pair, in order; no input makes this raise or hang."""
+    with self._lock:
+      if not self._finalizer.alive:
+        raise RuntimeError('VerifyPool is closed')
+      try:
+        self._fill_slots()
+        return self._run(pairs)
+      except Exception:  # a bug here must not take the caller down; the batch is lost
+        logging.exception('VerifyPool: batch failed')
+        self.counters['error'] += len(pairs)
+        _kill_all(self._workers)  # their state is unknown; the next batch starts fresh ones
+        return ['error'] * len(pairs)
+
+  def wait_ready(self, timeout_s: float | None = None) -> bool:
+    """Blocks until every worker has started (else the first batch waits for them)."""
+    deadline = time.monotonic() + (self.start_timeout_s if timeout_s is None else timeout_s)
+    with self._lock:
+      self._fill_slots()
+      while True:
+        starting = {w.conn: slot for slot, w in enumerate(self._workers) if w and not w.ready}
+        if not starting:
+          return all(self._workers)
+        left = deadline - time.monotonic()
+        if left <= 0:
+          return False
+        for conn in mp_connection.wait(list(starting), timeout=left):
+          self._on_message(starting[conn], busy={}, results=[])
+
+  def close(self) -> None:
+    with self._lock:
+      self._finalizer()
+
+  def __enter__(self):
+    return self
+
+  def __exit__(self, *exc):
+    self.close()
+
+  # --- internals -----------------------------------------------------------------------------
+
+  def _run(self, pairs):
+    results = [None] * len(pairs)
+    pending = collections.deque(range(len(pairs)))
+    busy = {}  # worker slot -> (index into pairs, deadline)
+    # Waiting on workers that are still starting is bounded too, by start_timeout_s.
+    stall_deadline = time.monotonic() + self.start_timeout_s
+    while pending or busy:
+      now = time.monotonic()
+      for slot, w in enumerate(self._workers):
+        if not pending:
+          break
+        if w and w.ready and slot not in busy:
+          try:
+            w.conn.send(pairs[pending[0]])
+          except (OSError, ValueError):  # died while idle; the job waits for another worker
+            self._replace(slot)
+            continue
+          busy[slot] = (pending.popleft(), now + self.timeout_s)
+          stall_deadline = now + self.start_timeout_s
+      watched = {w.conn: slot for slot, w in enumerate(self._workers)
+                 if w and (slot in busy or not w.ready)}
+      if pending and not busy and (not watched or now >= stall_deadline):
+        # No worker can take these: every start failed, or none finished starting in time.
+        logging.error('VerifyPool: no worker available; %d samples get verdict error',
+                      len(pending))
+        while pending:
+          results[pending.popleft()] = 'error'
+          self.counters['error'] += 1
+        break
+      wait_s = min(d for _, d in busy.values()) - now if busy else stall_deadline - now
+      for conn in mp_connection.wait(list(watched), timeout=max(0.0, wait_s)):
+        self._on_message(watched[conn], busy, results)
+      now = time.monotonic()
+      for slot, (index, deadline) in list(busy.items()):
+        if now >= deadline:
+          del busy[slot]
+          results[index] = 'timeout'
+          self.counters['timeout'] += 1
+          self._replace(slot)
+    return results
+
+  def _on_message(self, slot, busy, results):
+    w = self._workers[slot]
+    try:
+      msg = w.conn.recv()
+    except (EOFError, OSError):  # the worker died: a segfault, the OOM killer, a broken start
+      if slot in busy:
+        results[busy.pop(slot)[0]] = 'error'
+        self.counters['error'] += 1
+      if w.ready:
+        self._replace(slot)
+      else:
+        self.counters['start_failures'] += 1
+        _kill(w)
+        self._workers[slot] = None
+      return
+    if msg == _READY:
+      w.ready = True
+    elif slot in busy:
+      index, _ = busy.pop(slot)
+      results[index] = msg if msg in VERDICTS else 'error'
+      if results[index] == 'error':
+        self.counters['error'] += 1
+
+  def _spawn(self) -> _Worker:
+    parent_sock, child_sock = socket.socketpair()
+    try:
+      cpu_backstop_s = int(2 * self.timeout_s) + 10
+      # -P: the script's directory (pipelinerl_jax/tasks, which holds math.py) must not shadow
+      # the standard library.
+      proc = subprocess.Popen(
+          [sys.executable, '-P', os.path.abspath(__file__), str(child_sock.fileno()),
+           str(self.memory_limit_mb), str(cpu_backstop_s)],
+          pass_fds=(child_sock.fileno(),), stdin=subprocess.DEVNULL)
+    finally:
+      child_sock.close()  # the child holds its copy; ours must go so its death reads as EOF
+    return _Worker(proc, mp_connection.Connection(parent_sock.detach()))
+
+  def _fill_slots(self):
+    for slot, w in enumerate(self._workers):
+      if w is None:
+        self._workers[slot] = self._spawn()
+
+  def _replace(self, slot):
+    _kill(self._workers[slot])
+    self._workers[slot] = self._spawn()
+    self.counters['restarts'] += 1
+
+
+def _kill(w: _Worker | None) -> None:
+  if w is None:
+    return
+  try:
+    w.proc.kill()
+    w.proc.wait(timeout=1.0)
+  except Exception:
+    pass
+  w.conn.close()
+
+
+def _kill_all(workers: list) -> None:
+  for slot, w in enumerate(workers):
+    _kill(w)
+    workers[slot] = None
+
+
+if __name__ == '__main__':
+  _worker_main(int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]))
