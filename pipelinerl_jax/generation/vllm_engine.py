@@ -1,0 +1,408 @@
+"""`api.Engine` over an in-process vLLM engine, stepped one token at a time.
+
+`VllmEngine(model_dir)` starts vLLM on an HF checkpoint in this process (UniProcExecutor:
+`VLLM_ENABLE_V1_MULTIPROCESSING=0` is set here, since the worker must be reachable to reload
+weights) and drives it like `JaxEngine`: `submit` queues, `step()` applies a pending weight
+update, hands queued requests to vLLM's scheduler, then runs one `LLMEngine.step()`, which gives
+every running sequence one token (a prompt's first step is its prefill plus its first token).
+
+Choices that make the output usable as PipelineRL's behaviour policy mu:
+  * `logprobs_mode='processed_logprobs'`: the log-prob of the sampled token under the
+    distribution it was drawn from, after temperature and top-k / top-p renormalization. (The
+    default 'raw_logprobs' is the unscaled model distribution, wrong for any temperature != 1.)
+    Greedy rows get the temperature-1 unfiltered log-prob, as in `sampling.sample`.
+  * Prefix caching off: a cached prefix computed under older weights would be served to new
+    requests as if it were current.
+  * No async scheduling, so the forward of step n runs after the update applied before it.
+  * Each request samples from its own generator seeded with `request.seed` (vLLM's RNG: the
+    same (seed, params) give the same tokens here, not the same tokens as `JaxEngine`).
+  * Stops only on the request's stop ids and `eos_token_ids` (the checkpoint's EOS is ignored,
+    as in `JaxEngine`); the stop token is kept as the last token.
+
+Weight updates. `update_params(params, version)` checks the pytree's shapes against the model
+and queues it; the next `step()` turns it into HF-named DLPack views (`weight_sync`, no copy) and
+calls the worker's `reload_weights(weights_iterator=...)`, which loads with checkpoint names and
+re-packs the CPU GEMM weights (a plain `model.load_weights` leaves the CPU model broken). Requests
+in flight keep their KV cache, computed under older weights (PipelineRL's stale KV cache). Every
+token records the version that was loaded when its step ran; vLLM's own weight-version spans
+are set alongside and cross-checked when a request finishes.
+
+Whole or not at all: a load that raises part-way leaves vLLM with some layers new and others on
+the meta device (unusable). The engine then discards vLLM's half-finished reload state and
+reloads the weights it served before (the previous params, which `api.Engine`'s ownership
+contract keeps alive, or the checkpoint for the initial version), keeps the old version, and
+raises `WeightUpdateError` from `step()`; the engine stays usable and in-flight sequences
+continue. Only when that rollback also fails is the engine marked broken.
+
+`update_hf_tensors` takes weights already in HF layout (views of a shared-memory segment, see
+`generator_process`), and `apply_update` loads a pending update without generating, for a
+caller that must know when the source buffers are no longer read.
+
+Measured on the demo model (fp32, 2 shared cores): log mu agrees with `transformer.token_logprobs`
+to ~1e-6 nats. Serving the same checkpoint with vLLM's dtype 'auto' (bf16 on CPU) gives ~2e-3.
+Reload cost is about 2/3 vLLM's CPU re-pack (oneDNN handles) and 1/3 the copy (with HF's
+transpose) into its parameters; see `bench.weight_sync`.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import json
+import os
+import threading
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+
+from pipelinerl_jax.generation import api
+from pipelinerl_jax.generation import weight_sync
+from pipelinerl_jax.models import hf_io
+
+_FINISH_REASONS = {'stop': 'stop', 'length': 'length'}
+_NO_ROLLBACK = object()  # marks weights that cannot be rebuilt for a rollback
+_SEED_MODULUS = 1 << 63  # torch generators take non-negative seeds below 2**64
+
+
+class WeightUpdateError(RuntimeError):
+  """A weight update was not applied; the engine still serves the previous version."""
+
+
+@dataclasses.dataclass(frozen=True)
+class VllmEngineConfig:
+  max_num_seqs: int = 64            # H: sequences decoded together (vLLM's scheduler queues more)
+  max_model_len: int = 1024         # prompt + max_tokens must fit
+  kv_cache_bytes: int = 256 << 20   # given explicitly: vLLM on CPU cannot size it itself
+  # Serving dtype. None = the checkpoint's config.json dtype: vLLM's own 'auto' serves an fp32
+  # checkpoint in bf16 on CPU, which costs ~2e-3 nats of log mu agreement on a tiny model.
+  dtype: str | None = None
+  eos_token_ids: tuple[int, ...] = ()  # stop every request, on top of its own stop_token_ids
+  max_num_batched_tokens: int | None = None  # prefill chunk budget per step (vLLM's default)
+  seed: int = 0                     # vLLM's global seed (requests bring their own)
+
+
+@dataclasses.dataclass
+class _Sequence:
+  request: api.Request
+  tokens: list[int] = dataclasses.field(default_factory=list)
+  logprobs: list[float] = dataclasses.field(default_factory=list)
+  versions: list[int] = dataclasses.field(default_factory=list)
+
+
+def vllm_sampling_params(request: api.Request, eos_token_ids=()):
+  """vLLM SamplingParams for one request: one token's log-prob (the sampled one), deltas."""
+  from vllm import SamplingParams
+  from vllm.sampling_params import RequestOutputKind
+  sp = request.sampling
+  return SamplingParams(
+      temperature=sp.temperature, top_p=sp.top_p, top_k=sp.top_k, max_tokens=sp.max_tokens,
+      seed=request.seed % _SEED_MODULUS, logprobs=0, ignore_eos=True,
+      stop_token_ids=sorted(set(sp.stop_token_ids) | set(eos_token_ids)),
+      output_kind=RequestOutputKind.DELTA, detokenize=False)
+
+
+def versions_from_spans(spans) -> list[int] | None:
+  """Per-token versions from vLLM's WeightVersionSpan list (None when vLLM reported none)."""
+  if spans is None:
+    return None
+  out = []
+  for span in spans:
+    out += [int(span.version)] * (span.end - span.start)
+  return out
+
+
+def _checkpoint_dtype(model_dir: Path) -> str:
+  hf = json.loads((model_dir / hf_io.CONFIG_FILE).read_text())
+  return hf.get('dtype') or hf.get('torch_dtype') or 'auto'
+
+
+def checkpoint_shapes(model_dir: Path) -> dict[str, tuple[int, ...]]:
+  """{hf_name: shape} of the tensors stored in an HF checkpoint dir."""
+  single = model_dir / hf_io.SINGLE_FILE
+  files = [single] if single.is_file() else sorted(
+      {model_dir / f for f in json.loads((model_dir / hf_io.INDEX_FILE).read_text())
+       ['weight_map'].values()})
+  shapes = {}
+  for f in files:
+    header, _ = hf_io.read_safetensors_header(f)
+    shapes.update({name: tuple(e['shape']) for name, e in header.items()})
+  return shapes
+
+
+class VllmEngine(api.Engine):
+  """One actor thread calls `step()`; any thread may call `submit` and `update_params`."""
+
+  def __init__(self, model_dir: str | os.PathLike, config: VllmEngineConfig = VllmEngineConfig(),
+               *, version: int = 0, **llm_kwargs):
+    self.model_dir = Path(model_dir)
+    self.config = config
+    self.model_config = hf_io.load_config(self.model_dir)
+    self._expected = weight_sync.expected_shapes(self.model_config)
+    stored = checkpoint_shapes(self.model_dir)
+    tied = {'lm_head.weight'} if self.model_config.tie_embeddings else set()
+    if {k: v for k, v in stored.items() if k not in tied} != self._expected:
+      raise ValueError(f'{self.model_dir}: the checkpoint\'s tensors do not match the name map of '
+                       'its config.json; updates could not be checked against it')
+
+    # In-process engine: the worker (and its reload_weights) must live in this process.
+    os.environ['VLLM_ENABLE_V1_MULTIPROCESSING'] = '0'
+    import vllm
+    dtype = config.dtype or _checkpoint_dtype(self.model_dir)
+    kwargs = dict(model=str(self.model_dir), dtype=dtype, skip_tokenizer_init=True,
+                  enable_prefix_caching=False, logprobs_mode='processed_logprobs',
+                  async_scheduling=False, kv_cache_memory_bytes=config.kv_cache_bytes,
+                  max_model_len=config.max_model_len, max_num_seqs=config.max_num_seqs,
+                  enforce_eager=True, seed=config.seed)
+    if config.max_num_batched_tokens is not None:
+      kwargs['max_num_batched_tokens'] = config.max_num_batched_tokens
+    kwargs.update(llm_kwargs)
+    self._llm = vllm.LLM(**kwargs)
+    self._core = self._llm.llm_engine
+    try:
+      self._worker = self._core.model_executor.driver_worker.worker
+    except AttributeError:
+      raise RuntimeError('vLLM did not start in-process (no driver_worker); the engine needs '
+                         'VLLM_ENABLE_V1_MULTIPROCESSING=0') from None
+
+    self._version = version
+    self._core.set_weight_version(str(version))
+    # How to rebuild the weights now served (for a rollback): None = reload the checkpoint,
+    # _NO_ROLLBACK = they came from buffers that may since have been overwritten.
+    self._loaded: Callable[[], list] | None | object = None
+    self._next_params: tuple[Callable[[], list], int, bool] | None = None
+    self._pending: collections.deque[api.Request] = collections.deque()
+    self._seqs: dict[str, _Sequence] = {}  # handed to vLLM, not finished
+    self._ids: set[str] = set()  # unfinished request ids (pending + in vLLM)
+    self._lock = threading.Lock()
+    self._closed = False
+    self._broken: str | None = None
+    self._counts = collections.Counter()
+    self._step_seconds = self._update_seconds = 0.0
+    self._last_update_error: str | None = None
+
+  # --- api.Engine ------------------------------------------------------------------------------
+
+  def submit(self, request: api.Request) -> None:
+    self._check_usable()
+    prompt = list(request.prompt_tokens)
+    n = request.sampling.max_tokens
+    if not prompt:
+      raise ValueError(f'request {request.request_id!r} has an empty prompt')
+    if len(prompt) + n > self.config.max_model_len:
+      raise ValueError(f'request {request.request_id!r}: prompt {len(prompt)} + max_tokens {n} '
+                       f'exceeds max_model_len={self.config.max_model_len}')
+    if min(prompt) < 0 or max(prompt) >= self.model_config.vocab_size:
+      raise ValueError(f'request {request.request_id!r} has token ids outside the vocab')
+    with self._lock:
+      if request.request_id in self._ids:
+        raise ValueError(f'request id {request.request_id!r} is already unfinished')
+      self._ids.add(request.request_id)
+      self._pending.append(request)
+
+  def update_params(self, params: Any, version: int) -> None:
+    """Checks shapes now (in the caller's thread, so a wrong pytree fails at its source), loads
+    at the next `step()`."""
+    self._check_usable()
+    problems = []
+    for spec in hf_io.name_map(self.model_config):
+      try:
+        leaf = weight_sync.leaf_at(params, spec.path)
+      except (KeyError, TypeError):
+        problems.append(f'{"/".join(spec.path)} is missing')
+        continue
+      if tuple(leaf.shape) != spec.shape:
+        problems.append(f'{"/".join(spec.path)} has shape {tuple(leaf.shape)}, expected '
+                        f'{spec.shape}')
+    if problems:
+      raise ValueError(f'update to version {version} rejected: ' + '; '.join(problems[:5]))
+    with self._lock:
+      self._next_params = (lambda: self._weights(params), version, True)
+
+  def update_hf_tensors(self, tensors: list[tuple[str, Any]], version: int) -> None:
+    """Like `update_params`, for weights already in HF layout: (hf_name, CPU torch tensor)
+    pairs, e.g. views of a shared-memory segment. They must stay unchanged until loaded. As
+    they may be overwritten afterwards, they are no rollback source: should a later load fail
+    part-way, the engine is marked broken instead of restored."""
+    self._check_usable()
+    tensors = list(tensors)
+    with self._lock:
+      self._next_params = (lambda: self._checked(tensors), version, False)
+
+  def step(self) -> list[api.Completion]:
+    self._check_usable()
+    start = time.perf_counter()
+    self.apply_update()
+    with self._lock:
+      admitted = list(self._pending)
+      self._pending.clear()
+    for r in admitted:
+      self._core.add_request(r.request_id, {'prompt_token_ids': [int(t) for t in r.prompt_tokens]},
+                             vllm_sampling_params(r, self.config.eos_token_ids))
+      self._seqs[r.request_id] = _Sequence(r)
+    if not self._core.has_unfinished_requests():
+      return []
+
+    finished, new_tokens = [], 0
+    for out in self._core.step():
+      seq = self._seqs[out.request_id]
+      c = out.outputs[0]
+      # DELTA outputs: the tokens this step produced, with one logprob dict per token.
+      for token, lp in zip(c.token_ids, c.logprobs or ()):
+        seq.tokens.append(int(token))
+        seq.logprobs.append(float(lp[token].logprob))
+        seq.versions.append(self._version)
+        new_tokens += 1
+      if len(seq.logprobs) != len(seq.tokens) or len(c.token_ids) != len(c.logprobs or ()):
+        raise RuntimeError(f'vLLM returned {len(c.token_ids)} tokens but '
+                           f'{len(c.logprobs or ())} log-probs for {out.request_id!r}')
+      if out.finished:
+        finished.append(self._finish(seq, c))
+    with self._lock:
+      self._ids.difference_update(f.request_id for f in finished)
+    self._counts['tokens_generated'] += new_tokens
+    self._counts['steps'] += 1
+    self._counts['completions'] += len(finished)
+    self._step_seconds += time.perf_counter() - start
+    return finished
+
+  def stats(self) -> dict[str, Any]:
+    scheduler = getattr(getattr(self._core.engine_core, 'engine_core', None), 'scheduler', None)
+    with self._lock:
+      pending = len(self._pending)
+    busy = len(scheduler.running) if scheduler is not None else len(self._seqs)
+    waiting = len(scheduler.waiting) if scheduler is not None else 0
+    tokens = self._counts['tokens_generated']
+    return dict(self._counts, tokens_generated=tokens,
+                tokens_per_s=tokens / self._step_seconds if self._step_seconds else 0.0,
+                step_seconds=self._step_seconds, update_seconds=self._update_seconds,
+                busy_slots=busy, num_slots=self.config.max_num_seqs, pending=pending + waiting,
+                version=self._version, last_update_error=self._last_update_error,
+                broken=self._broken)
+
+  @property
+  def num_unfinished(self) -> int:
+    with self._lock:
+      return len(self._ids)
+
+  @property
+  def version(self) -> int:
+    return self._version
+
+  def close(self) -> None:
+    if self._closed:
+      return
+    self._closed = True
+    with self._lock:
+      self._pending.clear()
+      self._ids.clear()
+      self._next_params = None
+    self._seqs.clear()
+    self._loaded = None
+    try:
+      self._core.engine_core.shutdown()
+    finally:
+      self._llm = self._core = self._worker = None
+
+  # --- internals -------------------------------------------------------------------------------
+
+  def _check_usable(self):
+    if self._closed:
+      raise RuntimeError('engine is closed')
+    if self._broken:
+      raise RuntimeError(f'engine is broken: {self._broken}')
+
+  def _finish(self, seq: _Sequence, c) -> api.Completion:
+    reason = _FINISH_REASONS.get(c.finish_reason)
+    if reason is None:
+      raise RuntimeError(f'request {seq.request.request_id!r} ended with vLLM finish_reason '
+                         f'{c.finish_reason!r} (stop_reason {c.stop_reason!r})')
+    spans = versions_from_spans(getattr(c, 'weight_versions', None))
+    if spans is not None and spans != seq.versions:
+      raise RuntimeError(f'request {seq.request.request_id!r}: per-token versions {seq.versions} '
+                         f'disagree with vLLM\'s weight-version spans {spans}')
+    del self._seqs[seq.request.request_id]
+    r = seq.request
+    return api.Completion(request_id=r.request_id, prompt_tokens=[int(t) for t in r.prompt_tokens],
+                          tokens=np.asarray(seq.tokens, np.int32),
+                          logprobs=np.asarray(seq.logprobs, np.float32),
+                          versions=np.asarray(seq.versions, np.int64),
+                          finish_reason=reason, metadata=r.metadata)
+
+  def _weights(self, params) -> list[tuple[str, Any]]:
+    """The DLPack views of a full update, checked complete (names and shapes) before loading."""
+    import jax
+    deleted = [x for x in jax.tree.leaves(params) if isinstance(x, jax.Array) and x.is_deleted()]
+    if deleted:
+      raise WeightUpdateError(f'{len(deleted)} params were deleted after being published '
+                              '(donated?); publish a copy the trainer will not donate')
+    return self._checked(list(weight_sync.hf_torch_tensors(params, self.model_config)))
+
+  def _checked(self, tensors: list[tuple[str, Any]]) -> list[tuple[str, Any]]:
+    bad = [n for n, t in tensors if t.device.type != 'cpu' or not t.is_floating_point()]
+    if bad:
+      raise WeightUpdateError(f'tensors not on the CPU or not floating point: {bad[:3]}')
+    try:
+      weight_sync.check_complete([(n, tuple(t.shape)) for n, t in tensors], self._expected)
+    except ValueError as e:
+      raise WeightUpdateError(str(e)) from None
+    return tensors
+
+  def apply_update(self) -> int | None:
+    """Loads a pending update now (`step()` does this first); returns its version, or None if
+    none was pending. Raises WeightUpdateError when it was not loaded (see the module doc)."""
+    self._check_usable()
+    with self._lock:
+      update, self._next_params = self._next_params, None
+    if update is None:
+      return None
+    make_tensors, version, keep = update
+    start = time.perf_counter()
+    try:
+      tensors = make_tensors()  # nothing in vLLM has changed if this raises
+      self._worker.reload_weights(weights_iterator=iter(tensors))
+    except Exception as e:
+      self._counts['update_errors'] += 1
+      self._last_update_error = f'version {version}: {type(e).__name__}: {e}'
+      if not isinstance(e, WeightUpdateError):
+        self._roll_back(e)
+      raise WeightUpdateError(f'weights of version {version} were not loaded ({e!r}); still '
+                              f'serving version {self._version}') from e
+    del tensors
+    self._loaded = make_tensors if keep else _NO_ROLLBACK
+    self._version = version
+    self._core.set_weight_version(str(version))
+    self._counts['updates'] += 1
+    self._update_seconds += time.perf_counter() - start
+    return version
+
+  def _roll_back(self, cause: Exception):
+    """Reloads the weights served before a load that raised part-way."""
+    try:
+      _abort_layerwise_reload(self._worker)
+      if self._loaded is _NO_ROLLBACK:
+        raise RuntimeError('the weights served before came from buffers that may have been '
+                           'overwritten since; nothing to restore')
+      if self._loaded is None:
+        self._worker.reload_weights()  # the checkpoint vLLM started from
+      else:
+        self._worker.reload_weights(weights_iterator=iter(self._loaded()))
+      self._counts['rollbacks'] += 1
+    except Exception as e:
+      self._broken = (f'a weight load failed part-way ({cause!r}) and restoring version '
+                      f'{self._version} failed too ({e!r})')
+      raise RuntimeError(self._broken) from e
+
+
+def _abort_layerwise_reload(worker):
+  """Drops what a failed `reload_weights` buffered and puts every layer that was not re-packed
+  back on its previous kernel tensors (vLLM's reload moves layers to the meta device first)."""
+  from vllm.model_executor.model_loader.reload import layerwise
+  model = worker.model_runner.get_model()
+  for module in model.modules():
+    info = layerwise.LAYERWISE_INFO.get(module)
+    if info is not None and info.can_load():
+      info.loaded_weights.clear()
+      info.load_numel = 0
+  layerwise.finalize_layerwise_reload(model, worker.vllm_config.model_config)

@@ -1,0 +1,195 @@
+"""Trainer side of a weight sync: the params pytree as HF-named torch tensors, without copies.
+
+`hf_torch_tensors(params, config)` yields (hf_name, torch tensor) in checkpoint order. Each
+pytree leaf crosses to torch once, with `torch.from_dlpack` (the tensor aliases the JAX buffer);
+one layer of a stacked leaf is `leaf[i]` and HF's [out, in] layout of a Dense kernel is `.T`,
+both views. So on a single-device CPU leaf no byte is copied here: the only copy is the one the
+receiver makes into its own parameters (vLLM's loader does `param.copy_(tensor)`, casting to
+the serving dtype on the way). `is_zero_copy` says which tensors alias their leaf.
+
+Leaves that live on several devices (sharded) or off the CPU cannot alias a host tensor: they are
+gathered to host (one copy) and reported as not zero-copy.
+
+The tensors alias buffers JAX treats as immutable: receivers must only read them, and the params
+must not be donated or deleted until the receiver is done (the `api.Engine.update_params`
+ownership contract).
+
+Atomic units: vLLM fuses q/k/v into one `qkv_proj` module (weights and biases) and gate/up into
+`gate_up_proj`, and re-packs a module only once all of its parts have arrived; a unit sent
+without its siblings is loaded half-old, half-garbage. `fusion_units` groups consecutive
+tensors by the module they land in, and `buckets` packs whole units into byte-bounded buckets for
+transports that move a bounded amount at a time; a unit is never split across buckets.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import re
+import warnings
+from typing import Any, Iterable, Iterator, Sequence
+
+import jax
+import numpy as np
+import torch
+
+from pipelinerl_jax.models import hf_io
+from pipelinerl_jax.models import transformer
+
+# HF names of the parts that vLLM loads into one fused module, -> that module's name.
+_FUSED = (
+    (re.compile(r'^(.*\.self_attn\.)[qkv]_proj\.(weight|bias)$'), r'\1qkv_proj'),
+    (re.compile(r'^(.*\.mlp\.)(gate|up)_proj\.weight$'), r'\1gate_up_proj'),
+)
+
+
+def module_of(hf_name: str) -> str:
+  """The serving-side module an HF tensor is loaded into (fused modules share one name)."""
+  for pattern, module in _FUSED:
+    if pattern.match(hf_name):
+      return pattern.sub(module, hf_name)
+  return hf_name.rsplit('.', 1)[0]
+
+
+def checkpoint_order(config: transformer.ModelConfig
+                     ) -> Iterator[tuple[str, hf_io.TensorSpec, int | None]]:
+  """(hf_name, spec, layer) for every HF tensor: leading globals, then layer by layer (each
+  layer's tensors together, fused parts adjacent), then trailing globals."""
+  for stacked, group in itertools.groupby(hf_io.name_map(config), key=lambda s: s.stacked):
+    group = list(group)
+    for i in (range(config.num_layers) if stacked else [None]):
+      for spec in group:
+        yield spec.name(i), spec, i
+
+
+def expected_shapes(config: transformer.ModelConfig) -> dict[str, tuple[int, ...]]:
+  """{hf_name: HF shape} of every tensor a full update carries."""
+  return {name: spec.hf_shape for name, spec, _ in checkpoint_order(config)}
+
+
+def leaf_to_torch(x: Any) -> torch.Tensor:
+  """One leaf as a torch tensor: an alias of the buffer when the leaf is one CPU buffer, else a
+  host copy (sharded or accelerator-resident leaves)."""
+  if isinstance(x, torch.Tensor):
+    return x
+  if isinstance(x, jax.Array):
+    devices = x.sharding.device_set
+    if len(devices) == 1 and next(iter(devices)).platform == 'cpu':
+      return torch.from_dlpack(x)  # waits until x is ready; aliases its buffer
+  host = np.ascontiguousarray(np.asarray(x))
+  with warnings.catch_warnings():  # the gathered copy is read-only; receivers only read it
+    warnings.simplefilter('ignore', UserWarning)
+    if host.dtype.name == 'bfloat16':  # numpy has no bf16: reinterpret the bits
+      return torch.from_numpy(host.view(np.int16)).view(torch.bfloat16)
+    return torch.from_numpy(host)
+
+
+def leaf_at(params, path: Sequence[str]):
+  """The leaf of a nested-dict pytree at `path` (a TensorSpec.path)."""
+  for key in path:
+    params = params[key]
+  return params
+
+
+def hf_torch_tensors(params, config: transformer.ModelConfig
+                     ) -> Iterator[tuple[str, torch.Tensor]]:
+  """Yields (hf_name, tensor in HF layout) in checkpoint order; see the module docstring.
+
+  Each leaf is converted once, when its first tensor is yielded, so a consumer that stops
+  early has touched only what it read.
+  """
+  converted: dict[tuple[str, ...], torch.Tensor] = {}
+  for name, spec, i in checkpoint_order(config):
+    if spec.path not in converted:
+      converted[spec.path] = leaf_to_torch(leaf_at(params, spec.path))
+    t = converted[spec.path]
+    if tuple(t.shape) != spec.shape:
+      raise ValueError(f'leaf {"/".join(spec.path)} has shape {tuple(t.shape)}, the config '
+                       f'implies {spec.shape}')
+    t = t if i is None else t[i]
+    yield name, (t.T if spec.transposed else t)
+
+
+def is_zero_copy(tensor: torch.Tensor, leaf: Any) -> bool:
+  """True when `tensor`'s bytes lie inside `leaf`'s single buffer (an alias, not a copy)."""
+  if not isinstance(leaf, jax.Array) or len(leaf.sharding.device_set) != 1:
+    return False
+  start = leaf.unsafe_buffer_pointer()
+  end = start + leaf.nbytes
+  return start <= tensor.data_ptr() < end
+
+
+def zero_copy_report(params, config: transformer.ModelConfig) -> dict[str, bool]:
+  """{hf_name: aliases the params' buffer}, for every tensor `hf_torch_tensors` yields."""
+  leaves = {spec.path: leaf_at(params, spec.path) for spec in hf_io.name_map(config)}
+  specs = {name: spec for name, spec, _ in checkpoint_order(config)}
+  return {name: is_zero_copy(t, leaves[specs[name].path])
+          for name, t in hf_torch_tensors(params, config)}
+
+
+# ---------------------------------------------------------------------------------------------
+# Grouping for transports.
+
+
+def tensor_nbytes(t: torch.Tensor) -> int:
+  return t.numel() * t.element_size()
+
+
+def fusion_units(tensors: Iterable[tuple[str, torch.Tensor]]
+                 ) -> Iterator[list[tuple[str, torch.Tensor]]]:
+  """Consecutive tensors grouped by the serving module they load into (q/k/v weights and
+  biases together, gate/up together, everything else alone or with its bias)."""
+  for _, unit in itertools.groupby(tensors, key=lambda nt: module_of(nt[0])):
+    yield list(unit)
+
+
+@dataclasses.dataclass(frozen=True)
+class Bucket:
+  """Whole fusion units, at most `max_bytes` in all unless one unit alone is larger."""
+  tensors: list[tuple[str, torch.Tensor]]
+
+  @property
+  def nbytes(self) -> int:
+    return sum(tensor_nbytes(t) for _, t in self.tensors)
+
+  @property
+  def names(self) -> list[str]:
+    return [n for n, _ in self.tensors]
+
+
+def buckets(tensors: Iterable[tuple[str, torch.Tensor]], max_bytes: int) -> Iterator[Bucket]:
+  """Packs consecutive fusion units into buckets of at most `max_bytes`; a unit is never split
+  (one larger than `max_bytes` forms a bucket of its own)."""
+  if max_bytes <= 0:
+    raise ValueError(f'max_bytes={max_bytes} must be positive')
+  current, size = [], 0
+  for unit in fusion_units(tensors):
+    unit_bytes = sum(tensor_nbytes(t) for _, t in unit)
+    if current and size + unit_bytes > max_bytes:
+      yield Bucket(current)
+      current, size = [], 0
+    current += unit
+    size += unit_bytes
+  if current:
+    yield Bucket(current)
+
+
+def check_complete(names_shapes: Sequence[tuple[str, tuple[int, ...]]],
+                   expected: dict[str, tuple[int, ...]]) -> None:
+  """Raises ValueError unless `names_shapes` is exactly `expected`: every name once, with its
+  shape, nothing extra. A partial update would leave the receiver half-updated."""
+  seen, problems = set(), []
+  for name, shape in names_shapes:
+    if name in seen:
+      problems.append(f'{name} sent twice')
+    seen.add(name)
+    if name not in expected:
+      problems.append(f'{name} is not a tensor of the model')
+    elif tuple(shape) != tuple(expected[name]):
+      problems.append(f'{name} has shape {tuple(shape)}, expected {tuple(expected[name])}')
+  missing = sorted(set(expected) - seen)
+  if missing:
+    problems.append(f'{len(missing)} tensors missing, e.g. {missing[:3]}')
+  if problems:
+    raise ValueError('weight update rejected: ' + '; '.join(problems[:5]) +
+                     (f' (and {len(problems) - 5} more)' if len(problems) > 5 else ''))

