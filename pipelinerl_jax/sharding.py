@@ -33,7 +33,8 @@ PARAM_RULES: Sequence[tuple[str, tuple]] = (
 
 
 def make_mesh(data: int = 1, fsdp: int = -1, tensor: int = 1, devices=None) -> Mesh:
-  """A (data, fsdp, tensor) mesh; one size may be -1 to take the remaining devices."""
+  """A (data, fsdp, tensor) mesh over the first data*fsdp*tensor devices; one size may be -1
+  to take all remaining devices."""
   devices = list(jax.devices() if devices is None else devices)
   sizes = [data, fsdp, tensor]
   if sizes.count(-1) > 1:
@@ -43,10 +44,12 @@ def make_mesh(data: int = 1, fsdp: int = -1, tensor: int = 1, devices=None) -> M
     if len(devices) % known:
       raise ValueError(f'mesh: {len(devices)} devices are not divisible by {known}')
     sizes[sizes.index(-1)] = len(devices) // known
-  if int(np.prod(sizes)) != len(devices):
-    raise ValueError(f'mesh: data*fsdp*tensor = {sizes} needs {int(np.prod(sizes))} devices, '
+  needed = int(np.prod(sizes))
+  if needed > len(devices):
+    raise ValueError(f'mesh: data*fsdp*tensor = {sizes} needs {needed} devices, '
                      f'{len(devices)} available')
-  return Mesh(np.asarray(devices).reshape(sizes), MESH_AXES)
+  # A smaller mesh takes the first devices; the rest stay free (e.g. for generation).
+  return Mesh(np.asarray(devices[:needed]).reshape(sizes), MESH_AXES)
 
 
 def path_str(path) -> str:

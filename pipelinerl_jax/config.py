@@ -1,0 +1,163 @@
+"""Every knob of a run, with its default, in one place; and the checks that reject bad values.
+
+Experiment files in configs/ start from `base_config()` and change what they need, so a typo
+in a key is an error (the key is not in the base) instead of a silently ignored setting.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import ml_collections
+
+from pipelinerl_jax import losses
+from pipelinerl_jax import train
+from pipelinerl_jax import warmstart
+
+TASK_KEYS = ('ops', 'digits', 'sft_pool_mod')  # shared by the arithmetic task and the demo build
+
+
+def base_config() -> ml_collections.ConfigDict:
+  c = ml_collections.ConfigDict()
+  c.seed = 0
+
+  c.model = ml_collections.ConfigDict()
+  c.model.path = ''               # HF dir (config.json + safetensors); '' = build the demo model
+  c.model.cache_dir = ''          # where the demo model is built once ('' = ~/.cache/pipelinerl_jax)
+  c.model.param_dtype = 'float32'
+  c.model.dtype = 'float32'       # compute dtype ('bfloat16' on GPUs)
+  c.model.lm_head_fp32 = True
+  c.model.remat = False
+
+  # Settings of the demo model built when model.path is '' (see warmstart.WarmStartConfig);
+  # its task settings come from `task` below, so SFT and RL see the same problem family.
+  demo = dataclasses.asdict(warmstart.WarmStartConfig())
+  c.model.demo = ml_collections.ConfigDict(
+      {k: v for k, v in demo.items() if k not in TASK_KEYS})
+
+  c.task = ml_collections.ConfigDict()
+  c.task.name = 'arithmetic'
+  c.task.ops = ('+',)
+  c.task.digits = 2
+  c.task.sft_pool_mod = 8
+
+  c.generation = ml_collections.ConfigDict()
+  c.generation.backend = 'jax'    # 'jax' (in-process JAX engine) | 'vllm' (in-process vLLM)
+                                  # | 'vllm_process' (vLLM in a child process, shared-memory weights)
+  c.generation.vllm_kv_cache_mb = 256  # vLLM on CPU needs its KV cache size given
+  c.generation.num_slots = 64     # H: sequences in flight
+  c.generation.max_prompt_len = 32
+  c.generation.max_new_tokens = 16
+  c.generation.temperature = 1.0
+  c.generation.top_p = 1.0
+  c.generation.top_k = 0
+  c.generation.recompute_kv = False   # paper default keeps the stale KV cache (section 5.1)
+
+  c.rl = ml_collections.ConfigDict()
+  c.rl.mode = 'pipeline'          # 'pipeline' | 'conventional'
+  c.rl.batch_size = 64            # B samples per optimizer step (B / group_size prompts)
+  c.rl.group_size = 8             # samples per prompt; advantages are relative to the group
+  c.rl.max_lag = 4                # pipeline mode: backpressure + hard bound, in optimizer steps
+  c.rl.conventional_steps = 1     # conventional mode: optimizer steps per generated batch
+  c.rl.total_steps = 200
+  c.rl.max_time_s = 0.0           # stop RL after this many seconds (0 = only total_steps)
+
+  c.advantage = ml_collections.ConfigDict()
+  c.advantage.baseline = 'mean'   # 'mean' (paper) | 'loo' | 'none'
+  c.advantage.normalize_std = False
+  c.advantage.drop_zero_groups = False
+
+  c.loss = ml_collections.ConfigDict(vars(losses.LossConfig()))
+  c.optimizer = ml_collections.ConfigDict(vars(train.OptimizerConfig()))
+
+  c.train = ml_collections.ConfigDict()
+  c.train.seq_len = 256           # packed row length
+  c.train.micro_batches = 1
+  c.train.mesh = '1,-1,1'         # data,fsdp,tensor sizes; -1 = the remaining devices
+  c.train.overlong = 'error'      # 'error' | 'truncate' (counted) for samples longer than seq_len
+
+  c.log = ml_collections.ConfigDict()
+  c.log.tensorboard = True
+  c.log.progress = True
+  return c
+
+
+def _paths(cfg, prefix=''):
+  for k, v in cfg.items():
+    path = f'{prefix}{k}'
+    if isinstance(v, ml_collections.ConfigDict):
+      yield from _paths(v, path + '.')
+    else:
+      yield path, v
+
+
+def _check(ok: bool, key: str, message: str):
+  if not ok:
+    raise ValueError(f'config.{key}: {message}')
+
+
+def validate(config: ml_collections.ConfigDict) -> None:
+  """Raises ValueError naming the first unknown key or invalid value."""
+  known = dict(_paths(base_config()))
+  for path, value in _paths(config):
+    _check(path in known, path, 'unknown key')
+    default = known[path]
+    if isinstance(default, bool):
+      _check(isinstance(value, bool), path, f'must be true/false, got {value!r}')
+    elif isinstance(default, int):
+      _check(isinstance(value, int) and not isinstance(value, bool), path,
+             f'must be an integer, got {value!r}')
+    elif isinstance(default, float):
+      _check(isinstance(value, (int, float)) and not isinstance(value, bool)
+             and not math.isnan(value), path, f'must be a number, got {value!r}')
+    elif isinstance(default, str):
+      _check(isinstance(value, str), path, f'must be a string, got {value!r}')
+
+  g, rl, tr = config.generation, config.rl, config.train
+  _check(g.backend in ('jax', 'vllm', 'vllm_process'), 'generation.backend',
+         f"must be 'jax', 'vllm' or 'vllm_process', got {g.backend!r}")
+  _check(g.backend == 'jax' or not g.recompute_kv, 'generation.recompute_kv',
+         'is only implemented by the JAX engine')
+  _check(g.num_slots >= 1, 'generation.num_slots', f'H must be >= 1, got {g.num_slots}')
+  _check(g.num_slots >= rl.group_size, 'generation.num_slots',
+         f'H={g.num_slots} must hold at least one group (rl.group_size={rl.group_size})')
+  _check(g.max_prompt_len >= 1, 'generation.max_prompt_len', 'must be >= 1')
+  _check(g.max_new_tokens >= 1, 'generation.max_new_tokens', 'must be >= 1')
+  _check(g.temperature >= 0, 'generation.temperature', f'must be >= 0, got {g.temperature}')
+  _check(0 < g.top_p <= 1, 'generation.top_p', f'must be in (0, 1], got {g.top_p}')
+  _check(g.top_k >= 0, 'generation.top_k', f'must be >= 0, got {g.top_k}')
+  _check(rl.mode in ('pipeline', 'conventional'), 'rl.mode',
+         f"must be 'pipeline' or 'conventional', got {rl.mode!r}")
+  _check(rl.group_size >= 1, 'rl.group_size', f'must be >= 1, got {rl.group_size}')
+  _check(rl.batch_size >= 1 and rl.batch_size % rl.group_size == 0, 'rl.batch_size',
+         f'B={rl.batch_size} must be a positive multiple of rl.group_size={rl.group_size}')
+  _check(rl.max_lag >= 0, 'rl.max_lag', f'must be >= 0, got {rl.max_lag}')
+  _check(rl.conventional_steps >= 1, 'rl.conventional_steps', 'must be >= 1')
+  _check(rl.total_steps >= 1, 'rl.total_steps', f'must be >= 1, got {rl.total_steps}')
+  _check(rl.max_time_s >= 0, 'rl.max_time_s', 'must be >= 0')
+  _check(config.advantage.baseline in ('mean', 'loo', 'none'), 'advantage.baseline',
+         f"must be 'mean', 'loo' or 'none', got {config.advantage.baseline!r}")
+  _check(tr.micro_batches >= 1, 'train.micro_batches', 'must be >= 1')
+  _check(tr.overlong in ('error', 'truncate'), 'train.overlong', "must be 'error' or 'truncate'")
+  longest = g.max_prompt_len + g.max_new_tokens - 1
+  _check(tr.seq_len >= longest, 'train.seq_len',
+         f'{tr.seq_len} < max_prompt_len + max_new_tokens - 1 = {longest}: samples would not fit')
+  try:
+    sizes = [int(s) for s in tr.mesh.split(',')]
+  except ValueError:
+    sizes = []
+  _check(len(sizes) == 3 and all(s >= 1 or s == -1 for s in sizes), 'train.mesh',
+         f"must be 'data,fsdp,tensor' sizes like '1,-1,1', got {tr.mesh!r}")
+  for section, make in (('loss', lambda: losses.LossConfig(**config.loss.to_dict())),
+                        ('optimizer', lambda: train.OptimizerConfig(**config.optimizer.to_dict())),
+                        ('model.demo', lambda: demo_config(config))):
+    try:
+      make()
+    except ValueError as e:
+      raise ValueError(f'config.{section}: {e}') from None
+
+
+def demo_config(config: ml_collections.ConfigDict) -> warmstart.WarmStartConfig:
+  return warmstart.WarmStartConfig(**config.model.demo.to_dict(),
+                                   **{k: config.task[k] for k in TASK_KEYS})

@@ -1,0 +1,40 @@
+"""Entry point: `python -m pipelinerl_jax.main --config=configs/math.py:tiny --workdir=DIR`.
+
+Override any field on the command line, e.g. `--config.rl.mode=conventional`.
+"""
+
+import signal
+import sys
+
+from absl import app
+from absl import flags
+from ml_collections import config_flags
+
+from pipelinerl_jax.pipeline import run as run_lib
+
+_CONFIG = config_flags.DEFINE_config_file('config', None, 'Experiment config, e.g. '
+                                          'configs/math.py:tiny.', lock_config=True)
+_WORKDIR = flags.DEFINE_string('workdir', None, 'Output directory (metrics, curves, TensorBoard).')
+flags.mark_flags_as_required(['config', 'workdir'])
+
+
+def _terminate(signum, frame):
+  raise KeyboardInterrupt  # SIGTERM (schedulers, `kill`) stops the run as cleanly as Ctrl-C
+
+
+def main(argv):
+  del argv
+  signal.signal(signal.SIGTERM, _terminate)
+  try:
+    summary = run_lib.run_experiment(_CONFIG.value, _WORKDIR.value)
+  except (ValueError, FileNotFoundError, run_lib.RunError) as e:
+    sys.exit(f'error: {e}')
+  if summary['interrupted']:
+    print(f"\nInterrupted: actor and trainer stopped after {summary['steps']} steps; "
+          f'metrics so far are in {_WORKDIR.value}.')
+    sys.exit(130)
+  print(run_lib.summary_text(summary, _WORKDIR.value))
+
+
+if __name__ == '__main__':
+  app.run(main)

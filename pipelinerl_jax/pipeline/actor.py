@@ -1,0 +1,116 @@
+"""The actor (paper Algorithm 2, "Actor"): keeps up to H sequences in flight, never waiting for
+the trainer. Each loop: admit new prompts (G samples each) while slots and credits allow, then
+one engine step -- which first applies any weights the trainer published since the last step,
+so sequences in flight continue under the new policy with their KV cache kept. Finished
+groups are scored, given advantages and sent to the trainer."""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import threading
+import time
+import zlib
+from typing import Any, Callable, Iterator
+
+import numpy as np
+
+from pipelinerl_jax import losses
+from pipelinerl_jax import packing
+from pipelinerl_jax.generation import api
+from pipelinerl_jax.pipeline import stream as stream_lib
+from pipelinerl_jax.tasks import base as tasks_base
+
+
+@dataclasses.dataclass(frozen=True)
+class ActorConfig:
+  group_size: int                      # G samples per prompt
+  num_slots: int                       # H, max sequences in flight
+  sampling: api.SamplingParams
+  seed: int = 0
+  advantage_baseline: str = 'mean'
+  advantage_normalize_std: bool = False
+  drop_zero_advantage_groups: bool = False
+
+
+def request_seed(seed: int, group_id: int, index: int) -> int:
+  """Distinct, reproducible per-sample seeds (the G samples of a prompt must differ)."""
+  return zlib.crc32(f'{seed}/{group_id}/{index}'.encode()) & 0x7FFFFFFF
+
+
+def make_group(group_id: int, problem: tasks_base.Problem, completions: list[api.Completion],
+               scores: list[tasks_base.Score], config: ActorConfig) -> stream_lib.Group:
+  rewards_G = np.array([s.reward for s in scores], np.float32)
+  adv_G = np.asarray(losses.group_advantages(
+      rewards_G[None], baseline=config.advantage_baseline,
+      normalize_std=config.advantage_normalize_std))[0]
+  samples = [
+      packing.Sample(prompt_tokens=np.asarray(c.prompt_tokens), completion_tokens=c.tokens,
+                     behaviour_logprobs=c.logprobs, versions=c.versions,
+                     advantage=float(a), reward=float(r), group_id=group_id)
+      for c, a, r in zip(completions, adv_G, rewards_G)]
+  return stream_lib.Group(group_id=group_id, problem_id=problem.id, samples=samples,
+                          rewards=rewards_G, statuses=[s.status for s in scores],
+                          finished_at=time.monotonic())
+
+
+class Actor:
+  """Mutable state of the generation side lives here and nowhere else."""
+
+  def __init__(self, engine: api.Engine, problems: Iterator[tasks_base.Problem],
+               score: Callable[[tasks_base.Problem, str], tasks_base.Score],
+               encode: Callable[[tasks_base.Problem], list[int]],
+               decode: Callable[[np.ndarray], str], stream: stream_lib.SampleStream,
+               config: ActorConfig, stop: threading.Event):
+    self.engine, self.problems, self.score = engine, problems, score
+    self.encode, self.decode = encode, decode
+    self.stream, self.config, self.stop = stream, config, stop
+    self.busy_intervals: list[tuple[float, float]] = []   # engine steps that did work
+    self.groups_emitted = 0
+    self.groups_dropped = 0        # all-equal rewards, when drop_zero_advantage_groups
+    self._group_ids = itertools.count()
+    self._open: dict[int, dict[str, Any]] = {}
+
+  def _admit(self) -> None:
+    g = self.config.group_size
+    while (self.engine.num_unfinished + g <= self.config.num_slots
+           and self.stream.try_acquire(g)):
+      gid = next(self._group_ids)
+      problem = next(self.problems)
+      prompt = self.encode(problem)
+      self._open[gid] = dict(problem=problem, completions=[None] * g)
+      for j in range(g):
+        self.engine.submit(api.Request(
+            request_id=f'{gid}/{j}', prompt_tokens=prompt, sampling=self.config.sampling,
+            seed=request_seed(self.config.seed, gid, j), metadata=dict(group=gid, index=j)))
+
+  def _collect(self, completion: api.Completion) -> None:
+    gid, j = completion.metadata['group'], completion.metadata['index']
+    entry = self._open[gid]
+    entry['completions'][j] = completion
+    if any(c is None for c in entry['completions']):
+      return
+    del self._open[gid]
+    problem = entry['problem']
+    scores = [self.score(problem, self.decode(c.tokens)) for c in entry['completions']]
+    group = make_group(gid, problem, entry['completions'], scores, self.config)
+    if (self.config.drop_zero_advantage_groups
+        and not bool(losses.nonzero_groups(np.array([[s.advantage for s in group.samples]]))[0])):
+      self.groups_dropped += 1
+      self.stream.release(len(group.samples))
+      return
+    self.groups_emitted += 1
+    self.stream.put(group)
+
+  def run(self) -> None:
+    while not self.stop.is_set():
+      self._admit()
+      if self.engine.num_unfinished == 0:
+        # Out of credits: the trainer is behind by max_lag steps. Wait for it.
+        self.stream.wait_for_credit(self.config.group_size, timeout=0.05)
+        continue
+      t0 = time.monotonic()
+      finished = self.engine.step()
+      self.busy_intervals.append((t0, time.monotonic()))
+      for c in finished:
+        self._collect(c)

@@ -1,0 +1,107 @@
+"""The stream between actor and trainer: finished groups one way, admission credits the other.
+
+Credits are how `max_lag` becomes backpressure on the actor. Every sample the actor admits
+holds a credit until the trainer has trained on it (or dropped it) AND published the weights
+that step made. With (max_lag + 1) * B credits, at most that many samples are in flight or
+queued, so a sample is normally trained within max_lag steps of the version that started it.
+The trainer still checks every sample's lag and drops (and counts) any that exceed max_lag,
+so the bound holds even for a straggler that decoded far longer than its peers.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+import time
+from typing import Any
+
+import numpy as np
+
+from pipelinerl_jax import packing
+
+
+@dataclasses.dataclass
+class Group:
+  """The G samples of one prompt, scored, with advantages already computed."""
+  group_id: int
+  problem_id: str
+  samples: list[packing.Sample]
+  rewards: np.ndarray              # [G]
+  statuses: list[str]              # the task's score status per sample
+  finished_at: float = 0.0         # time.monotonic() when the last sample finished
+
+  @property
+  def start_version(self) -> int:
+    """The oldest policy version among the group's tokens (what its lag is measured from)."""
+    return int(min(s.versions.min() for s in self.samples))
+
+  @property
+  def num_tokens(self) -> int:
+    return int(sum(len(s.completion_tokens) for s in self.samples))
+
+
+class Stopped(Exception):
+  """Raised in a loop waiting on the stream once the run is stopping."""
+
+
+class SampleStream:
+
+  def __init__(self, capacity: int, stop: threading.Event):
+    self.capacity = capacity          # credits, in samples
+    self._stop = stop
+    self._cond = threading.Condition()
+    self._groups: list[Group] = []
+    self._owned = 0                   # samples admitted and not yet released
+
+  # --- actor side -------------------------------------------------------------------------
+  def try_acquire(self, n: int) -> bool:
+    with self._cond:
+      if self._owned + n > self.capacity:
+        return False
+      self._owned += n
+      return True
+
+  def put(self, group: Group) -> None:
+    with self._cond:
+      self._groups.append(group)
+      self._cond.notify_all()
+
+  def wait_for_credit(self, n: int, timeout: float) -> bool:
+    with self._cond:
+      return self._cond.wait_for(lambda: self._owned + n <= self.capacity or self._stop.is_set(),
+                                 timeout)
+
+  # --- trainer side -----------------------------------------------------------------------
+  def take(self, num_samples: int, poll_s: float = 0.05) -> list[Group]:
+    """Blocks until groups holding >= num_samples samples are queued; takes the oldest
+    (by start version, then finish time) first. Raises Stopped when the run stops."""
+    with self._cond:
+      while sum(len(g.samples) for g in self._groups) < num_samples:
+        if self._stop.is_set():
+          raise Stopped()
+        self._cond.wait(poll_s)
+      self._groups.sort(key=lambda g: (g.start_version, g.finished_at))
+      taken, count = [], 0
+      while count < num_samples:
+        g = self._groups.pop(0)
+        taken.append(g)
+        count += len(g.samples)
+      return taken
+
+  def release(self, n: int) -> None:
+    with self._cond:
+      self._owned = max(0, self._owned - n)
+      self._cond.notify_all()
+
+  def stats(self) -> dict[str, Any]:
+    with self._cond:
+      return dict(queued_samples=sum(len(g.samples) for g in self._groups), owned=self._owned)
+
+
+def wait_or_stop(stop: threading.Event, seconds: float) -> None:
+  if stop.wait(seconds):
+    raise Stopped()
+
+
+def now() -> float:
+  return time.monotonic()

@@ -1,0 +1,156 @@
+"""The trainer loop (paper Algorithm 2, "Trainer"): take B samples, pack, one optimizer step,
+publish the new weights to the generators -- after every step in pipeline mode; after the G
+steps that use one generated batch in conventional mode."""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+import time
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from pipelinerl_jax import packing
+from pipelinerl_jax.pipeline import stream as stream_lib
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainerConfig:
+  batch_size: int                   # B samples per optimizer step
+  seq_len: int                      # packed row length
+  micro_batches: int
+  row_multiple: int                 # micro_batches x data-parallel shards
+  mode: str = 'pipeline'            # 'pipeline' | 'conventional'
+  max_lag: int | None = None        # pipeline mode: samples older than this are dropped
+  conventional_steps: int = 1       # conventional mode: optimizer steps per generated batch
+  total_steps: int = 100
+  max_time_s: float = 0.0           # 0 = no limit
+  overlong: str = 'error'
+
+
+def bucket_rows(num_rows: int, multiple: int) -> int:
+  """Round rows up to multiple * 2^k: a handful of batch shapes, so few recompilations."""
+  units = max(1, -(-num_rows // multiple))
+  return multiple * (1 << (units - 1).bit_length())
+
+
+def token_lags(batch: dict[str, np.ndarray], step: int) -> np.ndarray:
+  """Lag (optimizer steps) of every trained token: current step minus its policy version."""
+  mask = batch['loss_mask'] > 0
+  return step - batch['versions'][mask]
+
+
+def lag_stats(lags: np.ndarray) -> dict[str, float]:
+  if lags.size == 0:
+    return dict(lag_min=0.0, lag_mean=0.0, lag_max=0.0)
+  return dict(lag_min=float(lags.min()), lag_mean=float(lags.mean()), lag_max=float(lags.max()))
+
+
+def prepare_batch(groups: list[stream_lib.Group], config: TrainerConfig):
+  samples = [s for g in groups for s in g.samples]
+  batch, pstats = packing.pack_samples(samples, config.seq_len, row_multiple=config.row_multiple,
+                                       overlong=config.overlong)
+  rows = bucket_rows(pstats.num_rows, config.row_multiple)
+  if rows != pstats.num_rows:
+    batch, pstats = packing.pack_samples(samples, config.seq_len, num_rows=rows,
+                                         row_multiple=config.row_multiple,
+                                         overlong=config.overlong)
+  return batch, pstats
+
+
+class Trainer:
+  """Mutable state of the training side lives here: the TrainState and the counters."""
+
+  def __init__(self, state, train_step: Callable, put_batch: Callable, publish: Callable,
+               stream: stream_lib.SampleStream, config: TrainerConfig, stop: threading.Event,
+               log: Callable[[dict], None], gen_stats: Callable[[], dict]):
+    self.state, self.train_step, self.put_batch = state, train_step, put_batch
+    self.publish, self.stream, self.config, self.stop = publish, stream, config, stop
+    self.log, self.gen_stats = log, gen_stats
+    self.busy_intervals: list[tuple[float, float]] = []   # train steps
+    self.samples_trained = 0
+    self.stale_dropped = 0
+    self.max_lag_seen = 0
+    self.start_time = time.monotonic()
+    self._last_gen = None
+
+  @property
+  def step(self) -> int:
+    return int(self.state.step)
+
+  def _take_fresh(self, n: int) -> list[stream_lib.Group]:
+    """n samples whose lag at the current step is within max_lag; stale ones are dropped."""
+    fresh: list[stream_lib.Group] = []
+    while sum(len(g.samples) for g in fresh) < n:
+      need = n - sum(len(g.samples) for g in fresh)
+      for g in self.stream.take(need):
+        if self.config.max_lag is not None and self.step - g.start_version > self.config.max_lag:
+          self.stale_dropped += len(g.samples)
+          self.stream.release(len(g.samples))
+        else:
+          fresh.append(g)
+    return fresh
+
+  def _one_step(self, groups: list[stream_lib.Group]) -> dict[str, Any]:
+    step = self.step
+    batch, pstats = prepare_batch(groups, self.config)
+    lags = token_lags(batch, step)
+    t0 = time.monotonic()
+    self.state, metrics = self.train_step(self.state, self.put_batch(batch))
+    metrics = jax.device_get(metrics)
+    t1 = time.monotonic()
+    self.busy_intervals.append((t0, t1))
+    self.samples_trained += pstats.num_samples
+    self.max_lag_seen = max(self.max_lag_seen, int(lags.max()) if lags.size else 0)
+    rewards = np.concatenate([g.rewards for g in groups])
+    statuses = [s for g in groups for s in g.statuses]
+    record = {k: float(v) for k, v in metrics.items()}
+    record.update(
+        step=step + 1, time_s=t1 - self.start_time, samples=self.samples_trained,
+        reward_mean=float(rewards.mean()), train_step_s=t1 - t0,
+        train_tokens_per_s=pstats.num_tokens / max(t1 - t0, 1e-9),
+        pack_fill=pstats.fill, stale_dropped=self.stale_dropped, **lag_stats(lags))
+    for status in sorted(set(statuses)):
+      record[f'frac_{status}'] = statuses.count(status) / len(statuses)
+    return record
+
+  def _gen_rate(self) -> dict[str, float]:
+    """Generated tokens/s since the previous log line."""
+    stats, t = self.gen_stats(), time.monotonic()
+    tokens = float(stats.get('tokens_generated', 0))
+    rate = 0.0
+    if self._last_gen is not None:
+      rate = (tokens - self._last_gen[0]) / max(t - self._last_gen[1], 1e-9)
+    self._last_gen = (tokens, t)
+    return dict(gen_tokens_per_s=rate, busy_slots=float(stats.get('busy_slots', 0)))
+
+  def _done(self) -> bool:
+    c = self.config
+    return (self.step >= c.total_steps or self.stop.is_set()
+            or (c.max_time_s > 0 and time.monotonic() - self.start_time > c.max_time_s))
+
+  def run(self) -> None:
+    self.start_time = time.monotonic()
+    self._gen_rate()
+    b = self.config.batch_size
+    while not self._done():
+      if self.config.mode == 'pipeline':
+        record = self._one_step(self._take_fresh(b))
+        self.publish(self.state.params, self.step)
+        self.stream.release(b)
+        self.log({**record, **self._gen_rate()})
+      else:
+        # Conventional: the whole B*G batch was generated by one policy; G steps on it, then sync.
+        k = self.config.conventional_steps
+        groups = self.stream.take(b * k)
+        per_step = len(groups) // k
+        for i in range(k):
+          record = self._one_step(groups[i * per_step:(i + 1) * per_step])
+          self.log({**record, **self._gen_rate()})
+          if self._done() and i < k - 1:
+            break
+        self.publish(self.state.params, self.step)
+        self.stream.release(b * k)

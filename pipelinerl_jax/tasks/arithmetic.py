@@ -1,0 +1,108 @@
+"""Procedural integer arithmetic: prompt `37+45=`, target completion `\\boxed{82}` (+ EOS).
+
+The problem space is split once, by a hash of the prompt, into an SFT pool (1 / sft_pool_mod of
+it) and an RL pool (the rest). The warm start imitates a small fixed set drawn from the SFT pool;
+RL then only ever sees problems from the RL pool, so whatever it gains is on unseen problems and
+cannot come from memorizing the supervised examples. The split depends on the problem alone,
+not on any seed, so the two sets are disjoint for every pair of seeds.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+import re
+import zlib
+from typing import Iterator
+
+from pipelinerl_jax.tasks.base import Problem, Score, extract_boxed
+
+_OPS = {'+': lambda a, b: a + b, '-': lambda a, b: a - b, '*': lambda a, b: a * b}
+_INTEGER = re.compile(r'-?\d{1,32}')  # an answer longer than 32 digits is not a number we asked for
+ALPHABET = '0123456789+-*=\\boxed{}'  # every character a prompt or target can hold
+
+
+@dataclasses.dataclass(frozen=True)
+class ArithmeticTask:
+  """`a op b`: a has `digits` digits; b too, except for '*' where it has one digit (so products
+  stay short). Each problem picks its op uniformly from `ops`."""
+  ops: tuple[str, ...] = ('+',)
+  digits: int = 2
+  sft_pool_mod: int = 8      # 1 / sft_pool_mod of the problem space is reserved for SFT
+
+  def __post_init__(self):
+    object.__setattr__(self, 'ops', tuple(self.ops))
+    if not self.ops or any(op not in _OPS for op in self.ops):
+      raise ValueError(f'ops={self.ops} must be a non-empty subset of {tuple(_OPS)}')
+    if not 1 <= self.digits <= 9:
+      raise ValueError(f'digits={self.digits} must be in 1..9')
+    if self.sft_pool_mod < 2:
+      raise ValueError(f'sft_pool_mod={self.sft_pool_mod} must be >= 2 (RL needs a pool too)')
+
+  # --- the Task protocol ---------------------------------------------------------------------
+
+  def problems(self, seed: int) -> Iterator[Problem]:
+    """Fresh RL-pool problems, i.i.d. (repeats happen once the stream outgrows the pool)."""
+    return self._stream(seed, sft=False, prefix=f'rl{seed}')
+
+  def score(self, problem: Problem, completion_text: str) -> Score:
+    try:
+      boxed = extract_boxed(completion_text)
+      if boxed is None:
+        return Score(0.0, 'no_answer')
+      value = boxed.strip()
+      if not _INTEGER.fullmatch(value):
+        return Score(0.0, 'unparsable')
+      return Score(1.0, 'correct') if int(value) == int(problem.answer) else Score(0.0, 'wrong')
+    except Exception:  # a scorer failure must never take the actor down
+      return Score(0.0, 'unparsable')
+
+  # --- supervised warm start -----------------------------------------------------------------
+
+  def sft_problems(self, seed: int, num: int) -> list[Problem]:
+    """`num` distinct SFT-pool problems, a function of (seed, num)."""
+    out, seen = [], set()
+    stream = self._stream(seed, sft=True, prefix=f'sft{seed}')
+    for _ in range(100 * num + 10_000):  # bounded: the pool may hold fewer than `num`
+      if len(out) == num:
+        return out
+      p = next(stream)
+      if p.prompt not in seen:
+        seen.add(p.prompt)
+        out.append(p)
+    if len(out) < num:
+      raise ValueError(f'found only {len(out)} distinct SFT-pool problems of the {num} asked '
+                       f'for; the pool holds about {self.space_size() // self.sft_pool_mod}')
+    return out
+
+  @staticmethod
+  def target(problem: Problem) -> str:
+    """The completion SFT imitates (the tokenizer's EOS goes after it)."""
+    return f'\\boxed{{{problem.answer}}}'
+
+  # --- internals -----------------------------------------------------------------------------
+
+  def in_sft_pool(self, prompt: str) -> bool:
+    # crc32, not hash(): Python salts str hashes per process.
+    return zlib.crc32(prompt.encode()) % self.sft_pool_mod == 0
+
+  def space_size(self) -> int:
+    return sum(len(ra) * len(rb) for ra, rb in map(self._operand_ranges, self.ops))
+
+  def _operand_ranges(self, op: str) -> tuple[range, range]:
+    full = range(10 ** (self.digits - 1) if self.digits > 1 else 0, 10 ** self.digits)
+    return full, (range(1, 10) if op == '*' else full)
+
+  def _stream(self, seed: int, sft: bool, prefix: str) -> Iterator[Problem]:
+    # A string seed keeps the SFT and RL streams of the same integer seed unrelated.
+    rng = random.Random(f'arithmetic/{prefix}')
+    index = 0
+    while True:
+      op = rng.choice(self.ops)
+      ra, rb = self._operand_ranges(op)
+      a, b = rng.choice(ra), rng.choice(rb)
+      prompt = f'{a}{op}{b}='
+      if self.in_sft_pool(prompt) != sft:
+        continue
+      yield Problem(id=f'{prefix}-{index}', prompt=prompt, answer=str(_OPS[op](a, b)))
+      index += 1

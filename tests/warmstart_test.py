@@ -1,0 +1,131 @@
+"""Character tokenizer, the demo model build (HF dir, cache) and the SFT warm start."""
+
+import json
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+import transformers
+
+from pipelinerl_jax import warmstart
+from pipelinerl_jax.models import char_tokenizer
+from pipelinerl_jax.models import hf_io
+from pipelinerl_jax.models import transformer
+from pipelinerl_jax.tasks import ArithmeticTask
+
+# A build small enough for a test: 32 SFT examples seen 150 times (memorized), never stopped
+# early by the accuracy target.
+TINY = warmstart.WarmStartConfig(sft_examples=32, batch_size=32, max_steps=150, eval_every=50,
+                                 eval_problems=16, target_sampled_accuracy=2.0)
+
+
+@pytest.fixture(scope='module')
+def built(tmp_path_factory):
+  out = tmp_path_factory.mktemp('demo') / 'model'
+  logs = []
+  start = time.perf_counter()
+  path = warmstart.build_demo_model(out, TINY, log=logs.append)
+  return path, logs, time.perf_counter() - start
+
+
+def test_tokenizer_round_trips_through_auto_tokenizer(tmp_path):
+  tok = char_tokenizer.build_char_tokenizer()
+  char_tokenizer.save_tokenizer(tok, tmp_path)
+  hf = transformers.AutoTokenizer.from_pretrained(tmp_path)
+  assert hf.eos_token == '<eos>' and hf.pad_token == '<pad>' and hf.bos_token is None
+  assert (hf.pad_token_id, hf.eos_token_id) == (0, 1) and len(hf) == tok.get_vocab_size()
+  task = ArithmeticTask(ops=('+', '-', '*'))
+  texts = [s for p in task.sft_problems(0, 50) for s in (p.prompt, task.target(p))]
+  texts += [' a  b . , ', "it's\n\t{x}", char_tokenizer.DEFAULT_ALPHABET]
+  for text in texts:
+    ids = hf.encode(text, add_special_tokens=False)
+    assert len(ids) == len(text)  # one token per character, no BOS / EOS added
+    assert ids == hf(text)['input_ids'] == tok.encode(text).ids
+    assert hf.decode(ids) == text
+  ids = hf.encode('37+45=') + [hf.eos_token_id, hf.pad_token_id]
+  assert hf.decode(ids, skip_special_tokens=True) == '37+45='
+  assert hf.encode('é') == [hf.unk_token_id]  # outside the alphabet
+
+
+def test_build_writes_a_loadable_hf_dir_with_matching_logits(built):
+  path, logs, _ = built
+  names = {p.name for p in path.iterdir()}
+  assert {'config.json', 'model.safetensors', 'tokenizer.json', 'tokenizer_config.json',
+          'generation_config.json', warmstart.STAMP_FILE} <= names
+  assert not list(path.parent.glob('.model.*'))  # no temp / old dirs left behind
+  assert any('building' in line for line in logs)
+
+  config = hf_io.load_config(path)
+  assert config.head_dim in (32, 64) and config.architecture == 'Qwen2ForCausalLM'
+  tok = transformers.AutoTokenizer.from_pretrained(path)
+  assert config.vocab_size == len(tok)
+  assert json.loads((path / 'config.json').read_text())['eos_token_id'] == tok.eos_token_id
+  params = hf_io.load_params(path, config)
+  tokens = np.array([tok.encode('37+45=\\boxed{82}'), tok.encode('99*9=\\boxed{891}x')[:16]])
+  ours = np.asarray(transformer.forward_logits(params, config, jnp.asarray(tokens)))
+  model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+  with torch.no_grad():
+    theirs = model(torch.as_tensor(tokens)).logits.numpy()
+  np.testing.assert_allclose(ours, theirs, atol=2e-4, rtol=2e-4)
+
+
+def test_second_build_is_a_cache_hit(built):
+  path, _, first_seconds = built
+  stamp_mtime = (path / warmstart.STAMP_FILE).stat().st_mtime_ns
+  logs = []
+  start = time.perf_counter()
+  assert warmstart.build_demo_model(path, TINY, log=logs.append) == path
+  assert time.perf_counter() - start < min(1.0, first_seconds / 5)
+  assert logs == [] and (path / warmstart.STAMP_FILE).stat().st_mtime_ns == stamp_mtime
+  # Other settings would rebuild: the stamp's hash tells them apart.
+  other = warmstart.WarmStartConfig.from_mapping({**TINY.__dict__, 'max_steps': 151})
+  assert warmstart.settings_hash(other) != warmstart.read_stamp(path)['settings_hash']
+
+
+def test_sft_lowers_loss_and_learns_the_sft_set(built):
+  path, _, _ = built
+  stamp = warmstart.read_stamp(path)
+  assert stamp['settings_hash'] == warmstart.settings_hash(TINY)
+  losses = [h['loss'] for h in stamp['history']]
+  assert [h['step'] for h in stamp['history']] == [50, 100, 150]
+  assert losses[-1] < 0.5 * losses[0] and losses[-1] < 0.5
+
+  config = hf_io.load_config(path)
+  tok = char_tokenizer.load_tokenizer(path)
+  task = warmstart.make_task(TINY)
+  sft_set = task.sft_problems(TINY.sft_seed, TINY.sft_examples)
+  fresh = transformer.init_params(config, jax.random.PRNGKey(TINY.init_seed))
+  before = warmstart.evaluate_accuracy(fresh, config, tok, task, sft_set, 0.0)
+  after = warmstart.evaluate_accuracy(hf_io.load_params(path, config), config, tok, task,
+                                      sft_set, 0.0, return_texts=True)
+  assert before['accuracy'] == 0.0 and before['statuses']['no_answer'] == len(sft_set)
+  assert after['accuracy'] >= 0.75, after
+  assert sum(after['statuses'].values()) == after['num'] == len(sft_set)
+  assert all(t.startswith('\\boxed{') for t in after['texts'])
+
+
+def test_evaluate_accuracy_greedy_is_deterministic_sampling_is_seeded(built):
+  path, _, _ = built
+  config = hf_io.load_config(path)
+  params = hf_io.load_params(path, config)
+  tok = char_tokenizer.build_char_tokenizer()  # the in-process tokenizer works as well
+  task = warmstart.make_task(TINY)
+  problems = task.sft_problems(TINY.sft_seed, 16)
+  run = lambda temp, seed: warmstart.evaluate_accuracy(params, config, tok, task, problems, temp,
+                                                       seed=seed, return_texts=True)['texts']
+  assert run(0.0, 0) == run(0.0, 1)
+  assert run(1.0, 3) == run(1.0, 3)
+  samples = [run(5.0, s) for s in (0, 1)]  # hot enough that two seeds must differ somewhere
+  assert samples[0] != samples[1]
+
+
+def test_config_checks():
+  with pytest.raises(ValueError, match='head_dim'):
+    warmstart.WarmStartConfig(hidden_size=48, head_dim=24)
+  with pytest.raises(TypeError):
+    warmstart.WarmStartConfig.from_mapping({'no_such_field': 1})
+  cfg = warmstart.WarmStartConfig.from_mapping({'ops': ['+', '-'], 'lr': 3e-3})
+  assert cfg.ops == ('+', '-') and warmstart.make_task(cfg).ops == ('+', '-')
