@@ -103,6 +103,20 @@ class Engine(abc.ABC):
     self.close()
 
 
+def check_request(request: Request, *, max_len: int, max_len_field: str,
+                  vocab_size: int) -> None:
+  """The checks every backend makes at `submit`; raises ValueError naming the request."""
+  prompt = list(request.prompt_tokens)
+  n = request.sampling.max_tokens
+  if not prompt:
+    raise ValueError(f'request {request.request_id!r} has an empty prompt')
+  if len(prompt) + n > max_len:
+    raise ValueError(f'request {request.request_id!r}: prompt {len(prompt)} + max_tokens {n} '
+                     f'exceeds {max_len_field}={max_len}')
+  if min(prompt) < 0 or max(prompt) >= vocab_size:
+    raise ValueError(f'request {request.request_id!r} has token ids outside the vocab')
+
+
 def generate(engine: Engine, requests: Sequence[Request]) -> list[Completion]:
   """Runs `step()` until every request is done; completions come back in request order.
 

@@ -210,15 +210,9 @@ class JaxEngine(api.Engine):
 
   def submit(self, request: api.Request) -> None:
     self._check_open()
-    prompt = list(request.prompt_tokens)
-    n = request.sampling.max_tokens
-    if not prompt:
-      raise ValueError(f'request {request.request_id!r} has an empty prompt')
-    if len(prompt) + n > self.config.max_seq_len:
-      raise ValueError(f'request {request.request_id!r}: prompt {len(prompt)} + max_tokens {n} '
-                       f'exceeds max_seq_len={self.config.max_seq_len}')
-    if min(prompt) < 0 or max(prompt) >= self.model_config.vocab_size:
-      raise ValueError(f'request {request.request_id!r} has token ids outside the vocab')
+    api.check_request(request, max_len=self.config.max_seq_len,
+                      max_len_field='max_seq_len',
+                      vocab_size=self.model_config.vocab_size)
     with self._lock:
       if request.request_id in self._ids:
         raise ValueError(f'request id {request.request_id!r} is already unfinished')
