@@ -27,11 +27,11 @@ from pipelinerl_jax.generation import api
 from pipelinerl_jax.generation import engine as engine_lib
 from pipelinerl_jax.models import hf_io
 from pipelinerl_jax.models import transformer
-from pipelinerl_jax.tasks import arithmetic
 from pipelinerl_jax.pipeline import actor as actor_lib
 from pipelinerl_jax.pipeline import metrics as metrics_lib
 from pipelinerl_jax.pipeline import stream as stream_lib
 from pipelinerl_jax.pipeline import trainer as trainer_lib
+from pipelinerl_jax.tasks import arithmetic
 
 STOP_TIMEOUT_S = 10.0
 
