@@ -77,6 +77,12 @@ def base_config() -> ml_collections.ConfigDict:
   c.train.mesh = '1,-1,1'         # data,fsdp,tensor sizes; -1 = the remaining devices
   c.train.overlong = 'error'      # 'error' | 'truncate' (counted) for samples longer than seq_len
 
+  c.checkpoint = ml_collections.ConfigDict()
+  c.checkpoint.dir = ''           # orbax checkpoints ('' = <workdir>/checkpoints)
+  c.checkpoint.every_steps = 100  # also saved at exit (end, Ctrl-C, time budget); 0 = only then
+  c.checkpoint.keep = 3           # the last k checkpoints are kept
+  c.checkpoint.resume = True      # continue from the latest checkpoint in dir, if there is one
+
   c.log = ml_collections.ConfigDict()
   c.log.tensorboard = True
   c.log.progress = True
@@ -140,6 +146,10 @@ def validate(config: ml_collections.ConfigDict) -> None:
          f"must be 'mean', 'loo' or 'none', got {config.advantage.baseline!r}")
   _check(tr.micro_batches >= 1, 'train.micro_batches', 'must be >= 1')
   _check(tr.overlong in ('error', 'truncate'), 'train.overlong', "must be 'error' or 'truncate'")
+  _check(config.checkpoint.every_steps >= 0, 'checkpoint.every_steps',
+         f'must be >= 0, got {config.checkpoint.every_steps}')
+  _check(config.checkpoint.keep >= 1, 'checkpoint.keep',
+         f'must be >= 1, got {config.checkpoint.keep}')
   longest = g.max_prompt_len + g.max_new_tokens - 1
   _check(tr.seq_len >= longest, 'train.seq_len',
          f'{tr.seq_len} < max_prompt_len + max_new_tokens - 1 = {longest}: samples would not fit')

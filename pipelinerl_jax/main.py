@@ -32,8 +32,13 @@ def main(argv):
   if summary['interrupted']:
     print(f"\nInterrupted: actor and trainer stopped after {summary['steps']} steps; "
           f'metrics so far are in {_WORKDIR.value}.')
+    if summary['checkpoint']:
+      print(f"Checkpoint saved in {summary['checkpoint']}: run the same command to resume.")
     sys.exit(130)
   print(run_lib.summary_text(summary, _WORKDIR.value))
+  if summary['checkpoint']:
+    print(f"Checkpoints: {summary['checkpoint']} (HF export: python -m pipelinerl_jax.export "
+          f"--checkpoint={summary['checkpoint']} --out=DIR)")
 
 
 if __name__ == '__main__':

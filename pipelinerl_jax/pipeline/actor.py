@@ -61,14 +61,16 @@ class Actor:
                score: Callable[[tasks_base.Problem, str], tasks_base.Score],
                encode: Callable[[tasks_base.Problem], list[int]],
                decode: Callable[[np.ndarray], str], stream: stream_lib.SampleStream,
-               config: ActorConfig, stop: threading.Event):
+               config: ActorConfig, stop: threading.Event,
+               group_ids: Iterator[int] | None = None):
+    """`group_ids` numbers the `problems` (default 0, 1, ...; a resumed run starts later)."""
     self.engine, self.problems, self.score = engine, problems, score
     self.encode, self.decode = encode, decode
     self.stream, self.config, self.stop = stream, config, stop
     self.busy_intervals: list[tuple[float, float]] = []   # engine steps that did work
     self.groups_emitted = 0
     self.groups_dropped = 0        # all-equal rewards, when drop_zero_advantage_groups
-    self._group_ids = itertools.count()
+    self._group_ids = itertools.count() if group_ids is None else group_ids
     self._open: dict[int, dict[str, Any]] = {}
 
   def _admit(self) -> None:
@@ -97,6 +99,7 @@ class Actor:
     if (self.config.drop_zero_advantage_groups
         and not bool(losses.nonzero_groups(np.array([[s.advantage for s in group.samples]]))[0])):
       self.groups_dropped += 1
+      self.stream.ledger.mark([gid])
       self.stream.release(len(group.samples))
       return
     self.groups_emitted += 1

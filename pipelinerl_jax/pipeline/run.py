@@ -17,6 +17,7 @@ import jax.numpy as jnp
 import ml_collections
 import numpy as np
 
+from pipelinerl_jax import checkpoint as checkpoint_lib
 from pipelinerl_jax import config as config_lib
 from pipelinerl_jax import losses
 from pipelinerl_jax import packing
@@ -84,7 +85,7 @@ def engine_publisher(config: ml_collections.ConfigDict, mesh) -> Callable:
 
 
 def make_engine(config: ml_collections.ConfigDict, model_config, model_dir: str, *, mesh,
-                eos_token_id: int, params) -> api.Engine:
+                eos_token_id: int, params, version: int = 0) -> api.Engine:
   g = config.generation
   max_len = g.max_prompt_len + g.max_new_tokens
   if g.backend == 'jax':
@@ -93,7 +94,7 @@ def make_engine(config: ml_collections.ConfigDict, model_config, model_dir: str,
         model_config, copy_params_fn(device)(params),
         engine_lib.EngineConfig(num_slots=g.num_slots, max_seq_len=max_len,
                                 eos_token_ids=(eos_token_id,), recompute_kv=g.recompute_kv),
-        version=0, device=device)
+        version=version, device=device)
   # vLLM starts from the checkpoint on disk, which is what `params` were loaded from.
   from pipelinerl_jax.generation import vllm_engine  # imports vLLM: only when asked for
   engine_config = vllm_engine.VllmEngineConfig(
@@ -184,12 +185,23 @@ def run(config: ml_collections.ConfigDict, workdir: str, *, model_dir: str | Non
       lm_head_fp32=config.model.lm_head_fp32, remat=config.model.remat)
   data, fsdp, tensor = (int(s) for s in config.train.mesh.split(','))
   mesh = sharding_lib.make_mesh(data, fsdp, tensor)
-  shapes = jax.eval_shape(lambda k: transformer.init_params(model_config, k), jax.random.PRNGKey(0))
-  params = hf_io.load_params(model_dir, model_config,
-                             shardings=sharding_lib.param_shardings(shapes, mesh))
   optimizer = train.make_optimizer(train.OptimizerConfig(**config.optimizer.to_dict()))
-  state, state_sh = train.create_sharded_state(params, optimizer, mesh)
-  del params
+  checkpoints = checkpoint_lib.Checkpointer(checkpoint_lib.directory(config, workdir),
+                                            config.checkpoint.keep, config.checkpoint.every_steps)
+  resumed = None  # the checkpoint's meta when resuming
+  checkpoint_lib.check_fresh_start(config, checkpoints)
+  if config.checkpoint.resume and checkpoints.latest_step() is not None:
+    target, state_sh = checkpoint_lib.abstract_state(model_config, optimizer, mesh)
+    state, resumed = checkpoints.restore(target)
+    checkpoint_lib.check_resumable(resumed, config, checkpoints.path)
+    print(f'[run] resuming from {checkpoints.path} at step {int(state.step)}', flush=True)
+  else:
+    shapes = jax.eval_shape(lambda k: transformer.init_params(model_config, k),
+                            jax.random.PRNGKey(0))
+    params = hf_io.load_params(model_dir, model_config,
+                               shardings=sharding_lib.param_shardings(shapes, mesh))
+    state, state_sh = train.create_sharded_state(params, optimizer, mesh)
+    del params
   schedule = train.lr_schedule(train.OptimizerConfig(**config.optimizer.to_dict()))
   train_step = train.jit_train_step(
       train.make_train_step(model_config, losses.LossConfig(**config.loss.to_dict()), optimizer,
@@ -208,8 +220,11 @@ def run(config: ml_collections.ConfigDict, workdir: str, *, model_dir: str | Non
   if tokenizer.eos_token_id is None:
     raise ValueError(f'{model_dir}: the tokenizer has no eos_token; generation could not stop')
   engine = make_engine(config, model_config, model_dir, mesh=mesh,
-                       eos_token_id=tokenizer.eos_token_id, params=state.params)
+                       eos_token_id=tokenizer.eos_token_id, params=state.params,
+                       version=int(state.step))
   to_generator = engine_publisher(config, mesh)
+  if resumed and g.backend != 'jax':  # vLLM loaded model_dir's weights: replace them
+    engine.update_params(to_generator(state.params), int(state.step))
   sampling = api.SamplingParams(temperature=g.temperature, top_p=g.top_p, top_k=g.top_k,
                                 max_tokens=g.max_new_tokens)
 
@@ -218,9 +233,12 @@ def run(config: ml_collections.ConfigDict, workdir: str, *, model_dir: str | Non
   stop = threading.Event()
   capacity = stream_capacity(rl.mode, rl.batch_size, g.num_slots, rl.max_lag,
                              rl.conventional_steps)
-  stream = stream_lib.SampleStream(capacity, stop)
+  stream = stream_lib.SampleStream(
+      capacity, stop, ledger=stream_lib.GroupLedger(**resumed['data']) if resumed else None)
+  group_ids, problems = checkpoint_lib.data_stream(task.problems(config.seed),
+                                                   resumed['data'] if resumed else None)
   actor = actor_lib.Actor(
-      engine, task.problems(config.seed), task.score,
+      engine, problems, task.score,
       encode=lambda p: check_prompt(tokenizer.encode(p.prompt, add_special_tokens=False), p.id),
       decode=lambda t: tokenizer.decode(t, skip_special_tokens=True), stream=stream,
       config=actor_lib.ActorConfig(
@@ -228,7 +246,7 @@ def run(config: ml_collections.ConfigDict, workdir: str, *, model_dir: str | Non
           advantage_baseline=config.advantage.baseline,
           advantage_normalize_std=config.advantage.normalize_std,
           drop_zero_advantage_groups=config.advantage.drop_zero_groups),
-      stop=stop)
+      stop=stop, group_ids=group_ids)
 
   writer = metrics_lib.MetricsWriter(workdir, tensorboard=config.log.tensorboard,
                                      progress=config.log.progress)
@@ -249,7 +267,14 @@ def run(config: ml_collections.ConfigDict, workdir: str, *, model_dir: str | Non
           mode=rl.mode, max_lag=rl.max_lag if rl.mode == 'pipeline' else None,
           conventional_steps=rl.conventional_steps, total_steps=rl.total_steps,
           max_time_s=rl.max_time_s, overlong=config.train.overlong),
-      stop=stop, log=log, gen_stats=engine.stats)
+      stop=stop, log=log, gen_stats=engine.stats,
+      after_publish=lambda: save_checkpoint(final=False))
+  for name, value in (resumed['counters'] if resumed else {}).items():
+    setattr(trainer, name, value)
+
+  def save_checkpoint(final: bool) -> None:
+    if final or checkpoints.due(trainer.step):
+      checkpoints.save(trainer.state, checkpoint_lib.run_meta(config, model_dir, trainer))
 
   # --- the two loops -------------------------------------------------------------------------
   errors: list[tuple[str, BaseException]] = []
@@ -287,6 +312,9 @@ def run(config: ml_collections.ConfigDict, workdir: str, *, model_dir: str | Non
     alive = [t.name for t in threads if t.is_alive()]
     engine.close()
     writer.close()
+  if 'trainer' not in alive and 'trainer' not in [name for name, _ in errors]:
+    save_checkpoint(final=True)  # also after Ctrl-C or the time budget: nothing trained is lost
+  checkpoints.close()
   if interrupted:
     print(f'\n[run] loops stopped {time.monotonic() - t_interrupt:.1f} s after the interrupt',
           flush=True)
@@ -305,4 +333,5 @@ def run(config: ml_collections.ConfigDict, workdir: str, *, model_dir: str | Non
       max_lag_seen=trainer.max_lag_seen,
       gen_train_overlap_s=overlap_seconds(actor.busy_intervals, trainer.busy_intervals),
       gen_busy_s=sum(e - s for s, e in actor.busy_intervals),
-      train_busy_s=sum(e - s for s, e in trainer.busy_intervals), final_state=trainer.state)
+      train_busy_s=sum(e - s for s, e in trainer.busy_intervals), final_state=trainer.state,
+      checkpoint=checkpoints.path if checkpoints.last_saved else None)

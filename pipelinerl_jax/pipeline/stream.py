@@ -13,7 +13,7 @@ from __future__ import annotations
 import dataclasses
 import threading
 import time
-from typing import Any
+from typing import Any, Iterable
 
 import numpy as np
 
@@ -40,14 +40,45 @@ class Group:
     return int(sum(len(s.completion_tokens) for s in self.samples))
 
 
+class GroupLedger:
+  """Which group ids are finished with (trained, or dropped unused): a checkpoint's data position.
+
+  Group i is problem i of the task's stream, so the lowest id not yet finished (`next_group`)
+  plus the finished ids above it say exactly which problems a resumed run must still generate.
+  Groups in flight at save time are not finished: a resumed run regenerates them.
+  """
+
+  def __init__(self, next_group: int = 0, done_above: Iterable[int] = ()):
+    self._lock = threading.Lock()
+    self._next = next_group
+    self._done = {i for i in done_above if i >= next_group}
+    self._advance()
+
+  def _advance(self):
+    while self._next in self._done:
+      self._done.remove(self._next)
+      self._next += 1
+
+  def mark(self, group_ids: Iterable[int]) -> None:
+    with self._lock:
+      self._done.update(i for i in group_ids if i >= self._next)
+      self._advance()
+
+  def position(self) -> dict[str, Any]:
+    """{'next_group': lowest unfinished id, 'done_above': finished ids above it, sorted}."""
+    with self._lock:
+      return dict(next_group=self._next, done_above=sorted(self._done))
+
+
 class Stopped(Exception):
   """Raised in a loop waiting on the stream once the run is stopping."""
 
 
 class SampleStream:
 
-  def __init__(self, capacity: int, stop: threading.Event):
+  def __init__(self, capacity: int, stop: threading.Event, ledger: GroupLedger | None = None):
     self.capacity = capacity          # credits, in samples
+    self.ledger = ledger or GroupLedger()  # marked by the trainer (trained) and actor (dropped)
     self._stop = stop
     self._cond = threading.Condition()
     self._groups: list[Group] = []

@@ -1,0 +1,223 @@
+"""Orbax checkpoints of a run, for exact resume; and params from a checkpoint or an HF dir.
+
+A checkpoint is one step directory under config.checkpoint.dir holding two items:
+  state/  the TrainState (step = policy version, params, optimizer state). Every array is
+          written with its sharding and restored straight into the trainer's shardings.
+  meta/   JSON: the seed, the data position (see stream.GroupLedger), trainer counters, the
+          run's config and model dir.
+Orbax writes a step into a temporary directory and renames it once complete, so a save cut
+short (a second Ctrl-C, a crash) never becomes the latest checkpoint.
+
+Why a resume can be exact: training uses no randomness, sampling is keyed by (seed, group id,
+sample index), and group i is always problem i of `task.problems(seed)`. So the restored state,
+seed and data position make the resumed run generate the same groups under the same weights.
+That holds in conventional mode, where a checkpoint is taken at a sync boundary and every
+admitted group has been trained. In pipeline mode the groups in flight at save time are lost;
+the resumed run generates them again, under the restored weights (everything trained or
+dropped before the save is skipped, so no problem is trained twice).
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+import json
+import os
+from pathlib import Path
+from typing import Any, Iterator
+
+import jax
+import ml_collections
+import optax
+import orbax.checkpoint as ocp
+
+from pipelinerl_jax import train
+from pipelinerl_jax.models import hf_io
+from pipelinerl_jax.models import transformer
+
+STATE, META = 'state', 'meta'
+
+
+def directory(config: ml_collections.ConfigDict, workdir: str) -> str:
+  """config.checkpoint.dir, or <workdir>/checkpoints; absolute (orbax wants that)."""
+  return os.path.abspath(config.checkpoint.dir or os.path.join(workdir, 'checkpoints'))
+
+
+def _first_line(e: BaseException) -> str:
+  lines = str(e).strip().splitlines()
+  return f'{type(e).__name__}: {lines[0] if lines else ""}'[:300]
+
+
+def _manager(path: str | os.PathLike, keep: int | None = None,
+             read_only: bool = False) -> ocp.CheckpointManager:
+  options = ocp.CheckpointManagerOptions(
+      max_to_keep=keep, create=not read_only, read_only=read_only,
+      # Synchronous: the next train step donates the state's buffers.
+      enable_async_checkpointing=False)
+  try:
+    return ocp.CheckpointManager(os.path.abspath(path), options=options,
+                                 item_names=(STATE, META))
+  except Exception as e:  # e.g. the path is a file
+    raise ValueError(f'{path}: not a usable checkpoint directory ({_first_line(e)})') from None
+
+
+def abstract_state(model_config: transformer.ModelConfig, optimizer: optax.GradientTransformation,
+                   mesh) -> tuple[train.TrainState, train.TrainState]:
+  """(ShapeDtypeStructs carrying the trainer's shardings, the shardings): a restore target."""
+  shapes = jax.eval_shape(
+      lambda k: train.init_train_state(transformer.init_params(model_config, k), optimizer),
+      jax.random.PRNGKey(0))
+  shardings = train.state_shardings(shapes, mesh)
+  target = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+                        shapes, shardings)
+  return target, shardings
+
+
+class Checkpointer:
+  """A run's checkpoints: save every `every_steps` (0: only when asked), keep the last `keep`."""
+
+  def __init__(self, path: str, keep: int, every_steps: int):
+    self.path, self.every_steps = path, every_steps
+    self._manager = _manager(path, keep=keep)
+    self.last_saved = self.latest_step() or 0
+
+  def latest_step(self) -> int | None:
+    return self._manager.latest_step()
+
+  def due(self, step: int) -> bool:
+    """A multiple of every_steps was reached since the last save (conventional mode publishes
+    only every conventional_steps steps, so the boundary may be passed, not hit)."""
+    return bool(self.every_steps) and step // self.every_steps > self.last_saved // self.every_steps
+
+  def save(self, state: train.TrainState, meta: dict[str, Any]) -> bool:
+    """Writes step `state.step` unless it is 0 (the model dir is that) or already saved."""
+    step = int(state.step)
+    if step == 0 or step in self._manager.all_steps():
+      return False
+    self._manager.save(step, args=ocp.args.Composite(
+        **{STATE: ocp.args.StandardSave(state), META: ocp.args.JsonSave(meta)}))
+    self._manager.wait_until_finished()
+    self.last_saved = step
+    return True
+
+  def restore(self, target: train.TrainState, step: int | None = None
+              ) -> tuple[train.TrainState, dict[str, Any]]:
+    """(state placed as `target` says, meta) of `step` (default: the latest)."""
+    step = self.latest_step() if step is None else step
+    step_dir = os.path.join(self.path, str(step))
+    try:
+      restored = self._manager.restore(step, args=ocp.args.Composite(
+          **{STATE: ocp.args.StandardRestore(target), META: ocp.args.JsonRestore()}))
+    except Exception as e:
+      raise ValueError(f'{step_dir}: cannot restore this checkpoint ({_first_line(e)}); '
+                       'delete it or set config.checkpoint.resume=False') from None
+    return restored[STATE], restored[META]
+
+  def close(self) -> None:
+    self._manager.close()
+
+
+def run_meta(config: ml_collections.ConfigDict, model_dir: str, trainer) -> dict[str, Any]:
+  """What a resumed run needs besides the TrainState (and what export needs to find the model)."""
+  return dict(
+      step=trainer.step, policy_version=trainer.step, seed=config.seed,
+      data=trainer.stream.ledger.position(),
+      counters=dict(samples_trained=trainer.samples_trained, stale_dropped=trainer.stale_dropped,
+                    max_lag_seen=trainer.max_lag_seen),
+      model_dir=os.path.abspath(model_dir), config=json.loads(config.to_json_best_effort()))
+
+
+def check_resumable(meta: dict[str, Any], config: ml_collections.ConfigDict, path: str) -> None:
+  """The data stream is a function of the seed: another seed would not continue this run."""
+  if meta['seed'] != config.seed:
+    raise ValueError(f"config.seed: {config.seed} differs from the checkpoint's seed "
+                     f"{meta['seed']} in {path}; use that seed or config.checkpoint.resume=False")
+
+
+def check_fresh_start(config: ml_collections.ConfigDict, checkpoints: Checkpointer) -> None:
+  """A fresh run must not write into another run's checkpoints: its saves would mix with them
+  (and the other run's later steps would stay the 'latest')."""
+  step = checkpoints.latest_step()
+  if not config.checkpoint.resume and step is not None:
+    raise ValueError(f'config.checkpoint.resume: is False, but {checkpoints.path} holds '
+                     f'checkpoints of another run (latest step {step}); set config.checkpoint.dir '
+                     'to another directory or delete them')
+
+
+def data_stream(problems: Iterator, position: dict[str, Any] | None
+                ) -> tuple[Iterator[int] | None, Iterator]:
+  """(group ids, their problems) from a saved data position (None: a fresh run's 0, 1, ...): problem i goes to group i, and
+  groups at or above `next_group` that were already finished with are skipped."""
+  if position is None:
+    return None, problems
+  start, skip = position['next_group'], set(position['done_above'])
+  ids = (i for i in itertools.count(start) if i not in skip)
+  return ids, (p for i, p in enumerate(problems) if i >= start and i not in skip)
+
+
+# ---------------------------------------------------------------------------------------------
+# Reading checkpoints outside a run (evaluation, export).
+
+
+def is_hf_dir(path: str | os.PathLike) -> bool:
+  p = Path(path)
+  return (p / hf_io.CONFIG_FILE).is_file() and (
+      (p / hf_io.SINGLE_FILE).is_file() or (p / hf_io.INDEX_FILE).is_file())
+
+
+def locate(path: str | os.PathLike, step: int | None = None) -> tuple[Path, int]:
+  """(checkpoints root, step) for a run's checkpoints dir (latest step, or `step`) or for one
+  step dir. Raises FileNotFoundError naming the path when there is no checkpoint there."""
+  p = Path(path).absolute()
+  if not p.is_dir():
+    raise FileNotFoundError(f'{p}: no such checkpoint directory')
+  if (p / STATE).is_dir() and p.name.isdigit():
+    if step is not None and step != int(p.name):
+      raise ValueError(f'{p}: is the checkpoint of step {p.name}, not of step {step}')
+    return p.parent, int(p.name)
+  steps = _manager(p, read_only=True).all_steps()
+  if not steps:
+    raise FileNotFoundError(f'{p}: no checkpoint here (expected step directories with '
+                            f'{STATE}/ and {META}/)')
+  if step is None:
+    return p, max(steps)
+  if step not in steps:
+    raise FileNotFoundError(f'{p}: no checkpoint of step {step} (have {sorted(steps)})')
+  return p, step
+
+
+def read_meta(path: str | os.PathLike, step: int | None = None) -> dict[str, Any]:
+  root, step = locate(path, step)
+  try:
+    return _manager(root, read_only=True).restore(
+        step, args=ocp.args.Composite(**{META: ocp.args.JsonRestore()}))[META]
+  except Exception as e:
+    raise ValueError(f'{root / str(step)}: cannot read {META}/ ({_first_line(e)})') from None
+
+
+def load_params(path: str | os.PathLike, model_config: transformer.ModelConfig,
+                shardings=None, step: int | None = None) -> dict:
+  """Params from an orbax checkpoint (a run's checkpoints dir: the latest step, or `step`; or
+  one step dir) or from an HF dir (config.json + safetensors), cast to model_config.param_dtype.
+
+  `shardings`: a pytree of shardings shaped like the params (None: all on the first device).
+  Only the params are read from an orbax checkpoint, not the optimizer state.
+  """
+  if is_hf_dir(path):
+    return hf_io.load_params(path, model_config, shardings=shardings)
+  root, step = locate(path, step)
+  shapes = jax.eval_shape(functools.partial(transformer.init_params, model_config),
+                          jax.random.PRNGKey(0))
+  if shardings is None:
+    device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+    shardings = jax.tree.map(lambda _: device, shapes)
+  target = {'params': jax.tree.map(
+      lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), shapes, shardings)}
+  try:
+    restored = _manager(root, read_only=True).restore(step, args=ocp.args.Composite(**{
+        STATE: ocp.args.PyTreeRestore(
+            item=target, restore_args=ocp.checkpoint_utils.construct_restore_args(target),
+            partial_restore=True)}))
+  except Exception as e:
+    raise ValueError(f'{root / str(step)}: cannot read params ({_first_line(e)})') from None
+  return restored[STATE]['params']
