@@ -96,45 +96,45 @@ def test_exact_resume_conventional(model_dir, tmp_path, varied_rewards):
     assert [r[key] for r in ra] == [r[key] for r in rb], key
 
 
-def test_pipeline_resume_continues_versions_and_prunes(model_dir, tmp_path, varied_rewards):
-  c = pipeline_test.small_config(max_lag=1, total_steps=4)
+def test_interrupt_saves_then_pipeline_resume_continues(model_dir, tmp_path, varied_rewards):
+  """A KeyboardInterrupt in the main thread (Ctrl-C) still writes the trained state; the resumed
+  run continues the step count and the engine's policy version, and keeps the last k."""
+  c = pipeline_test.small_config(max_lag=1, total_steps=1000)
   c.log.tensorboard = False
-  c.checkpoint.every_steps, c.checkpoint.keep = 1, 2
-  run_lib.run(c, str(tmp_path), model_dir=model_dir)
-  root = tmp_path / 'checkpoints'
-  assert sorted(int(p.name) for p in root.iterdir()) == [3, 4]  # keep the last 2
-  before = checkpoint_lib.read_meta(root)
-  c.rl.total_steps = 6
-  summary = run_lib.run(c, str(tmp_path), model_dir=model_dir)
-  records = metrics_lib.read_metrics(str(tmp_path / 'metrics.jsonl'))
-  assert [r['step'] for r in records] == [1, 2, 3, 4, 5, 6]
-  # The engine resumed at version 4: had it restarted at 0, every sample would be 4 steps stale.
-  assert all(r['lag_max'] <= 1 for r in records[4:])
-  assert summary['stale_dropped'] == records[-1]['stale_dropped']
-  after = checkpoint_lib.read_meta(root)
-  assert after['policy_version'] == 6 and sorted(int(p.name) for p in root.iterdir()) == [5, 6]
-  assert after['data']['next_group'] >= before['data']['next_group'] + 2 * 16 // 4
-
-
-def test_checkpoint_at_exit_after_interrupt(model_dir, tmp_path):
-  """A KeyboardInterrupt in the main thread (Ctrl-C) still writes the trained state."""
-  c = pipeline_test.small_config(total_steps=1000)
-  c.log.tensorboard = False
-  c.checkpoint.every_steps = 0
+  c.checkpoint.every_steps = 0  # only at exit
 
   def on_ready(live):
     def interrupt_after_two_steps():
-      while live['trainer'].step < 2 and not live['stop'].is_set():
+      # (samples_trained, a plain int: the state's step may be a donated buffer mid-step)
+      while live['trainer'].samples_trained < 2 * 16 and not live['stop'].is_set():
         live['stop'].wait(0.05)
       _thread.interrupt_main()
     threading.Thread(target=interrupt_after_two_steps, daemon=True).start()
 
-  summary = run_lib.run(c, str(tmp_path), model_dir=model_dir, on_ready=on_ready)
-  assert summary['interrupted'] and summary['steps'] >= 2
+  first = run_lib.run(c, str(tmp_path), model_dir=model_dir, on_ready=on_ready)
+  steps = first['steps']
+  assert first['interrupted'] and steps >= 2
   root = tmp_path / 'checkpoints'
-  assert [int(p.name) for p in root.iterdir()] == [summary['steps']]
+  assert [int(p.name) for p in root.iterdir()] == [steps]
   model_config = hf_io.load_config(model_dir)
-  leaves_equal(checkpoint_lib.load_params(root, model_config), summary['final_state'].params)
+  leaves_equal(checkpoint_lib.load_params(root, model_config), first['final_state'].params)
+  before = checkpoint_lib.read_meta(root)
+
+  c.rl.total_steps = steps + 3
+  c.checkpoint.every_steps, c.checkpoint.keep = 1, 2
+  second = run_lib.run(c, str(tmp_path), model_dir=model_dir)
+  records = metrics_lib.read_metrics(str(tmp_path / 'metrics.jsonl'))
+  assert [r['step'] for r in records] == list(range(1, steps + 4))
+  # The engine resumed at version `steps`: had it restarted at 0, every sample it generated
+  # would be `steps` > max_lag steps stale, dropped, and the run would never train again.
+  assert all(r['lag_max'] <= 1 for r in records[steps:])
+  assert second['samples'] == first['samples'] + 3 * 16  # counters continue too
+  after = checkpoint_lib.read_meta(root)
+  assert after['policy_version'] == steps + 3
+  assert sorted(int(p.name) for p in root.iterdir()) == [steps + 2, steps + 3]  # the last 2
+  finished = lambda m: set(range(m['data']['next_group'])) | set(m['data']['done_above'])
+  assert finished(before) < finished(after)
+  assert len(finished(after) - finished(before)) >= 3 * 16 // 4  # 3 steps of 4 groups
 
 
 def test_keep_last_k_and_due(model_dir, tmp_path):

@@ -126,6 +126,9 @@ def test_interrupt_stops_within_ten_seconds(model_dir, tmp_path, sig):
   assert 'Interrupted: actor and trainer stopped after' in out
   steps = [json.loads(line)['step'] for line in metrics.read_text().splitlines()]
   assert steps == list(range(1, len(steps) + 1))  # every completed step was logged, in order
+  # The checkpoint at exit was written before exit code 130, at the last trained step.
+  assert [int(p.name) for p in (tmp_path / 'checkpoints').iterdir()] == [steps[-1]]
+  assert 'Checkpoint saved in' in out
 
 
 def test_published_params_never_alias_the_trainers_buffers():
