@@ -134,6 +134,21 @@ def check_resumable(meta: dict[str, Any], config: ml_collections.ConfigDict, pat
                      f"{meta['seed']} in {path}; use that seed or config.checkpoint.resume=False")
 
 
+def restore_latest(config: ml_collections.ConfigDict, checkpoints: Checkpointer,
+                   model_config: transformer.ModelConfig, optimizer: optax.GradientTransformation,
+                   mesh) -> tuple[train.TrainState, train.TrainState, dict[str, Any]] | None:
+  """(state in the trainer's shardings, those shardings, meta) of the latest checkpoint when
+  config.checkpoint.resume and there is one; None for a fresh start."""
+  check_fresh_start(config, checkpoints)
+  if not config.checkpoint.resume or checkpoints.latest_step() is None:
+    return None
+  target, shardings = abstract_state(model_config, optimizer, mesh)
+  state, meta = checkpoints.restore(target)
+  check_resumable(meta, config, checkpoints.path)
+  print(f'[run] resuming from {checkpoints.path} at step {int(state.step)}', flush=True)
+  return state, shardings, meta
+
+
 def check_fresh_start(config: ml_collections.ConfigDict, checkpoints: Checkpointer) -> None:
   """A fresh run must not write into another run's checkpoints: its saves would mix with them
   (and the other run's later steps would stay the 'latest')."""

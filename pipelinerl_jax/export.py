@@ -58,6 +58,8 @@ def export_hf(checkpoint_dir: str | os.PathLike, model_dir: str | os.PathLike | 
 def main(argv):
   del argv
   from absl import flags  # the CLI only
+  from absl import logging
+  logging.set_verbosity(logging.WARNING)  # orbax logs every read at INFO
   f = flags.FLAGS
   try:
     written = export_hf(f.checkpoint, f.model_dir or None, f.out,

@@ -8,6 +8,7 @@ import sys
 
 from absl import app
 from absl import flags
+from absl import logging
 from ml_collections import config_flags
 
 from pipelinerl_jax.pipeline import run as run_lib
@@ -24,6 +25,7 @@ def _terminate(signum, frame):
 
 def main(argv):
   del argv
+  logging.set_verbosity(logging.WARNING)  # orbax logs every checkpoint step at INFO
   signal.signal(signal.SIGTERM, _terminate)
   try:
     summary = run_lib.run_experiment(_CONFIG.value, _WORKDIR.value)

@@ -188,13 +188,10 @@ def run(config: ml_collections.ConfigDict, workdir: str, *, model_dir: str | Non
   optimizer = train.make_optimizer(train.OptimizerConfig(**config.optimizer.to_dict()))
   checkpoints = checkpoint_lib.Checkpointer(checkpoint_lib.directory(config, workdir),
                                             config.checkpoint.keep, config.checkpoint.every_steps)
+  restored = checkpoint_lib.restore_latest(config, checkpoints, model_config, optimizer, mesh)
   resumed = None  # the checkpoint's meta when resuming
-  checkpoint_lib.check_fresh_start(config, checkpoints)
-  if config.checkpoint.resume and checkpoints.latest_step() is not None:
-    target, state_sh = checkpoint_lib.abstract_state(model_config, optimizer, mesh)
-    state, resumed = checkpoints.restore(target)
-    checkpoint_lib.check_resumable(resumed, config, checkpoints.path)
-    print(f'[run] resuming from {checkpoints.path} at step {int(state.step)}', flush=True)
+  if restored:
+    state, state_sh, resumed = restored
   else:
     shapes = jax.eval_shape(lambda k: transformer.init_params(model_config, k),
                             jax.random.PRNGKey(0))
