@@ -40,11 +40,21 @@ class RunError(RuntimeError):
   """A loop of the run failed; the message names it and the original error."""
 
 
-def make_task(config: ml_collections.ConfigDict):
-  kwargs = {k: v for k, v in config.task.items() if k != 'name'}
-  if config.task.name == 'arithmetic':
-    return arithmetic.ArithmeticTask(**kwargs)
-  raise ValueError(f"config.task.name: unknown task {config.task.name!r} (known: 'arithmetic')")
+def make_task(config: ml_collections.ConfigDict, tokenizer=None):
+  """The task of config.task. A math task owns a verify worker pool: `close()` it when done
+  (run() does). `tokenizer` gives the math prompts its chat template."""
+  t = config.task
+  if t.name == 'arithmetic':
+    return arithmetic.ArithmeticTask(**{k: t[k] for k in config_lib.TASK_KEYS})
+  if t.name == 'math':
+    from pipelinerl_jax.tasks import math as math_task  # loads `datasets`: only when asked for
+    train_sets, _ = math_task.load_splits(t.train_files, t.test_files, t.test_fraction,
+                                          t.problem_field, t.answer_field)
+    weights = t.train_weights or (1.0,) * len(train_sets)
+    return math_task.MathTask(list(zip(train_sets, weights)), tokenizer,
+                              math_task.RewardConfig(**t.reward.to_dict()),
+                              timeout_s=t.verify_timeout_s, num_workers=t.verify_workers)
+  raise ValueError(f'config.task.name: unknown task {t.name!r} (known: arithmetic, math)')
 
 
 def copy_params_fn(device) -> Callable:
@@ -213,14 +223,14 @@ def run(config: ml_collections.ConfigDict, workdir: str, *, model_dir: str | Non
   sampling = api.SamplingParams(temperature=g.temperature, top_p=g.top_p, top_k=g.top_k,
                                 max_tokens=g.max_new_tokens)
 
-  task = make_task(config)
+  task = make_task(config, tokenizer)
   check_prompt = pad_prompt_check(g.max_prompt_len)
   stop = threading.Event()
   capacity = stream_capacity(rl.mode, rl.batch_size, g.num_slots, rl.max_lag,
                              rl.conventional_steps)
   stream = stream_lib.SampleStream(capacity, stop)
   actor = actor_lib.Actor(
-      engine, task.problems(config.seed), task.score,
+      engine, task.problems(config.seed), actor_lib.group_scorer(task),
       encode=lambda p: check_prompt(tokenizer.encode(p.prompt, add_special_tokens=False), p.id),
       decode=lambda t: tokenizer.decode(t, skip_special_tokens=True), stream=stream,
       config=actor_lib.ActorConfig(
@@ -235,8 +245,26 @@ def run(config: ml_collections.ConfigDict, workdir: str, *, model_dir: str | Non
   records: list[dict] = []
 
   def log(record):
+    record.update(actor.counters())
+    for name, count in getattr(task, 'counters', {}).items():  # math: timeouts, restarts, ...
+      record[f'task/{name}'] = count
     records.append(record)
     writer.write(record)
+
+  evaluate_fn = None
+  if config.eval.every_steps:
+    from pipelinerl_jax import evaluate as evaluate_lib  # pylint: disable=g-import-not-at-top
+    eval_problems = evaluate_lib.eval_sets(config, task)
+    eval_device = generation_device(mesh)
+    eval_copy = copy_params_fn(eval_device)
+
+    def evaluate_fn(params, step):
+      """The CLI's evaluation on the current params (a copy: the train step donates them)."""
+      result = evaluate_lib.evaluate_params(config, model_config, eval_copy(params), tokenizer,
+                                            task, eval_problems, device=eval_device)
+      evaluate_lib.write_samples(os.path.join(workdir, 'eval', f'samples-{step}.jsonl'),
+                                 result['samples'])
+      return {**evaluate_lib.metrics_record(result), 'eval/seconds': result['seconds']}
 
   trainer = trainer_lib.Trainer(
       state, train_step, put_batch,
@@ -249,7 +277,8 @@ def run(config: ml_collections.ConfigDict, workdir: str, *, model_dir: str | Non
           mode=rl.mode, max_lag=rl.max_lag if rl.mode == 'pipeline' else None,
           conventional_steps=rl.conventional_steps, total_steps=rl.total_steps,
           max_time_s=rl.max_time_s, overlong=config.train.overlong),
-      stop=stop, log=log, gen_stats=engine.stats)
+      stop=stop, log=log, gen_stats=engine.stats,
+      evaluate=evaluate_fn, eval_every_steps=config.eval.every_steps)
 
   # --- the two loops -------------------------------------------------------------------------
   errors: list[tuple[str, BaseException]] = []
@@ -273,7 +302,8 @@ def run(config: ml_collections.ConfigDict, workdir: str, *, model_dir: str | Non
     for t in threads:
       t.start()
     if on_ready is not None:
-      on_ready(dict(actor=actor, trainer=trainer, engine=engine, stream=stream, stop=stop))
+      on_ready(dict(actor=actor, trainer=trainer, engine=engine, stream=stream, stop=stop,
+                    task=task))
     while not stop.is_set():
       stop.wait(0.2)
   except KeyboardInterrupt:
@@ -286,6 +316,7 @@ def run(config: ml_collections.ConfigDict, workdir: str, *, model_dir: str | Non
       t.join(max(0.0, deadline - time.monotonic()))
     alive = [t.name for t in threads if t.is_alive()]
     engine.close()
+    getattr(task, 'close', lambda: None)()  # the math task's verify workers
     writer.close()
   if interrupted:
     print(f'\n[run] loops stopped {time.monotonic() - t_interrupt:.1f} s after the interrupt',
