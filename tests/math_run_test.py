@@ -52,7 +52,7 @@ def small_math_config(model_dir):
   c.train.seq_len = 256
   c.train.mesh = '1,1,1'
   c.rl.batch_size, c.rl.group_size, c.generation.num_slots = 8, 4, 16
-  c.rl.total_steps = 3
+  c.rl.total_steps = 2
   c.rl.max_time_s = 300.0  # a safety stop only: a leaked credit would otherwise hang the test
   c.log.progress = False
   c.log.tensorboard = False
@@ -67,9 +67,9 @@ def test_math_run_counts_statuses_masks_and_closes_the_pool(model_dir, tmp_path)
     seen['procs'] = [w.proc for w in live['task']._pool._workers if w is not None]
 
   summary = run_lib.run(small_math_config(model_dir), str(tmp_path), on_ready=on_ready)
-  assert summary['steps'] == 3
+  assert summary['steps'] == 2
   records = metrics_lib.read_metrics(str(tmp_path / 'metrics.jsonl'))
-  assert [r['step'] for r in records] == [1, 2, 3]
+  assert [r['step'] for r in records] == [1, 2]
   for r in records:
     fracs = {k: v for k, v in r.items() if k.startswith('frac_')}
     assert abs(sum(fracs.values()) - 1) < 1e-6  # statuses of every sample, masked ones too
