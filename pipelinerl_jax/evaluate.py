@@ -55,12 +55,13 @@ def summarize(correct: Mapping[str, Sequence[Sequence[bool]]], k: int) -> dict[s
   """{dataset: [per problem: [per sample: correct?]]} -> pass@1 and pass@k, per dataset and over
   all problems (each problem counts once, whatever its dataset)."""
   out: dict[str, Any] = {'k': k, 'datasets': {}}
-  everything = {1: [], k: []}
+  ks = sorted({1, k})
+  everything = {kk: [] for kk in ks}
   for name, problems in correct.items():
-    per = {kk: [pass_at_k(len(s), sum(s), kk) for s in problems] for kk in (1, k)}
+    per = {kk: [pass_at_k(len(s), sum(s), kk) for s in problems] for kk in ks}
     out['datasets'][name] = {'num_problems': len(problems), 'pass@1': _mean(per[1]),
                              f'pass@{k}': _mean(per[k])}
-    for kk in (1, k):
+    for kk in ks:
       everything[kk] += per[kk]
   out.update({'num_problems': len(everything[1]), 'pass@1': _mean(everything[1]),
               f'pass@{k}': _mean(everything[k])})
@@ -258,11 +259,15 @@ def evaluate_checkpoint(config, checkpoint: str, *, k: int | None = None, n: int
 
 def report(result: Mapping[str, Any]) -> str:
   k = result['k']
-  lines = [f"{name}: {d['num_problems']} problems, pass@1 {d['pass@1']:.4f}, "
-           f"pass@{k} {d[f'pass@{k}']:.4f}" for name, d in result['datasets'].items()]
-  lines.append(f"all: {result['num_problems']} problems x {result['n']} samples, pass@1 "
-               f"{result['pass@1']:.4f}, pass@{k} {result[f'pass@{k}']:.4f} "
-               f"({result['seconds']:.1f} s, {result['skipped']} skipped: prompt too long)")
+
+  def numbers(d):
+    return f"pass@1 {d['pass@1']:.4f}" + (f", pass@{k} {d[f'pass@{k}']:.4f}" if k > 1 else '')
+
+  lines = [f"{name}: {d['num_problems']} problems, {numbers(d)}"
+           for name, d in result['datasets'].items()]
+  lines.append(f"all: {result['num_problems']} problems x {result['n']} samples, "
+               f"{numbers(result)} ({result['seconds']:.1f} s, {result['skipped']} skipped: "
+               'prompt too long)')
   return '\n'.join(lines)
 
 

@@ -57,6 +57,8 @@ def test_summary_is_per_dataset_and_over_all_problems():
                          'eval/b/pass@1', 'eval/b/pass@2'}
   one = evaluate.summarize({'a': [[True, False]]}, k=2)
   assert set(evaluate.metrics_record(one)) == {'eval/pass@1', 'eval/pass@2'}
+  greedy = evaluate.summarize({'a': [[True], [False], [True]]}, k=1)  # k = 1: counted once
+  assert greedy['num_problems'] == 3 and greedy['pass@1'] == pytest.approx(2 / 3)
 
 
 @pytest.fixture(scope='module')

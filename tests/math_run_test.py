@@ -82,6 +82,18 @@ def test_math_run_counts_statuses_masks_and_closes_the_pool(model_dir, tmp_path)
   assert seen['procs'] and all(p.poll() is not None for p in seen['procs'])
 
 
+def test_load_splits_test_files_or_a_held_out_fraction():
+  from pipelinerl_jax.tasks import math as math_task
+  files = [str(DATA / 'math_problems.jsonl'), str(DATA / 'math_solutions.parquet')]
+  train, test = math_task.load_splits(files[:1], test_files=files[1:])
+  assert [len(t) for t in train] == [10] and list(test) == ['math_solutions']
+  train, test = math_task.load_splits(files, test_fraction=0.3)
+  assert list(test) == ['math_problems', 'math_solutions']
+  for part, held in zip(train, test.values()):
+    assert len(held) == 3 and not {p.prompt for p in part} & {p.prompt for p in held}
+  assert math_task.load_splits(files, test_fraction=0.3) == (train, test)  # seed-independent
+
+
 # --- the actor's masking, on hand-made completions ---------------------------------------------
 
 def _completion(j, n=3, reason='stop'):
