@@ -53,13 +53,14 @@ def small_math_config(model_dir):
   c.train.mesh = '1,1,1'
   c.rl.batch_size, c.rl.group_size, c.generation.num_slots = 8, 4, 16
   c.rl.total_steps = 2
+  c.eval.every_steps, c.eval.num_problems, c.eval.k = 2, 0, 2  # at the last step, test splits
   c.rl.max_time_s = 300.0  # a safety stop only: a leaked credit would otherwise hang the test
   c.log.progress = False
   c.log.tensorboard = False
   return c
 
 
-def test_math_run_counts_statuses_masks_and_closes_the_pool(model_dir, tmp_path):
+def test_math_run_counts_statuses_masks_evaluates_and_closes_the_pool(model_dir, tmp_path):
   seen = {}
 
   def on_ready(live):
@@ -76,6 +77,11 @@ def test_math_run_counts_statuses_masks_and_closes_the_pool(model_dir, tmp_path)
     assert 0 <= r['masked_frac'] < 1  # a group reaching the trainer has an unmasked sample
     assert r['task/worker_restarts'] == 0 and 'task/timeout' in r
   assert records[-1]['samples_masked'] > 0
+  # Evaluated on the two held-out splits (2 problems each), per dataset and over both.
+  assert 'eval/pass@1' not in records[0]
+  assert {'eval/pass@1', 'eval/pass@2', 'eval/math_problems/pass@1',
+          'eval/math_solutions/pass@2'} <= set(records[-1])
+  assert (tmp_path / 'eval' / 'samples-2.jsonl').read_text().count('\n') == 4 * 2
   assert records[-1]['task/masked'] == records[-1]['samples_masked']
   # The verify pool is closed and its workers are gone.
   assert seen['task']._pool is None
