@@ -211,7 +211,8 @@ def _validate_math(config: ml_collections.ConfigDict) -> None:
          f'has {len(t.train_weights)} weights for {len(t.train_files)} train files')
   _check(all(w > 0 for w in t.train_weights), 'task.train_weights',
          f'must all be > 0, got {tuple(t.train_weights)}')
-  _check(0 <= t.test_fraction < 1, 'task.test_fraction', f'must be in [0, 1), got {t.test_fraction}')
+  _check(0 <= t.test_fraction < 1, 'task.test_fraction',
+         f'must be in [0, 1), got {t.test_fraction}')
   _check(t.verify_timeout_s > 0, 'task.verify_timeout_s', f'must be > 0, got {t.verify_timeout_s}')
   _check(t.verify_workers >= 1, 'task.verify_workers', f'must be >= 1, got {t.verify_workers}')
   _check(config.eval.every_steps == 0 or t.test_files or t.test_fraction > 0, 'eval.every_steps',

@@ -237,7 +237,8 @@ def evaluate_checkpoint(config, checkpoint: str, *, k: int | None = None, n: int
   from transformers import AutoTokenizer  # pylint: disable=g-import-not-at-top
   config_lib.validate(config)
   model_dir = run_lib.resolve_model_dir(config)
-  arch_dir = checkpoint if os.path.isfile(os.path.join(checkpoint, hf_io.CONFIG_FILE)) else model_dir
+  has_config = os.path.isfile(os.path.join(checkpoint, hf_io.CONFIG_FILE))
+  arch_dir = checkpoint if has_config else model_dir
   m = config.model
   model_config = hf_io.load_config(arch_dir, param_dtype=m.param_dtype, dtype=m.dtype,
                                    lm_head_fp32=m.lm_head_fp32, remat=False)

@@ -133,7 +133,8 @@ class Trainer:
 
   def _maybe_evaluate(self, record: dict[str, Any]) -> dict[str, Any]:
     """Every eval_every_steps steps, the evaluation's metrics join that step's record."""
-    if self.evaluate is not None and self.eval_every_steps and self.step % self.eval_every_steps == 0:
+    every = self.eval_every_steps
+    if self.evaluate is not None and every and self.step % every == 0:
       record = {**record, **self.evaluate(self.state.params, self.step)}
     return record
 
