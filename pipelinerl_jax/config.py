@@ -14,8 +14,13 @@ import ml_collections
 from pipelinerl_jax import losses
 from pipelinerl_jax import train
 from pipelinerl_jax import warmstart
+from pipelinerl_jax.tasks import math as math_task
 
 TASK_KEYS = ('ops', 'digits', 'sft_pool_mod')  # shared by the arithmetic task and the demo build
+TASKS = ('arithmetic', 'math')
+# Fields whose value is a tuple: the type of their items (a tuple default says nothing when empty).
+SEQUENCE_ITEM_TYPES = {'task.ops': str, 'task.train_files': str, 'task.train_weights': float,
+                       'task.test_files': str}
 
 
 def base_config() -> ml_collections.ConfigDict:
@@ -41,6 +46,17 @@ def base_config() -> ml_collections.ConfigDict:
   c.task.ops = ('+',)
   c.task.digits = 2
   c.task.sft_pool_mod = 8
+  # task.name = 'math' (tasks/math.py): problems from local .jsonl / .json / .parquet files.
+  c.task.train_files = ()         # paths; each is a dataset of the training mix
+  c.task.train_weights = ()       # one weight per train file (draw probability); () = equal
+  c.task.test_files = ()          # held-out sets for evaluation, one dataset each
+  c.task.test_fraction = 0.0      # without test_files: this fraction of each train file is held
+                                  # out (split by problem text, seed 0) as its test set
+  c.task.problem_field = ''       # '' = first present of problem / question / prompt
+  c.task.answer_field = ''        # '' = first present of answer / final_answer / solution
+  c.task.reward = ml_collections.ConfigDict(vars(math_task.RewardConfig()))
+  c.task.verify_timeout_s = 5.0   # hard limit per sample in the math-verify worker pool
+  c.task.verify_workers = 2       # math-verify processes
 
   c.generation = ml_collections.ConfigDict()
   c.generation.backend = 'jax'    # 'jax' (in-process JAX engine) | 'vllm' (in-process vLLM)
@@ -83,6 +99,15 @@ def base_config() -> ml_collections.ConfigDict:
   c.checkpoint.keep = 3           # the last k checkpoints are kept
   c.checkpoint.resume = True      # continue from the latest checkpoint in dir, if there is one
 
+  # Periodic evaluation on held-out problems (evaluate.py), logged into the metrics as
+  # eval/pass@1 and eval/pass@<k>; the same function backs `python -m pipelinerl_jax.evaluate`.
+  c.eval = ml_collections.ConfigDict()
+  c.eval.every_steps = 0          # 0 = off
+  c.eval.num_problems = 64        # per dataset (0 = all of it)
+  c.eval.k = 4                    # samples per problem, for pass@k (pass@1 is their mean)
+  c.eval.temperature = 1.0
+  c.eval.seed = 10_000
+
   c.log = ml_collections.ConfigDict()
   c.log.tensorboard = True
   c.log.progress = True
@@ -119,8 +144,25 @@ def validate(config: ml_collections.ConfigDict) -> None:
              and not math.isnan(value), path, f'must be a number, got {value!r}')
     elif isinstance(default, str):
       _check(isinstance(value, str), path, f'must be a string, got {value!r}')
+    elif isinstance(default, tuple):
+      item = SEQUENCE_ITEM_TYPES[path]
+      ok = isinstance(value, (tuple, list)) and all(
+          isinstance(v, str) if item is str else
+          isinstance(v, (int, float)) and not isinstance(v, bool) for v in value)
+      _check(ok, path, f'must be a tuple of {item.__name__}s, got {value!r}')
 
   g, rl, tr = config.generation, config.rl, config.train
+  _check(config.task.name in TASKS, 'task.name',
+         f'unknown task {config.task.name!r} (known: {", ".join(TASKS)})')
+  if config.task.name == 'math':
+    _validate_math(config)
+  ev = config.eval
+  _check(ev.every_steps >= 0, 'eval.every_steps', f'must be >= 0 (0 = off), got {ev.every_steps}')
+  _check(ev.num_problems >= 0, 'eval.num_problems', f'must be >= 0, got {ev.num_problems}')
+  _check(ev.k >= 1, 'eval.k', f'must be >= 1, got {ev.k}')
+  _check(ev.temperature >= 0, 'eval.temperature', f'must be >= 0, got {ev.temperature}')
+  _check(ev.num_problems >= 1 or config.task.name == 'math', 'eval.num_problems',
+         'must be >= 1 for an endless problem stream (0 = whole test sets is for math)')
   _check(g.backend in ('jax', 'vllm', 'vllm_process'), 'generation.backend',
          f"must be 'jax', 'vllm' or 'vllm_process', got {g.backend!r}")
   _check(g.backend == 'jax' or not g.recompute_kv, 'generation.recompute_kv',
@@ -166,6 +208,29 @@ def validate(config: ml_collections.ConfigDict) -> None:
       make()
     except ValueError as e:
       raise ValueError(f'config.{section}: {e}') from None
+
+
+def _validate_math(config: ml_collections.ConfigDict) -> None:
+  t = config.task
+  _check(bool(config.model.path), 'model.path',
+         "is empty: task 'math' needs a model directory (the demo model only knows arithmetic)")
+  _check(len(t.train_files) > 0 and all(t.train_files), 'task.train_files',
+         "task 'math' needs at least one training file (.jsonl, .json or .parquet)")
+  _check(all(t.test_files), 'task.test_files', 'holds an empty path')
+  _check(not t.train_weights or len(t.train_weights) == len(t.train_files), 'task.train_weights',
+         f'has {len(t.train_weights)} weights for {len(t.train_files)} train files')
+  _check(all(w > 0 for w in t.train_weights), 'task.train_weights',
+         f'must all be > 0, got {tuple(t.train_weights)}')
+  _check(0 <= t.test_fraction < 1, 'task.test_fraction',
+         f'must be in [0, 1), got {t.test_fraction}')
+  _check(t.verify_timeout_s > 0, 'task.verify_timeout_s', f'must be > 0, got {t.verify_timeout_s}')
+  _check(t.verify_workers >= 1, 'task.verify_workers', f'must be >= 1, got {t.verify_workers}')
+  _check(config.eval.every_steps == 0 or t.test_files or t.test_fraction > 0, 'eval.every_steps',
+         "needs held-out problems: set task.test_files or task.test_fraction for task 'math'")
+  try:
+    math_task.RewardConfig(**t.reward.to_dict())
+  except ValueError as e:
+    raise ValueError(f'config.task.reward: {e}') from None
 
 
 def demo_config(config: ml_collections.ConfigDict) -> warmstart.WarmStartConfig:

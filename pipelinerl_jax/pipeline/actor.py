@@ -2,7 +2,14 @@
 the trainer. Each loop: admit new prompts (G samples each) while slots and credits allow, then
 one engine step -- which first applies any weights the trainer published since the last step,
 so sequences in flight continue under the new policy with their KV cache kept. Finished
-groups are scored, given advantages and sent to the trainer."""
+groups are scored, given advantages and sent to the trainer.
+
+A task may mask samples (math with truncated='mask': no learning signal either way). A masked
+sample is dropped before the group's advantages are computed, so it is neither in the
+baseline's mean / std nor trained on; its credit goes back to the stream at once, and its
+status still counts in the step's status fractions. A group with every sample masked is
+dropped whole.
+"""
 
 from __future__ import annotations
 
@@ -38,8 +45,34 @@ def request_seed(seed: int, group_id: int, index: int) -> int:
   return zlib.crc32(f'{seed}/{group_id}/{index}'.encode()) & 0x7FFFFFFF
 
 
+GroupScorer = Callable[[tasks_base.Problem, list[api.Completion], list[str]],
+                      list[tasks_base.Score]]
+
+
+def group_scorer(task) -> GroupScorer:
+  """(problem, completions, texts) -> scores, one call per finished group: the task's
+  `score_many` when it has one (math: judged in parallel, told which samples hit the length
+  limit and how long they are), else `score` per sample (arithmetic)."""
+  if hasattr(task, 'score_many'):
+    return lambda problem, completions, texts: task.score_many(
+        [problem] * len(texts), texts, [c.finish_reason == 'length' for c in completions],
+        [len(c.tokens) for c in completions])
+  return lambda problem, completions, texts: [task.score(problem, t) for t in texts]
+
+
+def is_masked(score: tasks_base.Score) -> bool:
+  return bool(getattr(score, 'mask', False))
+
+
 def make_group(group_id: int, problem: tasks_base.Problem, completions: list[api.Completion],
-               scores: list[tasks_base.Score], config: ActorConfig) -> stream_lib.Group:
+               scores: list[tasks_base.Score], config: ActorConfig) -> stream_lib.Group | None:
+  """The group of the unmasked samples, advantages computed over them alone; None when every
+  sample is masked. `statuses` keeps all G samples' statuses (the metrics count them all)."""
+  statuses = [s.status for s in scores]
+  kept = [(c, s) for c, s in zip(completions, scores) if not is_masked(s)]
+  if not kept:
+    return None
+  completions, scores = [c for c, _ in kept], [s for _, s in kept]
   rewards_G = np.array([s.reward for s in scores], np.float32)
   adv_G = np.asarray(losses.group_advantages(
       rewards_G[None], baseline=config.advantage_baseline,
@@ -50,15 +83,15 @@ def make_group(group_id: int, problem: tasks_base.Problem, completions: list[api
                      advantage=float(a), reward=float(r), group_id=group_id)
       for c, a, r in zip(completions, adv_G, rewards_G)]
   return stream_lib.Group(group_id=group_id, problem_id=problem.id, samples=samples,
-                          rewards=rewards_G, statuses=[s.status for s in scores],
-                          finished_at=time.monotonic())
+                          rewards=rewards_G, statuses=statuses,
+                          num_masked=len(statuses) - len(samples), finished_at=time.monotonic())
 
 
 class Actor:
   """Mutable state of the generation side lives here and nowhere else."""
 
   def __init__(self, engine: api.Engine, problems: Iterator[tasks_base.Problem],
-               score: Callable[[tasks_base.Problem, str], tasks_base.Score],
+               score: GroupScorer,
                encode: Callable[[tasks_base.Problem], list[int]],
                decode: Callable[[np.ndarray], str], stream: stream_lib.SampleStream,
                config: ActorConfig, stop: threading.Event,
@@ -70,6 +103,8 @@ class Actor:
     self.busy_intervals: list[tuple[float, float]] = []   # engine steps that did work
     self.groups_emitted = 0
     self.groups_dropped = 0        # all-equal rewards, when drop_zero_advantage_groups
+    self.samples_masked = 0        # dropped because the task masked them
+    self.groups_masked = 0         # dropped because every sample was masked
     self._group_ids = itertools.count() if group_ids is None else group_ids
     self._open: dict[int, dict[str, Any]] = {}
 
@@ -93,9 +128,15 @@ class Actor:
     if any(c is None for c in entry['completions']):
       return
     del self._open[gid]
-    problem = entry['problem']
-    scores = [self.score(problem, self.decode(c.tokens)) for c in entry['completions']]
-    group = make_group(gid, problem, entry['completions'], scores, self.config)
+    problem, completions = entry['problem'], entry['completions']
+    scores = self.score(problem, completions, [self.decode(c.tokens) for c in completions])
+    group = make_group(gid, problem, completions, scores, self.config)
+    num_masked = len(completions) - (len(group.samples) if group else 0)
+    self.samples_masked += num_masked
+    self.stream.release(num_masked)  # masked samples are never trained: free their slots now
+    if group is None:
+      self.groups_masked += 1
+      return
     if (self.config.drop_zero_advantage_groups
         and not bool(losses.nonzero_groups(np.array([[s.advantage for s in group.samples]]))[0])):
       self.groups_dropped += 1
@@ -104,6 +145,11 @@ class Actor:
       return
     self.groups_emitted += 1
     self.stream.put(group)
+
+  def counters(self) -> dict[str, int]:
+    """Totals since the start, for the metrics records."""
+    return dict(groups_emitted=self.groups_emitted, groups_dropped=self.groups_dropped,
+                samples_masked=self.samples_masked, groups_masked=self.groups_masked)
 
   def run(self) -> None:
     while not self.stop.is_set():

@@ -32,7 +32,9 @@ class MetricsWriter:
     if self._tb is not None:
       for k, v in record.items():
         if isinstance(v, (int, float)) and k != 'step':
-          self._tb.add_scalar(k, v, record['step'])
+          # TensorBoard tags allow [A-Za-z0-9_./-]: eval/pass@4 -> eval/pass_at_4 (else
+          # tensorboardX renames it itself and logs a line about it at every write).
+          self._tb.add_scalar(k.replace('@', '_at_'), v, record['step'])
     if self._progress:
       # A live line on a terminal; in a log file, a line every `every` steps.
       if self._tty:

@@ -41,11 +41,21 @@ class RunError(RuntimeError):
   """A loop of the run failed; the message names it and the original error."""
 
 
-def make_task(config: ml_collections.ConfigDict):
-  kwargs = {k: v for k, v in config.task.items() if k != 'name'}
-  if config.task.name == 'arithmetic':
-    return arithmetic.ArithmeticTask(**kwargs)
-  raise ValueError(f"config.task.name: unknown task {config.task.name!r} (known: 'arithmetic')")
+def make_task(config: ml_collections.ConfigDict, tokenizer=None):
+  """The task of config.task. A math task owns a verify worker pool: `close()` it when done
+  (run() does). `tokenizer` gives the math prompts its chat template."""
+  t = config.task
+  if t.name == 'arithmetic':
+    return arithmetic.ArithmeticTask(**{k: t[k] for k in config_lib.TASK_KEYS})
+  if t.name == 'math':
+    from pipelinerl_jax.tasks import math as math_task  # loads `datasets`: only when asked for
+    train_sets, _ = math_task.load_splits(t.train_files, t.test_files, t.test_fraction,
+                                          t.problem_field, t.answer_field)
+    weights = t.train_weights or (1.0,) * len(train_sets)
+    return math_task.MathTask(list(zip(train_sets, weights)), tokenizer,
+                              math_task.RewardConfig(**t.reward.to_dict()),
+                              timeout_s=t.verify_timeout_s, num_workers=t.verify_workers)
+  raise ValueError(f'config.task.name: unknown task {t.name!r} (known: arithmetic, math)')
 
 
 def copy_params_fn(device) -> Callable:
@@ -225,7 +235,7 @@ def run(config: ml_collections.ConfigDict, workdir: str, *, model_dir: str | Non
   sampling = api.SamplingParams(temperature=g.temperature, top_p=g.top_p, top_k=g.top_k,
                                 max_tokens=g.max_new_tokens)
 
-  task = make_task(config)
+  task = make_task(config, tokenizer)
   check_prompt = pad_prompt_check(g.max_prompt_len)
   stop = threading.Event()
   capacity = stream_capacity(rl.mode, rl.batch_size, g.num_slots, rl.max_lag,
@@ -235,7 +245,7 @@ def run(config: ml_collections.ConfigDict, workdir: str, *, model_dir: str | Non
   group_ids, problems = checkpoint_lib.data_stream(task.problems(config.seed),
                                                    resumed['data'] if resumed else None)
   actor = actor_lib.Actor(
-      engine, problems, task.score,
+      engine, problems, actor_lib.group_scorer(task),
       encode=lambda p: check_prompt(tokenizer.encode(p.prompt, add_special_tokens=False), p.id),
       decode=lambda t: tokenizer.decode(t, skip_special_tokens=True), stream=stream,
       config=actor_lib.ActorConfig(
@@ -250,8 +260,26 @@ def run(config: ml_collections.ConfigDict, workdir: str, *, model_dir: str | Non
   records: list[dict] = []
 
   def log(record):
+    record.update(actor.counters())
+    for name, count in getattr(task, 'counters', {}).items():  # math: timeouts, restarts, ...
+      record[f'task/{name}'] = count
     records.append(record)
     writer.write(record)
+
+  evaluate_fn = None
+  if config.eval.every_steps:
+    from pipelinerl_jax import evaluate as evaluate_lib  # pylint: disable=g-import-not-at-top
+    eval_problems = evaluate_lib.eval_sets(config, task)
+    eval_device = generation_device(mesh)
+    eval_copy = copy_params_fn(eval_device)
+
+    def evaluate_fn(params, step):
+      """The CLI's evaluation on the current params (a copy: the train step donates them)."""
+      result = evaluate_lib.evaluate_params(config, model_config, eval_copy(params), tokenizer,
+                                            task, eval_problems, device=eval_device)
+      evaluate_lib.write_samples(os.path.join(workdir, 'eval', f'samples-{step}.jsonl'),
+                                 result['samples'])
+      return {**evaluate_lib.metrics_record(result), 'eval/seconds': result['seconds']}
 
   trainer = trainer_lib.Trainer(
       state, train_step, put_batch,
@@ -265,7 +293,8 @@ def run(config: ml_collections.ConfigDict, workdir: str, *, model_dir: str | Non
           conventional_steps=rl.conventional_steps, total_steps=rl.total_steps,
           max_time_s=rl.max_time_s, overlong=config.train.overlong),
       stop=stop, log=log, gen_stats=engine.stats,
-      after_publish=lambda: save_checkpoint(final=False))
+      after_publish=lambda: save_checkpoint(final=False),
+      evaluate=evaluate_fn, eval_every_steps=config.eval.every_steps)
   for name, value in (resumed['counters'] if resumed else {}).items():
     setattr(trainer, name, value)
 
@@ -295,7 +324,8 @@ def run(config: ml_collections.ConfigDict, workdir: str, *, model_dir: str | Non
     for t in threads:
       t.start()
     if on_ready is not None:
-      on_ready(dict(actor=actor, trainer=trainer, engine=engine, stream=stream, stop=stop))
+      on_ready(dict(actor=actor, trainer=trainer, engine=engine, stream=stream, stop=stop,
+                    task=task))
     while not stop.is_set():
       stop.wait(0.2)
   except KeyboardInterrupt:
@@ -307,13 +337,15 @@ def run(config: ml_collections.ConfigDict, workdir: str, *, model_dir: str | Non
     for t in threads:
       t.join(max(0.0, deadline - time.monotonic()))
     alive = [t.name for t in threads if t.is_alive()]
+    t_stopped = time.monotonic()
     engine.close()
+    getattr(task, 'close', lambda: None)()  # the math task's verify workers
     writer.close()
   if 'trainer' not in alive and 'trainer' not in [name for name, _ in errors]:
     save_checkpoint(final=True)  # also after Ctrl-C or the time budget: nothing trained is lost
   checkpoints.close()
   if interrupted:
-    print(f'\n[run] loops stopped {time.monotonic() - t_interrupt:.1f} s after the interrupt',
+    print(f'\n[run] loops stopped {t_stopped - t_interrupt:.1f} s after the interrupt',
           flush=True)
   if records:
     metrics_lib.plot_curves(records, os.path.join(workdir, 'curves.png'),

@@ -29,6 +29,7 @@ class Group:
   rewards: np.ndarray              # [G]
   statuses: list[str]              # the task's score status per sample
   finished_at: float = 0.0         # time.monotonic() when the last sample finished
+  num_masked: int = 0              # samples the task masked (dropped; statuses still listed)
 
   @property
   def start_version(self) -> int:

@@ -197,6 +197,33 @@ def mixed_stream(datasets: Sequence[tuple[Sequence[Problem], float]], seed: int,
     yield dataclasses.replace(p, prompt=format_prompt(p.prompt, tokenizer))
 
 
+def dataset_name(path: str) -> str:
+  """A dataset's name in metrics and evaluation output: its file stem."""
+  return os.path.splitext(os.path.basename(os.fspath(path)))[0]
+
+
+def load_splits(train_files: Sequence[str], test_files: Sequence[str] = (),
+                test_fraction: float = 0.0, problem_field: str | None = None,
+                answer_field: str | None = None
+                ) -> tuple[list[list[Problem]], dict[str, list[Problem]]]:
+  """(train problems per train file, {name: test problems}): what a run trains and evaluates on.
+
+  With test_files, each is a test set and the train files are used whole. Without, each train
+  file gives `test_fraction` of its problems (split_problems, seed 0: the same split for every
+  run seed) to a test set of the same name. Test sets never share a problem text with training
+  unless the files themselves overlap.
+  """
+  load = lambda path: load_problems(path, problem_field or None, answer_field or None)
+  train = [load(path) for path in train_files]
+  if test_files:
+    return train, {dataset_name(path): load(path) for path in test_files}
+  test = {}
+  if test_fraction > 0:
+    for i, (path, problems) in enumerate(zip(train_files, train)):
+      train[i], test[dataset_name(path)] = split_problems(problems, test_fraction, seed=0)
+  return train, test
+
+
 def _check_datasets(datasets):
   datasets = [(list(problems), float(weight)) for problems, weight in datasets]
   if not datasets:
