@@ -59,7 +59,8 @@ class GeneratorPool(api.Engine):
     with self._lock:
       child = self._route.get(key)
       if child is None:
-        child = min(range(len(self.children)), key=lambda i: self.children[i].num_unfinished)
+        child = min(range(len(self.children)),  # serving first: not one being restarted
+                    key=lambda i: (not self.children[i].serving, self.children[i].num_unfinished))
       self.children[child].submit(request)
       self._route[key] = child
       self._open[key] += 1

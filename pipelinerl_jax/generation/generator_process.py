@@ -15,6 +15,8 @@ Death and restart: an exception in the child is sent back with its traceback bef
 exits, and every parent call first checks that the child is alive. A dead child is replaced by
 a fresh one that starts from the checkpoint and loads the segment's newest update (the latest
 published weights, which live in the parent's segment and survive the child) before serving.
+The replacement starts in a background thread: meanwhile `step()` returns nothing after
+`poll_s`, submits are held back, and a `GeneratorPool` keeps serving from its other children.
 The requests that were in flight there are re-submitted to it from their prompts (partial
 tokens are discarded, so they run under the current policy). A request id completes at most
 once: the parent keeps every submitted request until its completion arrives and drops any
@@ -165,6 +167,9 @@ class GeneratorProcess(api.Engine):
     self._stats: dict[str, Any] = {'version': version}
     self.restarts = 0
     self.requeued = 0
+    self._serving = True  # a child is up and gets submits directly
+    self._restarting: threading.Thread | None = None
+    self._restart_error: BaseException | None = None
     self.last_error: str | None = None  # the child's last traceback
     self._closed = False
     self._start_child()
@@ -190,23 +195,24 @@ class GeneratorProcess(api.Engine):
                                                      for c in self._inbox):
         raise ValueError(f'request id {request.request_id!r} is already unfinished')
       self._inflight[request.request_id] = request
-      self._requests.put(('submit', request))
+      if self._serving:  # else the replacement child gets it with the re-submitted ones
+        self._requests.put(('submit', request))
 
   def update_params(self, params: Any, version: int) -> None:
     """Writes the update into shared memory now (one copy); the child loads it between two of
-    its steps. Returns once written; `wait_loaded` waits for the child's acknowledgement."""
+    its steps (a child being restarted loads it when it starts). Returns once written;
+    `wait_loaded` waits for the child's acknowledgement."""
     for attempt in range(2):
       self._ensure_alive()
-      proc = self._proc
       try:
         with self._write_lock:
           timing = shm_weights.write_update(self._seg, params, self.model_config, version,
                                             dtype=self.config.transport_dtype,
                                             checksum=self.config.checksum,
                                             timeout=self.config.lock_timeout_s,
-                                            reader_alive=proc.is_alive)
+                                            reader_alive=lambda: self._proc.is_alive())
         break
-      except shm_weights.HolderDied:
+      except shm_weights.HolderDied:  # the next _ensure_alive frees the lock
         if attempt:
           raise
     self._stats['last_write_s'] = timing['write_s']
@@ -216,8 +222,10 @@ class GeneratorProcess(api.Engine):
     if it rejected that update."""
     deadline = time.monotonic() + timeout
     while self._seg.header()['acked'] < version:
-      self._ensure_alive()
-      self._receive(timeout=0.005)
+      if self._ensure_alive():
+        self._receive(timeout=0.005)
+      else:
+        time.sleep(0.05)
       rejected = [e for v, e in self._update_errors.items() if v >= version]
       if rejected:
         raise RuntimeError(f'generator rejected version {version}: {rejected[0]}')
@@ -226,31 +234,41 @@ class GeneratorProcess(api.Engine):
 
   def step(self, timeout: float | None = None) -> list[api.Completion]:
     """Collects what the child finished; waits up to `timeout` (default `poll_s`) for a first
-    result when work is outstanding and nothing has arrived."""
-    self._ensure_alive()
-    if timeout is None:
-      timeout = self.config.poll_s
-    if not self._inbox:
-      self._receive(timeout=timeout if self._inflight else 0.0)
-    while self._receive(timeout=0.0):
-      pass
+    result when work is outstanding and nothing has arrived (or, while a replacement child
+    starts, for that long)."""
+    timeout = self.config.poll_s if timeout is None else timeout
+    if self._ensure_alive():
+      if not self._inbox:
+        self._receive(timeout=timeout if self._inflight else 0.0)
+      while self._receive(timeout=0.0):
+        pass
+    elif timeout > 0:
+      time.sleep(timeout)
     with self._state_lock:
       done, self._inbox = self._inbox, []
     return done
 
   def stats(self) -> dict[str, Any]:
     return dict(self._stats, pid=self._proc.pid, alive=self._proc.is_alive(),
-                restarts=self.restarts, requeued=self.requeued)
+                serving=self._serving, restarts=self.restarts, requeued=self.requeued)
 
   @property
   def num_unfinished(self) -> int:
     with self._state_lock:
       return len(self._inflight) + len(self._inbox)
 
+  @property
+  def serving(self) -> bool:
+    """False while a replacement child starts."""
+    return self._serving
+
   def close(self) -> None:
     if self._closed:
       return
     self._closed = True
+    restart = self._restarting
+    if restart is not None:  # it notices `_closed` within a second and stops its child
+      restart.join(timeout=30)
     if self._proc.is_alive():
       self._requests.put(('close',))
       self._proc.join(timeout=30)
@@ -273,39 +291,63 @@ class GeneratorProcess(api.Engine):
     deadline = time.monotonic() + self.config.start_timeout_s
     while not self._ready and self._proc.is_alive():
       self._receive(timeout=1.0)
-      if not self._ready and time.monotonic() > deadline:
+      timed_out = not self._ready and time.monotonic() > deadline
+      if self._closed or timed_out:
         self._proc.kill()
         self._proc.join(timeout=10)
-        self.close()
+      if timed_out:
         raise TimeoutError(f'{self.name} generator did not start within '
                            f'{self.config.start_timeout_s:.0f}s')
 
-  def _ensure_alive(self):
-    """Restarts a dead child (see the module docstring) or raises GeneratorDied."""
+  def _ensure_alive(self) -> bool:
+    """True when a child is serving. A dead child is replaced in a background thread (see the
+    module docstring; False until the replacement serves), or GeneratorDied is raised once
+    `max_restarts` are used."""
     if self._closed:
       raise RuntimeError(f'{self.name} generator is closed')
-    if self._proc.is_alive():
-      return
     with self._state_lock:
-      while not self._proc.is_alive():
-        self._drain_after_death()
-        if self.restarts >= self.config.max_restarts:
-          raise GeneratorDied(self._death_message('died'))
-        self.restarts += 1
-        self._stats['last_death'] = describe_exit(self._proc.exitcode)
-        for q in (self._requests, self._results):  # may hold a message cut by the death
-          q.close()
-          q.cancel_join_thread()
-        with self._write_lock:  # no parent writer holds the segment lock now
-          if self._seg.lock.acquire(timeout=0):
-            self._seg.lock.release()
-          else:  # the dead child held it: it would never be released
-            self._seg.lock = self._ctx.Lock()
-        self._stats['restart_version'] = self._seg.header()['version']
-        self._start_child()
-      for request in self._inflight.values():  # from their prompts, under the current weights
-        self._requests.put(('submit', request))
-      self.requeued += len(self._inflight)
+      if self._restarting is not None:
+        if self._restarting.is_alive():
+          return False
+        self._restarting = None
+        if self._restart_error is not None:
+          error, self._restart_error = self._restart_error, None
+          raise error
+      if self._proc.is_alive():
+        return True
+      self._serving = False
+      self._drain_after_death()
+      if self.restarts >= self.config.max_restarts:
+        raise GeneratorDied(self._death_message('died'))
+      self.restarts += 1
+      self._stats['last_death'] = describe_exit(self._proc.exitcode)
+      for q in (self._requests, self._results):  # may hold a message cut by the death
+        q.close()
+        q.cancel_join_thread()
+      with self._write_lock:  # no parent writer holds the segment lock now
+        if self._seg.lock.acquire(timeout=0):
+          self._seg.lock.release()
+        else:  # the dead child held it: it would never be released
+          self._seg.lock = self._ctx.Lock()
+      self._stats['restart_version'] = self._seg.header()['version']
+      self._restarting = threading.Thread(target=self._restart, name=f'restart-{self.name}',
+                                          daemon=True)
+      self._restarting.start()
+      return False
+
+  def _restart(self):
+    """(background thread) One replacement child; once it is ready, every outstanding request
+    goes to it from its prompt. A replacement that dies is replaced by the next call."""
+    try:
+      self._start_child()
+      with self._state_lock:
+        if self._ready and not self._closed:
+          for request in self._inflight.values():
+            self._requests.put(('submit', request))
+          self.requeued += len(self._inflight)
+          self._serving = True
+    except BaseException as e:  # raised by the next _ensure_alive, in the caller's thread
+      self._restart_error = e
 
   def _death_message(self, what: str) -> str:
     return (f'{self.name} generator (pid {self._proc.pid}) {what}: '
