@@ -1,6 +1,6 @@
 """How far vLLM's log mu is from the trainer's log pi, per serving dtype and lm_head precision.
 
-  python -m pipelinerl_jax.bench.logprob_agreement [--quick] [--size 50m] [--out PATH]
+  python -m pipelinerl_jax.bench.logprob_agreement [--quick] [--size 50m | --model-dir DIR]
 
 A random Qwen2 model (`bench.weight_sync` sizes; params x --scale so that the distributions are
 peaked like a trained model's) is saved in fp32 and served by `VllmEngine` in each variant:
@@ -40,12 +40,17 @@ def run_variant(variant: str, args) -> dict:
   from pipelinerl_jax.models import hf_io
   from pipelinerl_jax.models import transformer
 
-  config = ws_bench.model_config(args.size)
-  params = jax.tree.map(lambda x: x * args.scale,
-                        transformer.init_params(config, jax.random.PRNGKey(0)))
-  model_dir = pathlib.Path(args.workdir) / f'qwen2_{args.size}_x{args.scale}'
-  if not (model_dir / hf_io.CONFIG_FILE).exists():
-    hf_io.save_params(params, config, model_dir, dtype='float32')
+  if args.model_dir:  # a real checkpoint, as stored
+    model_dir = pathlib.Path(args.model_dir)
+    config = hf_io.load_config(model_dir)
+    params = hf_io.load_params(model_dir, config)
+  else:
+    config = ws_bench.model_config(args.size)
+    params = jax.tree.map(lambda x: x * args.scale,
+                          transformer.init_params(config, jax.random.PRNGKey(0)))
+    model_dir = pathlib.Path(args.workdir) / f'qwen2_{args.size}_x{args.scale}'
+    if not (model_dir / hf_io.CONFIG_FILE).exists():
+      hf_io.save_params(params, config, model_dir, dtype='float32')
   dtype, head_fp32 = VARIANTS[variant]
   max_len = 16 + args.tokens
   engine = vllm_engine.VllmEngine(model_dir, vllm_engine.VllmEngineConfig(
@@ -56,7 +61,9 @@ def run_variant(variant: str, args) -> dict:
                           api.SamplingParams(temperature=1.0, max_tokens=args.tokens), seed=i)
               for i in range(args.requests)]
   try:
+    engine.update_params(params, 1)  # served as the trainer publishes them (and reloaded)
     completions = api.generate(engine, requests)
+    assert all((c.versions == 1).all() for c in completions)
   finally:
     engine.close()
   # The trainer's two settings: all fp32, and bf16 compute (fp32 params) with an fp32 lm_head.
@@ -69,7 +76,7 @@ def run_variant(variant: str, args) -> dict:
       lp, _ = transformer.token_logprobs(params, cfg, seq[:, :-1], seq[:, 1:],
                                          jnp.arange(t)[None], jnp.ones((1, t), jnp.int32))
       deltas[ref].append(np.abs(c.logprobs - np.asarray(lp[0, len(c.prompt_tokens) - 1:])))
-  out = dict(variant=variant, size=args.size, scale=args.scale)
+  out = dict(variant=variant, size=args.size, scale=args.scale, model_dir=str(model_dir))
   for ref, ds in deltas.items():
     d = np.concatenate(ds)
     out.update({f'tokens': int(d.size), f'mean_abs_vs_{ref}_trainer': float(d.mean()),
@@ -83,6 +90,7 @@ def main(argv=None):
   parser.add_argument('--quick', action='store_true', help='tiny model, few tokens')
   parser.add_argument('--size', default='50m', help='a bench.weight_sync size')
   parser.add_argument('--scale', type=float, default=4.0, help='params multiplier')
+  parser.add_argument('--model-dir', default='', help='an HF checkpoint instead of a random model')
   parser.add_argument('--variants', default=','.join(VARIANTS))
   parser.add_argument('--requests', type=int, default=8)
   parser.add_argument('--tokens', type=int, default=64)
@@ -104,7 +112,7 @@ def main(argv=None):
   for variant in variants:
     cmd = [sys.executable, '-m', 'pipelinerl_jax.bench.logprob_agreement', f'--one={variant}',
            f'--size={args.size}', f'--scale={args.scale}', f'--requests={args.requests}',
-           f'--tokens={args.tokens}', f'--workdir={args.workdir}']
+           f'--tokens={args.tokens}', f'--workdir={args.workdir}', f'--model-dir={args.model_dir}']
     proc = subprocess.run(cmd, capture_output=True, text=True,
                           env={**os.environ, 'VLLM_ENABLE_V1_MULTIPROCESSING': '0'})
     lines = [l for l in proc.stdout.splitlines() if l.startswith('RESULT ')]

@@ -39,7 +39,8 @@ continue. Only when that rollback also fails is the engine marked broken.
 caller that must know when the source buffers are no longer read.
 
 Measured on the demo model (fp32, 2 shared cores): log mu agrees with `transformer.token_logprobs`
-to ~1e-6 nats. Serving the same checkpoint with vLLM's dtype 'auto' (bf16 on CPU) gives ~2e-3.
+to ~1e-6 nats. Serving the same checkpoint with vLLM's dtype 'auto' (bf16 on CPU) gives ~2e-3;
+`lm_head_fp32` trims that by ~10% (the rest is the bf16 body; see `bench.logprob_agreement`).
 Reload cost is about 2/3 vLLM's CPU re-pack (oneDNN handles) and 1/3 the copy (with HF's
 transpose) into its parameters; see `bench.weight_sync`.
 """
@@ -392,12 +393,13 @@ class VllmEngine(api.Engine):
                            'overwritten since; nothing to restore')
       if self._loaded is None:
         self._worker.reload_weights()  # the checkpoint vLLM started from
-        tensors = [('lm_head.weight', _checkpoint_tensor(self.model_dir, 'lm_head.weight'))]
+        head = lambda: _checkpoint_tensor(self.model_dir, 'lm_head.weight')
       else:
         tensors = self._loaded()
         self._worker.reload_weights(weights_iterator=iter(tensors))
+        head = lambda: dict(tensors)['lm_head.weight']
       if self._head is not None:
-        self._head.set(dict(tensors)['lm_head.weight'])
+        self._head.set(head())
       self._counts['rollbacks'] += 1
     except Exception as e:
       self._broken = (f'a weight load failed part-way ({cause!r}) and restoring version '
