@@ -62,6 +62,9 @@ def base_config() -> ml_collections.ConfigDict:
   c.generation.backend = 'jax'    # 'jax' (in-process JAX engine) | 'vllm' (in-process vLLM)
                                   # | 'vllm_process' (vLLM in a child process, shared-memory weights)
   c.generation.vllm_kv_cache_mb = 256  # vLLM on CPU needs its KV cache size given
+  c.generation.num_generators = 1 # vllm_process: generator processes (one per GPU / TP group);
+                                  # each holds ceil(num_slots / num_generators) sequences
+  c.generation.max_restarts = 3   # vllm_process: dead generators replaced before the run fails
   c.generation.num_slots = 64     # H: sequences in flight
   c.generation.max_prompt_len = 32
   c.generation.max_new_tokens = 16
@@ -168,6 +171,14 @@ def validate(config: ml_collections.ConfigDict) -> None:
   _check(g.backend == 'jax' or not g.recompute_kv, 'generation.recompute_kv',
          'is only implemented by the JAX engine')
   _check(g.num_slots >= 1, 'generation.num_slots', f'H must be >= 1, got {g.num_slots}')
+  _check(g.num_generators >= 1, 'generation.num_generators',
+         f'must be >= 1, got {g.num_generators}')
+  _check(g.num_generators == 1 or g.backend == 'vllm_process', 'generation.num_generators',
+         f"{g.num_generators} generators need backend 'vllm_process', not {g.backend!r}")
+  _check(-(-g.num_slots // g.num_generators) >= rl.group_size, 'generation.num_generators',
+         f'{g.num_generators} generators leave each fewer than rl.group_size={rl.group_size} '
+         f'of num_slots={g.num_slots}: a group must fit in one generator')
+  _check(g.max_restarts >= 0, 'generation.max_restarts', f'must be >= 0, got {g.max_restarts}')
   _check(g.num_slots >= rl.group_size, 'generation.num_slots',
          f'H={g.num_slots} must hold at least one group (rl.group_size={rl.group_size})')
   _check(g.max_prompt_len >= 1, 'generation.max_prompt_len', 'must be >= 1')

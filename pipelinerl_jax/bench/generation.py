@@ -1,15 +1,19 @@
-"""Generation engine throughput: tokens/s at several slot counts H, with and without in-flight
-weight updates.
+"""Generation engine throughput: tokens/s of the JAX engine and vLLM at several concurrencies H,
+with and without in-flight weight updates.
 
-  python -m pipelinerl_jax.bench.generation [--quick] [--out PATH] [--slots 1,8,32,64]
+  python -m pipelinerl_jax.bench.generation [--quick] [--out PATH] [--slots 1,8,32]
+                                            [--backends jax,vllm]
 
-For each H and mode a fresh engine runs a warm-up that compiles every shape it needs, then
---repeats timed runs of the same workload shapes (other seeds); the median is reported. Modes:
+For each backend, H and mode, a warm-up compiles every shape it needs, then --repeats timed
+runs of the same workload shapes (other seeds) keep at most H requests in flight; the median is
+reported. Modes:
   none              no update
   update            new weights every --update-every token steps, stale KV cache kept
-  update+recompute  same, every in-flight sequence re-prefilled under the new weights
-The model is random (no checkpoint): throughput does not depend on the weights' values. Prints
-a table and writes the rows as JSON. Nothing here asserts timing.
+  update+recompute  same, every in-flight sequence re-prefilled under the new weights (JAX only)
+The model is random (throughput does not depend on the weights' values); vLLM serves it from a
+Qwen2 checkpoint written under --workdir in fp32, one in-process engine for every H (its
+max_num_seqs is the largest H) and receives updates as DLPack views of the same JAX params.
+Prints a table and writes the rows as JSON. Nothing here asserts timing.
 """
 
 from __future__ import annotations
@@ -30,14 +34,18 @@ from pipelinerl_jax.generation import engine as engine_lib
 from pipelinerl_jax.models import transformer
 
 MODES = ('none', 'update', 'update+recompute')
+BACKENDS = ('jax', 'vllm')
 
 
 def model_config(quick: bool) -> transformer.ModelConfig:
+  """Qwen2-shaped (q/k/v biases) so vLLM can serve it; head_dim 32 (vLLM on CPU needs >= 32)."""
   if quick:
-    return transformer.ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64,
-                                   num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8)
+    return transformer.ModelConfig(vocab_size=64, hidden_size=64, intermediate_size=64,
+                                   num_layers=2, num_heads=2, num_kv_heads=1, head_dim=32,
+                                   qkv_bias=True)
   return transformer.ModelConfig(vocab_size=512, hidden_size=128, intermediate_size=384,
-                                 num_layers=4, num_heads=4, num_kv_heads=2, head_dim=32)
+                                 num_layers=4, num_heads=4, num_kv_heads=2, head_dim=32,
+                                 qkv_bias=True)
 
 
 def workload(num_requests: int, vocab: int, max_prompt: int, max_new: int, seed: int):
@@ -54,25 +62,48 @@ def workload(num_requests: int, vocab: int, max_prompt: int, max_new: int, seed:
           for i, (n, m) in enumerate(zip(lengths, budgets))]
 
 
-def run_once(eng: engine_lib.JaxEngine, requests, param_sets, update_every: int) -> dict:
-  """Steps until the workload is done, publishing new params every `update_every` steps
-  (tokens/s counts prefill, updates and host bookkeeping: it is end-to-end)."""
-  for r in requests:
-    eng.submit(r)
+def run_once(eng: api.Engine, requests, param_sets, update_every: int, max_in_flight: int,
+             version: int) -> dict:
+  """Steps until the workload is done, keeping at most `max_in_flight` requests submitted and
+  publishing new params every `update_every` steps (tokens/s counts prefill, updates and host
+  bookkeeping: it is end-to-end). Versions continue from `version`."""
+  queued = list(requests)
   steps = tokens = updates = busy_total = 0
   start = time.perf_counter()
-  while eng.num_unfinished:
+  while queued or eng.num_unfinished:
+    while queued and eng.num_unfinished < max_in_flight:
+      eng.submit(queued.pop(0))
     if update_every and steps and steps % update_every == 0:
-      version = eng.version + 1
+      version += 1
       eng.update_params(param_sets[version % 2], version)
       updates += 1
-    busy_total += min(eng.num_unfinished, eng.config.num_slots)
+    busy_total += min(eng.num_unfinished, max_in_flight)
     for c in eng.step():
       tokens += len(c.tokens)
     steps += 1
   wall = time.perf_counter() - start
   return dict(wall_s=wall, tokens=tokens, steps=steps, tokens_per_s=tokens / wall,
-              ms_per_step=1e3 * wall / steps, mean_busy=busy_total / steps, updates=updates)
+              ms_per_step=1e3 * wall / steps, mean_busy=busy_total / steps, updates=updates,
+              version=version)
+
+
+def measure(eng: api.Engine, args, config, h: int, every: int, param_sets) -> dict:
+  """A warm-up, then the median of --repeats timed runs."""
+  num_requests = max(2, args.requests_per_slot * h)
+  load = lambda seed: workload(num_requests, config.vocab_size, args.max_prompt,
+                               args.max_new_tokens, seed=seed)
+  t0 = time.perf_counter()
+  version = run_once(eng, load(1), param_sets, every, h, getattr(eng, 'version', 0))['version']
+  warmup_s = time.perf_counter() - t0
+  traces = sum(engine_lib.TRACES.values())
+  results = []
+  for rep in range(args.repeats):  # a shared host's noise is larger than small effects
+    results.append(run_once(eng, load(2 + rep), param_sets, every, h, version))
+    version = results[-1]['version']
+  result = sorted(results, key=lambda r: r['tokens_per_s'])[len(results) // 2]
+  return dict(slots=h, update_every=every, requests=num_requests, warmup_s=warmup_s,
+              retraces=sum(engine_lib.TRACES.values()) - traces,
+              tokens_per_s_runs=[r['tokens_per_s'] for r in results], **result)
 
 
 def bench(args) -> list[dict]:
@@ -80,44 +111,50 @@ def bench(args) -> list[dict]:
   params_a = transformer.init_params(config, jax.random.PRNGKey(0))
   params_b = transformer.init_params(config, jax.random.PRNGKey(1))
   max_seq_len = args.max_prompt + args.max_new_tokens
+  # Fresh copies: the engine may keep what it is given (see api.Engine.update_params).
+  param_sets = [jax.tree.map(jnp.copy, p) for p in (params_a, params_b)]
   rows = []
-  for h in args.slots:
-    num_requests = max(2, args.requests_per_slot * h)
-    for mode in args.modes:
-      engine_config = engine_lib.EngineConfig(num_slots=h, max_seq_len=max_seq_len,
-                                              min_prefill_len=args.min_prefill_len,
-                                              recompute_kv=mode == 'update+recompute')
-      every = 0 if mode == 'none' else args.update_every
-      # Fresh copies: the engine may keep what it is given (see api.Engine.update_params).
-      param_sets = [jax.tree.map(jnp.copy, p) for p in (params_a, params_b)]
-      with engine_lib.JaxEngine(config, param_sets[0], engine_config) as eng:
-        t0 = time.perf_counter()
-        run_once(eng, workload(num_requests, config.vocab_size, args.max_prompt,
-                               args.max_new_tokens, seed=1), param_sets, every)
-        warmup_s = time.perf_counter() - t0
-        traces = sum(engine_lib.TRACES.values())
-        # The median of a few runs: a shared host's noise is larger than small effects.
-        results = [run_once(eng, workload(num_requests, config.vocab_size, args.max_prompt,
-                                          args.max_new_tokens, seed=2 + rep), param_sets, every)
-                   for rep in range(args.repeats)]
-        result = sorted(results, key=lambda r: r['tokens_per_s'])[len(results) // 2]
-        stats = eng.stats()
-      row = dict(slots=h, mode=mode, update_every=every, requests=num_requests,
-                 warmup_s=warmup_s, retraces=sum(engine_lib.TRACES.values()) - traces,
-                 tokens_per_s_runs=[r['tokens_per_s'] for r in results],
-                 prefill_calls=stats.get('prefill_calls', 0),
-                 kv_recomputes=stats.get('kv_recomputes', 0), **result)
-      rows.append(row)
-      print_row(row)
+  for backend in args.backends:
+    vllm_eng = None
+    if backend == 'vllm':
+      from pipelinerl_jax.generation import vllm_engine
+      from pipelinerl_jax.models import hf_io
+      model_dir = pathlib.Path(args.workdir) / f'qwen2_gen_{"quick" if args.quick else "full"}'
+      hf_io.save_params(params_a, config, model_dir, dtype='float32')
+      vllm_eng = vllm_engine.VllmEngine(model_dir, vllm_engine.VllmEngineConfig(
+          max_num_seqs=max(args.slots), max_model_len=max_seq_len, kv_cache_bytes=64 << 20))
+    try:
+      for h in args.slots:
+        for mode in args.modes:
+          if backend == 'vllm' and mode == 'update+recompute':
+            continue  # vLLM keeps the stale KV cache
+          every = 0 if mode == 'none' else args.update_every
+          if vllm_eng is not None:
+            row = measure(vllm_eng, args, config, h, every, param_sets)
+            stats = {}
+          else:
+            engine_config = engine_lib.EngineConfig(num_slots=h, max_seq_len=max_seq_len,
+                                                    min_prefill_len=args.min_prefill_len,
+                                                    recompute_kv=mode == 'update+recompute')
+            with engine_lib.JaxEngine(config, param_sets[0], engine_config) as eng:
+              row = measure(eng, args, config, h, every, param_sets)
+              stats = eng.stats()
+          row = dict(backend=backend, mode=mode, prefill_calls=stats.get('prefill_calls', 0),
+                     kv_recomputes=stats.get('kv_recomputes', 0), **row)
+          rows.append(row)
+          print_row(row)
+    finally:
+      if vllm_eng is not None:
+        vllm_eng.close()
   return rows
 
 
-HEADER = (f'{"H":>3} {"mode":<17} {"tok/s":>9} {"ms/step":>8} {"busy":>5} {"steps":>6} '
+HEADER = (f'{"backend":<7} {"H":>3} {"mode":<17} {"tok/s":>9} {"ms/step":>8} {"busy":>5} {"steps":>6} '
           f'{"tokens":>7} {"updates":>7} {"warmup_s":>8} {"retrace":>7}')
 
 
 def print_row(r):
-  print(f'{r["slots"]:>3} {r["mode"]:<17} {r["tokens_per_s"]:>9.0f} {r["ms_per_step"]:>8.2f} '
+  print(f'{r["backend"]:<7} {r["slots"]:>3} {r["mode"]:<17} {r["tokens_per_s"]:>9.0f} {r["ms_per_step"]:>8.2f} '
         f'{r["mean_busy"]:>5.1f} {r["steps"]:>6} {r["tokens"]:>7} {r["updates"]:>7} '
         f'{r["warmup_s"]:>8.1f} {r["retraces"]:>7}', flush=True)
 
@@ -128,6 +165,9 @@ def main(argv=None):
   parser.add_argument('--out', default='/tmp/pipelinerl_jax_bench/generation.json')
   parser.add_argument('--slots', default=None, help='comma-separated H values')
   parser.add_argument('--modes', default=','.join(MODES))
+  parser.add_argument('--backends', default=','.join(BACKENDS))
+  parser.add_argument('--workdir', default='/tmp/pipelinerl_jax_bench/generation',
+                      help="where the vLLM backend's checkpoint is written")
   parser.add_argument('--update-every', type=int, default=8, help='token steps between updates')
   parser.add_argument('--requests-per-slot', type=int, default=None)
   parser.add_argument('--max-prompt', type=int, default=None)
@@ -137,7 +177,7 @@ def main(argv=None):
   args = parser.parse_args(argv)
   defaults = (dict(slots='1,4', requests_per_slot=2, max_prompt=16, max_new_tokens=16,
                    min_prefill_len=16, repeats=1) if args.quick else
-              dict(slots='1,8,32,64', requests_per_slot=3, max_prompt=64, max_new_tokens=128,
+              dict(slots='1,8,32', requests_per_slot=3, max_prompt=64, max_new_tokens=128,
                    min_prefill_len=64, repeats=3))
   for name, value in defaults.items():
     if getattr(args, name) is None:
@@ -147,6 +187,10 @@ def main(argv=None):
   unknown = set(args.modes) - set(MODES)
   if unknown:
     parser.error(f'unknown modes {sorted(unknown)}; choose from {MODES}')
+  args.backends = [b for b in args.backends.split(',') if b]
+  if set(args.backends) - set(BACKENDS):
+    parser.error(f'unknown backends {sorted(set(args.backends) - set(BACKENDS))}; choose from '
+                 f'{BACKENDS}')
 
   device, config = jax.devices()[0], model_config(args.quick)
   print(f'device: {device.device_kind} ({jax.default_backend()}), jax {jax.__version__}; '
@@ -162,5 +206,5 @@ def main(argv=None):
   print(f'wrote {path}')
 
 
-if __name__ == '__main__':
+if __name__ == '__main__':  # vLLM may spawn processes: keep the guard
   main()

@@ -1,7 +1,7 @@
 """Weight-sync cost of `VllmEngine`: publishing a JAX params pytree into in-process vLLM, relative
 to one memcpy of the params.
 
-  python -m pipelinerl_jax.bench.weight_sync [--quick] [--sizes 50m,250m] [--out PATH]
+  python -m pipelinerl_jax.bench.weight_sync [--quick] [--sizes 50m,250m,500m] [--out PATH]
 
 Per size a random Qwen2 model is saved with `hf_io.save_params` under --workdir and vLLM is
 started on it. `sync_s` is the median of --repeats timings of `update_params(params, v)` plus the
@@ -34,6 +34,7 @@ SIZES = {
     'quick': (256, 128, 2, 2, 1, 256),
     '50m': (16384, 512, 8, 8, 4, 2048),
     '250m': (32768, 1024, 16, 16, 8, 2816),
+    '500m': (32768, 1536, 16, 24, 4, 4096),  # 491M params, ~2 GB in fp32: minutes on 2 cores
 }
 HEADER = (f'{"size":>6} {"params":>8} {"MB":>7} {"dtype":>8} {"sync_ms":>8} {"memcpy_ms":>9} '
           f'{"sync/memcpy":>11} {"tok/s":>7} {"tok/s+upd":>9}')

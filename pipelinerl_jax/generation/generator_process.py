@@ -11,11 +11,19 @@ bytes being loaded), runs one engine step and ships finished completions. `step(
 collects what has arrived (waiting up to `poll_s` when work is outstanding), so
 `api.generate` works unchanged; the child does not wait for the parent between tokens.
 
-Failure reporting: an exception in the child is sent back with its traceback before the child
-exits, and every parent call first checks that the child is alive, so a crashed or killed
-generator raises `GeneratorDied` (with the exit code and the child's last error) instead of
-leaving the trainer waiting. `update_params` raises TimeoutError when the child holds the
-segment longer than `lock_timeout_s`.
+Death and restart: an exception in the child is sent back with its traceback before the child
+exits, and every parent call first checks that the child is alive. A dead child is replaced by
+a fresh one that starts from the checkpoint and loads the segment's newest update (the latest
+published weights, which live in the parent's segment and survive the child) before serving.
+The replacement starts in a background thread: meanwhile `step()` returns nothing after
+`poll_s`, submits are held back, and a `GeneratorPool` keeps serving from its other children.
+The requests that were in flight there are re-submitted to it from their prompts (partial
+tokens are discarded, so they run under the current policy). A request id completes at most
+once: the parent keeps every submitted request until its completion arrives and drops any
+completion whose id is not outstanding. After `max_restarts` restarts in all, a death raises
+`GeneratorDied` with a one-line message naming the backend and the exit code or signal.
+`update_params` raises TimeoutError when the child holds the segment longer than
+`lock_timeout_s`; a child that died holding it is restarted and the write retried.
 """
 
 from __future__ import annotations
@@ -24,6 +32,8 @@ import dataclasses
 import multiprocessing as mp
 import os
 import queue
+import signal
+import threading
 import time
 import traceback
 from pathlib import Path
@@ -45,6 +55,7 @@ class ProcessConfig:
   lock_timeout_s: float = 60.0
   start_timeout_s: float = 300.0
   poll_s: float = 0.05              # how long `step()` waits for results when work is outstanding
+  max_restarts: int = 3             # child deaths survived (in all) before GeneratorDied
 
 
 def _child_main(model_dir, engine_config, version, seg_name, manifest_capacity, lock,
@@ -55,6 +66,7 @@ def _child_main(model_dir, engine_config, version, seg_name, manifest_capacity, 
     from pipelinerl_jax.generation import vllm_engine
     engine = vllm_engine.VllmEngine(model_dir, engine_config, version=version)
     seg = shm_weights.Segment.attach(seg_name, lock, manifest_capacity)
+    _load_newest(seg, engine, cfg, results)  # a restarted child serves the latest weights
     results.put(('ready', engine.version))
     closing, last_report = False, 0.0
     while not closing:
@@ -113,45 +125,64 @@ def _load_newest(seg: shm_weights.Segment, engine, cfg: ProcessConfig, results) 
 _rejected = [-1]  # (child process) the last segment version whose load failed
 
 
+def describe_exit(exitcode: int | None) -> str:
+  """'exit code 1' / 'killed by signal SIGKILL' for a multiprocessing exit code."""
+  if exitcode is None:
+    return 'still running'
+  if exitcode < 0:
+    try:
+      return f'killed by signal {signal.Signals(-exitcode).name}'
+    except ValueError:
+      return f'killed by signal {-exitcode}'
+  return f'exit code {exitcode}'
+
+
+def _last_line(text: str | None) -> str:
+  lines = [l for l in (text or '').strip().splitlines() if l.strip()]
+  return lines[-1].strip() if lines else ''
+
+
 class GeneratorProcess(api.Engine):
   """Parent-side handle; `submit` and `update_params` may be called from any thread, `step`
-  from one."""
+  from one. `name` labels errors (the config backend that made it)."""
 
   def __init__(self, model_dir: str | os.PathLike, engine_config=None, *, version: int = 0,
-               config: ProcessConfig = ProcessConfig()):
+               config: ProcessConfig = ProcessConfig(), name: str = 'vllm_process'):
     from pipelinerl_jax.generation import vllm_engine  # config type only; vLLM starts in the child
-    self.config = config
+    self.config, self.name = config, name
+    self.model_dir = str(Path(model_dir))
     self.model_config = hf_io.load_config(model_dir)
-    self._entries, size, capacity = shm_weights.manifest_for(self.model_config,
-                                                            config.transport_dtype)
-    engine_config = engine_config or vllm_engine.VllmEngineConfig()
-    self._max_model_len = engine_config.max_model_len
-    ctx = mp.get_context('spawn')
-    self._seg = shm_weights.Segment.create(size, ctx.Lock(), capacity)
-    self._requests, self._results = ctx.Queue(), ctx.Queue()
-    self._proc = ctx.Process(
-        target=_child_main, name='pipelinerl-generator', daemon=True,
-        args=(str(Path(model_dir)), engine_config, version,
-              self._seg.name, capacity, self._seg.lock, self._requests, self._results, config))
-    self._proc.start()
-    self._ids: set[str] = set()
-    self._inbox: list[api.Completion] = []
+    self._entries, size, self._capacity = shm_weights.manifest_for(self.model_config,
+                                                                  config.transport_dtype)
+    self._engine_config = engine_config or vllm_engine.VllmEngineConfig()
+    self._max_model_len = self._engine_config.max_model_len
+    self._initial_version = version
+    self._ctx = mp.get_context('spawn')
+    self._seg = shm_weights.Segment.create(size, self._ctx.Lock(), self._capacity)
+    self._state_lock = threading.RLock()  # queues, child handle, in-flight map, inbox, stats
+    self._write_lock = threading.Lock()   # held by a parent-side writer of the segment
+    self._inflight: dict[str, api.Request] = {}  # submitted; no completion received yet
+    self._inbox: list[api.Completion] = []       # received; not yet returned by step()
     self._update_errors: dict[int, str] = {}
     self._stats: dict[str, Any] = {'version': version}
-    self._last_error: str | None = None
+    self.restarts = 0
+    self.requeued = 0
+    self._serving = True  # a child is up and gets submits directly
+    self._restarting: threading.Thread | None = None
+    self._restart_error: BaseException | None = None
+    self.last_error: str | None = None  # the child's last traceback
     self._closed = False
-    self._ready = False
-    deadline = time.monotonic() + config.start_timeout_s
-    while not self._ready:
-      self._receive(timeout=1.0)
-      if not self._ready and time.monotonic() > deadline:
-        self.close()
-        raise TimeoutError(f'generator did not start within {config.start_timeout_s:.0f}s')
+    self._start_child()
+    if not self._proc.is_alive():
+      self._drain_after_death()
+      self._closed = True
+      self._seg.close(unlink=True)
+      raise GeneratorDied(self._death_message('did not start'))
 
   # --- api.Engine ------------------------------------------------------------------------------
 
   def submit(self, request: api.Request) -> None:
-    self._check_alive()
+    self._ensure_alive()
     # Checked here too: a request the child refuses would take the whole generator down.
     prompt, n = list(request.prompt_tokens), request.sampling.max_tokens
     if not prompt or min(prompt) < 0 or max(prompt) >= self.model_config.vocab_size:
@@ -159,19 +190,31 @@ class GeneratorProcess(api.Engine):
     if len(prompt) + n > self._max_model_len:
       raise ValueError(f'request {request.request_id!r}: prompt {len(prompt)} + max_tokens {n} '
                        f'exceeds max_model_len={self._max_model_len}')
-    if request.request_id in self._ids:
-      raise ValueError(f'request id {request.request_id!r} is already unfinished')
-    self._ids.add(request.request_id)
-    self._requests.put(('submit', request))
+    with self._state_lock:
+      if request.request_id in self._inflight or any(c.request_id == request.request_id
+                                                     for c in self._inbox):
+        raise ValueError(f'request id {request.request_id!r} is already unfinished')
+      self._inflight[request.request_id] = request
+      if self._serving:  # else the replacement child gets it with the re-submitted ones
+        self._requests.put(('submit', request))
 
   def update_params(self, params: Any, version: int) -> None:
     """Writes the update into shared memory now (one copy); the child loads it between two of
-    its steps. Returns once written; `wait_loaded` waits for the child's acknowledgement."""
-    self._check_alive()
-    timing = shm_weights.write_update(self._seg, params, self.model_config, version,
-                                      dtype=self.config.transport_dtype,
-                                      checksum=self.config.checksum,
-                                      timeout=self.config.lock_timeout_s)
+    its steps (a child being restarted loads it when it starts). Returns once written;
+    `wait_loaded` waits for the child's acknowledgement."""
+    for attempt in range(2):
+      self._ensure_alive()
+      try:
+        with self._write_lock:
+          timing = shm_weights.write_update(self._seg, params, self.model_config, version,
+                                            dtype=self.config.transport_dtype,
+                                            checksum=self.config.checksum,
+                                            timeout=self.config.lock_timeout_s,
+                                            reader_alive=lambda: self._proc.is_alive())
+        break
+      except shm_weights.HolderDied:  # the next _ensure_alive frees the lock
+        if attempt:
+          raise
     self._stats['last_write_s'] = timing['write_s']
 
   def wait_loaded(self, version: int, timeout: float = 60.0) -> None:
@@ -179,34 +222,53 @@ class GeneratorProcess(api.Engine):
     if it rejected that update."""
     deadline = time.monotonic() + timeout
     while self._seg.header()['acked'] < version:
-      self._receive(timeout=0.005)
+      if self._ensure_alive():
+        self._receive(timeout=0.005)
+      else:
+        time.sleep(0.05)
       rejected = [e for v, e in self._update_errors.items() if v >= version]
       if rejected:
         raise RuntimeError(f'generator rejected version {version}: {rejected[0]}')
       if time.monotonic() > deadline:
         raise TimeoutError(f'generator did not load version {version} within {timeout:.0f}s')
 
-  def step(self) -> list[api.Completion]:
-    self._check_alive()
-    if not self._inbox:
-      self._receive(timeout=self.config.poll_s if self._ids else 0.0)
-    while self._receive(timeout=0.0):
-      pass
-    done, self._inbox = self._inbox, []
-    self._ids.difference_update(c.request_id for c in done)
+  def step(self, timeout: float | None = None) -> list[api.Completion]:
+    """Collects what the child finished; waits up to `timeout` (default `poll_s`) for a first
+    result when work is outstanding and nothing has arrived (or, while a replacement child
+    starts, for that long)."""
+    timeout = self.config.poll_s if timeout is None else timeout
+    if self._ensure_alive():
+      if not self._inbox:
+        self._receive(timeout=timeout if self._inflight else 0.0)
+      while self._receive(timeout=0.0):
+        pass
+    elif timeout > 0:
+      time.sleep(timeout)
+    with self._state_lock:
+      done, self._inbox = self._inbox, []
     return done
 
   def stats(self) -> dict[str, Any]:
-    return dict(self._stats, pid=self._proc.pid, alive=self._proc.is_alive())
+    return dict(self._stats, pid=self._proc.pid, alive=self._proc.is_alive(),
+                serving=self._serving, restarts=self.restarts, requeued=self.requeued)
 
   @property
   def num_unfinished(self) -> int:
-    return len(self._ids)
+    with self._state_lock:
+      return len(self._inflight) + len(self._inbox)
+
+  @property
+  def serving(self) -> bool:
+    """False while a replacement child starts."""
+    return self._serving
 
   def close(self) -> None:
     if self._closed:
       return
     self._closed = True
+    restart = self._restarting
+    if restart is not None:  # it notices `_closed` within a second and stops its child
+      restart.join(timeout=30)
     if self._proc.is_alive():
       self._requests.put(('close',))
       self._proc.join(timeout=30)
@@ -215,44 +277,118 @@ class GeneratorProcess(api.Engine):
       self._proc.join(timeout=10)
     self._seg.close(unlink=True)
 
-  # --- internals -------------------------------------------------------------------------------
+  # --- child lifecycle -------------------------------------------------------------------------
+
+  def _start_child(self):
+    """Starts a child on fresh queues and waits for its 'ready' (or its death)."""
+    self._requests, self._results = self._ctx.Queue(), self._ctx.Queue()
+    self._proc = self._ctx.Process(
+        target=_child_main, name=f'pipelinerl-generator-{self.name}', daemon=True,
+        args=(self.model_dir, self._engine_config, self._initial_version, self._seg.name,
+              self._capacity, self._seg.lock, self._requests, self._results, self.config))
+    self._proc.start()
+    self._ready = False
+    deadline = time.monotonic() + self.config.start_timeout_s
+    while not self._ready and self._proc.is_alive():
+      self._receive(timeout=1.0)
+      timed_out = not self._ready and time.monotonic() > deadline
+      if self._closed or timed_out:
+        self._proc.kill()
+        self._proc.join(timeout=10)
+      if timed_out:
+        raise TimeoutError(f'{self.name} generator did not start within '
+                           f'{self.config.start_timeout_s:.0f}s')
+
+  def _ensure_alive(self) -> bool:
+    """True when a child is serving. A dead child is replaced in a background thread (see the
+    module docstring; False until the replacement serves), or GeneratorDied is raised once
+    `max_restarts` are used."""
+    if self._closed:
+      raise RuntimeError(f'{self.name} generator is closed')
+    with self._state_lock:
+      if self._restarting is not None:
+        if self._restarting.is_alive():
+          return False
+        self._restarting = None
+        if self._restart_error is not None:
+          error, self._restart_error = self._restart_error, None
+          raise error
+      if self._proc.is_alive():
+        return True
+      self._serving = False
+      self._drain_after_death()
+      if self.restarts >= self.config.max_restarts:
+        raise GeneratorDied(self._death_message('died'))
+      self.restarts += 1
+      self._stats['last_death'] = describe_exit(self._proc.exitcode)
+      for q in (self._requests, self._results):  # may hold a message cut by the death
+        q.close()
+        q.cancel_join_thread()
+      with self._write_lock:  # no parent writer holds the segment lock now
+        if self._seg.lock.acquire(timeout=0):
+          self._seg.lock.release()
+        else:  # the dead child held it: it would never be released
+          self._seg.lock = self._ctx.Lock()
+      self._stats['restart_version'] = self._seg.header()['version']
+      self._restarting = threading.Thread(target=self._restart, name=f'restart-{self.name}',
+                                          daemon=True)
+      self._restarting.start()
+      return False
+
+  def _restart(self):
+    """(background thread) One replacement child; once it is ready, every outstanding request
+    goes to it from its prompt. A replacement that dies is replaced by the next call."""
+    try:
+      self._start_child()
+      with self._state_lock:
+        if self._ready and not self._closed:
+          for request in self._inflight.values():
+            self._requests.put(('submit', request))
+          self.requeued += len(self._inflight)
+          self._serving = True
+    except BaseException as e:  # raised by the next _ensure_alive, in the caller's thread
+      self._restart_error = e
+
+  def _death_message(self, what: str) -> str:
+    return (f'{self.name} generator (pid {self._proc.pid}) {what}: '
+            f'{describe_exit(self._proc.exitcode)}; restarts used {self.restarts} of '
+            f'generation.max_restarts={self.config.max_restarts}' +
+            (f'; its last error: {_last_line(self.last_error)}' if self.last_error else
+             ' (no error reported: killed?)'))
+
+  def _drain_after_death(self):
+    """Completions and the error the dead child sent before dying; stops at the first message
+    that cannot be read (one cut short by the death)."""
+    writer = getattr(self._results, '_writer', None)  # our copy of the pipe's write end:
+    if writer is not None:  # closed, a message cut short reads as EOF instead of blocking
+      writer.close()
+    for _ in range(10_000):
+      try:
+        if not self._receive(timeout=0.0):
+          return
+      except EOFError:
+        return
 
   def _receive(self, timeout: float) -> bool:
     """Handles one message from the child, if one comes within `timeout`; False if none."""
     try:
       msg = self._results.get(timeout=timeout) if timeout > 0 else self._results.get_nowait()
-    except queue.Empty:
-      self._check_alive()
+    except (queue.Empty, OSError, ValueError):  # nothing, or a queue closed by a restart
       return False
     kind = msg[0]
-    if kind == 'step':
-      self._inbox += msg[1]
-      self._stats = {**self._stats, **msg[2]}
-    elif kind == 'update_error':
-      self._update_errors[msg[1]] = msg[2]
-      self._stats['last_update_error'] = f'version {msg[1]}: {msg[2]}'
-    elif kind == 'ready':
-      self._ready = True
-    elif kind == 'error':
-      self._last_error = msg[1]
-      self._check_alive(wait_exit=True)
+    with self._state_lock:
+      if kind == 'step':
+        for c in msg[1]:  # at most once per id: a completion not outstanding is dropped
+          if self._inflight.pop(c.request_id, None) is not None:
+            self._inbox.append(c)
+        self._stats = {**self._stats, **msg[2]}
+      elif kind == 'update_error':
+        self._update_errors[msg[1]] = msg[2]
+        self._stats['last_update_error'] = f'version {msg[1]}: {msg[2]}'
+      elif kind == 'ready':
+        self._ready = True
+        self._stats['version'] = msg[1]
+      elif kind == 'error':
+        self.last_error = msg[1]
+        self._proc.join(timeout=10)  # it exits right after reporting
     return True
-
-  def _check_alive(self, wait_exit: bool = False):
-    if self._closed:
-      raise RuntimeError('generator is closed')
-    if wait_exit:
-      self._proc.join(timeout=10)
-    if not self._proc.is_alive():
-      if self._last_error is None:  # the child may have sent its traceback before dying
-        try:
-          while True:
-            msg = self._results.get_nowait()
-            if msg[0] == 'error':
-              self._last_error = msg[1]
-        except (queue.Empty, OSError, EOFError):
-          pass
-      raise GeneratorDied(f'generator process {self._proc.pid} exited with code '
-                          f'{self._proc.exitcode}' +
-                          (f'; its last error:\n{self._last_error}' if self._last_error else
-                           ' without reporting an error (killed?)'))

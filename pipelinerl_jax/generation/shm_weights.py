@@ -28,7 +28,7 @@ import struct
 import time
 import zlib
 from multiprocessing import shared_memory
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -44,6 +44,10 @@ _DTYPES = {'float32': torch.float32, 'bfloat16': torch.bfloat16, 'float16': torc
 
 class TransportError(RuntimeError):
   """The segment holds no complete, intact update."""
+
+
+class HolderDied(RuntimeError):
+  """The peer process holding the segment lock is dead; the lock will never be released."""
 
 
 def _align(n: int) -> int:
@@ -106,10 +110,16 @@ class Segment:
                          offset=self.data_start + offset)
     return t.view(shape)
 
-  def acquire(self, timeout: float, holder: str):
-    if not self.lock.acquire(timeout=timeout):
-      raise TimeoutError(f'weight segment {self.name}: the {holder} has held the lock for more '
-                         f'than {timeout:.0f}s (stuck or dead?)')
+  def acquire(self, timeout: float, holder: str, holder_alive: Callable[[], bool] | None = None):
+    """Takes the lock, polling `holder_alive` (when given) so that a peer that died holding it
+    is reported at once (HolderDied) instead of after `timeout`."""
+    deadline = time.monotonic() + timeout
+    while not self.lock.acquire(timeout=min(0.1, timeout) if holder_alive else timeout):
+      if holder_alive is not None and not holder_alive():
+        raise HolderDied(f'weight segment {self.name}: the {holder} died holding the lock')
+      if time.monotonic() >= deadline:
+        raise TimeoutError(f'weight segment {self.name}: the {holder} has held the lock for more '
+                           f'than {timeout:.0f}s (stuck or dead?)')
 
   def close(self, unlink: bool = False):
     self.shm.close()
@@ -119,13 +129,14 @@ class Segment:
 
 def write_update(seg: Segment, params, config, version: int, *, dtype: str = 'float32',
                  bucket_bytes: int = 64 << 20, checksum: bool = True,
-                 timeout: float = 60.0) -> dict:
+                 timeout: float = 60.0, reader_alive: Callable[[], bool] | None = None) -> dict:
   """Writes a full update of `params` as `version`; returns timings. Raises TimeoutError when
-  the reader holds the segment longer than `timeout` seconds."""
+  the reader holds the segment longer than `timeout` seconds, HolderDied when it died holding
+  it (with `reader_alive` given)."""
   entries, _, _ = manifest_for(config, dtype, seg.manifest_capacity)
   where = {name: (shape, offset) for name, shape, _, offset in entries}
   t0 = time.perf_counter()
-  seg.acquire(timeout, 'generator (reader)')
+  seg.acquire(timeout, 'generator (reader)', reader_alive)
   try:
     t1 = time.perf_counter()
     seg.write_header(state=WRITING)

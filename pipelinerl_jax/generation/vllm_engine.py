@@ -39,7 +39,8 @@ continue. Only when that rollback also fails is the engine marked broken.
 caller that must know when the source buffers are no longer read.
 
 Measured on the demo model (fp32, 2 shared cores): log mu agrees with `transformer.token_logprobs`
-to ~1e-6 nats. Serving the same checkpoint with vLLM's dtype 'auto' (bf16 on CPU) gives ~2e-3.
+to ~1e-6 nats. Serving the same checkpoint with vLLM's dtype 'auto' (bf16 on CPU) gives ~2e-3;
+`lm_head_fp32` trims that by ~10% (the rest is the bf16 body; see `bench.logprob_agreement`).
 Reload cost is about 2/3 vLLM's CPU re-pack (oneDNN handles) and 1/3 the copy (with HF's
 transpose) into its parameters; see `bench.weight_sync`.
 """
@@ -81,6 +82,9 @@ class VllmEngineConfig:
   eos_token_ids: tuple[int, ...] = ()  # stop every request, on top of its own stop_token_ids
   max_num_batched_tokens: int | None = None  # prefill chunk budget per step (vLLM's default)
   seed: int = 0                     # vLLM's global seed (requests bring their own)
+  # Logits in fp32, like the trainer's `lm_head_fp32`: vLLM's `head_dtype` override (the last
+  # matmul in fp32) and, on CPU, an fp32 lm_head weight (see `_Fp32Head`). No-op in fp32.
+  lm_head_fp32: bool = False
 
 
 @dataclasses.dataclass
@@ -157,6 +161,8 @@ class VllmEngine(api.Engine):
                   enforce_eager=True, seed=config.seed)
     if config.max_num_batched_tokens is not None:
       kwargs['max_num_batched_tokens'] = config.max_num_batched_tokens
+    if config.lm_head_fp32:
+      kwargs['hf_overrides'] = {'head_dtype': 'float32'}
     kwargs.update(llm_kwargs)
     self._llm = vllm.LLM(**kwargs)
     self._core = self._llm.llm_engine
@@ -165,6 +171,11 @@ class VllmEngine(api.Engine):
     except AttributeError:
       raise RuntimeError('vLLM did not start in-process (no driver_worker); the engine needs '
                          'VLLM_ENABLE_V1_MULTIPROCESSING=0') from None
+
+    self._head = _Fp32Head.attach(self._worker, self.model_config, dtype) \
+        if config.lm_head_fp32 else None
+    if self._head is not None:
+      self._head.set(_checkpoint_tensor(self.model_dir, 'lm_head.weight'))
 
     self._version = version
     self._core.set_weight_version(str(version))
@@ -356,6 +367,8 @@ class VllmEngine(api.Engine):
     try:
       tensors = make_tensors()  # nothing in vLLM has changed if this raises
       self._worker.reload_weights(weights_iterator=iter(tensors))
+      if self._head is not None:
+        self._head.set(dict(tensors)['lm_head.weight'])
     except Exception as e:
       self._counts['update_errors'] += 1
       self._last_update_error = f'version {version}: {type(e).__name__}: {e}'
@@ -380,8 +393,13 @@ class VllmEngine(api.Engine):
                            'overwritten since; nothing to restore')
       if self._loaded is None:
         self._worker.reload_weights()  # the checkpoint vLLM started from
+        head = lambda: _checkpoint_tensor(self.model_dir, 'lm_head.weight')
       else:
-        self._worker.reload_weights(weights_iterator=iter(self._loaded()))
+        tensors = self._loaded()
+        self._worker.reload_weights(weights_iterator=iter(tensors))
+        head = lambda: dict(tensors)['lm_head.weight']
+      if self._head is not None:
+        self._head.set(head())
       self._counts['rollbacks'] += 1
     except Exception as e:
       self._broken = (f'a weight load failed part-way ({cause!r}) and restoring version '
@@ -400,3 +418,49 @@ def _abort_layerwise_reload(worker):
       info.loaded_weights.clear()
       info.load_numel = 0
   layerwise.finalize_layerwise_reload(model, worker.vllm_config.model_config)
+
+
+def _checkpoint_tensor(model_dir: Path, name: str):
+  """One tensor of an HF checkpoint dir, read alone."""
+  import safetensors
+  single = model_dir / hf_io.SINGLE_FILE
+  file = single if single.is_file() else model_dir / json.loads(
+      (model_dir / hf_io.INDEX_FILE).read_text())['weight_map'][name]
+  with safetensors.safe_open(str(file), framework='pt') as f:
+    return f.get_tensor(name)
+
+
+class _Fp32Head:
+  """The lm_head weight kept in fp32 while the model serves in bf16/fp16.
+
+  vLLM's `head_dtype=float32` computes the last matmul in fp32 but from the lm_head weight
+  rounded to the serving dtype: in bf16 each logit is then off by up to ~0.4% of its size,
+  which the trainer's fp32 lm_head (fp32 master weights) does not see. On CPU that matmul is a
+  plain `F.linear` on `lm_head.weight` cast to fp32 (vLLM's logits_processor._apply_head), so
+  holding that weight in fp32 makes it the trainer's computation; it is re-set from every
+  update (vLLM's reload rounds it again). Not attached on CUDA, where vLLM's fp32 path is a
+  `torch.mm(out_dtype=float32)` that needs both operands in the serving dtype, nor for tied
+  embeddings, whose weight is also the embedding table.
+  """
+
+  def __init__(self, module):
+    self.module = module
+
+  @classmethod
+  def attach(cls, worker, model_config, dtype: str) -> '_Fp32Head | None':
+    import torch
+    from vllm.platforms import current_platform
+    model = worker.model_runner.get_model()
+    head = getattr(model, 'lm_head', None)
+    if (not current_platform.is_cpu() or model_config.tie_embeddings or head is None
+        or getattr(getattr(model, 'logits_processor', None), 'head_dtype', None)
+        != torch.float32 or head.weight.dtype == torch.float32):
+      return None
+    return cls(head)
+
+  def set(self, weight):
+    """`weight` [V, D]; vLLM's may have padded rows (sliced off the logits), kept at zero."""
+    import torch
+    full = torch.zeros(self.module.weight.shape, dtype=torch.float32)
+    full[:weight.shape[0]].copy_(weight)
+    self.module.weight.data = full

@@ -108,12 +108,19 @@ def make_engine(config: ml_collections.ConfigDict, model_config, model_dir: str,
   # vLLM starts from the checkpoint on disk, which is what `params` were loaded from.
   from pipelinerl_jax.generation import vllm_engine  # imports vLLM: only when asked for
   engine_config = vllm_engine.VllmEngineConfig(
-      max_num_seqs=g.num_slots, max_model_len=max_len, eos_token_ids=(eos_token_id,),
-      kv_cache_bytes=g.vllm_kv_cache_mb << 20)
+      max_num_seqs=-(-g.num_slots // g.num_generators), max_model_len=max_len,
+      eos_token_ids=(eos_token_id,), kv_cache_bytes=g.vllm_kv_cache_mb << 20,
+      lm_head_fp32=config.model.lm_head_fp32)
   if g.backend == 'vllm':
     return vllm_engine.VllmEngine(model_dir, engine_config, version=0)
   from pipelinerl_jax.generation import generator_process
-  return generator_process.GeneratorProcess(model_dir, engine_config, version=0)
+  from pipelinerl_jax.generation import generator_pool
+  process_config = generator_process.ProcessConfig(max_restarts=g.max_restarts)
+  if g.num_generators == 1:
+    return generator_process.GeneratorProcess(model_dir, engine_config, version=0,
+                                              config=process_config)
+  return generator_pool.GeneratorPool(model_dir, engine_config, num_generators=g.num_generators,
+                                      version=0, config=process_config)
 
 
 def pad_prompt_check(max_len: int) -> Callable[[list[int], str], list[int]]:

@@ -207,13 +207,16 @@ def best_config(N: int, B: int, points: Points, tau: float,
 # Calibration from this repo's benchmarks.
 
 
-def utilization_from_bench_json(path, mode: str = 'none') -> list[tuple[int, float]]:
+def utilization_from_bench_json(path, mode: str = 'none', backend: str = 'jax'
+                                ) -> list[tuple[int, float]]:
   """U(h) points from `python -m pipelinerl_jax.bench.generation` output: (slots, tokens_per_s)
-  of the rows with `mode` ('none': no weight updates). That bench runs one engine on one
+  of the rows with `mode` ('none': no weight updates) and `backend` (rows written before the
+  bench had several backends are the JAX engine's). That bench runs one engine on one
   device, so its tokens/s are per accelerator. Its H is the slot count: slots stay full in a
   pipeline, while the bench's tail drains them, so these points slightly understate U(H)."""
   rows = json.loads(pathlib.Path(path).read_text())['rows']
-  points = [(int(r['slots']), float(r['tokens_per_s'])) for r in rows if r['mode'] == mode]
+  points = [(int(r['slots']), float(r['tokens_per_s'])) for r in rows
+            if r['mode'] == mode and r.get('backend', 'jax') == backend]
   if not points:
     raise ValueError(f'{path}: no rows with mode {mode!r} (modes: '
                      f'{sorted({r["mode"] for r in rows})})')

@@ -1,0 +1,182 @@
+"""Bucketed NCCL weight transport for CUDA hosts (the counterpart of `shm_weights` there).
+
+UNRUN: written for one trainer rank broadcasting to the generator processes over a vLLM
+`PyNcclCommunicator` on a `StatelessProcessGroup` (no global torch.distributed state); no GPU was
+available where it was written. Everything that does not touch CUDA -- the plan, packing,
+unpacking, the wire protocol and the timeout -- is tested on CPU with an in-process
+communicator (tests/nccl_weights_test.py).
+
+Wire protocol, per update (every tensor is broadcast from rank `src`):
+  1. header: int64 [MAGIC, version, plan_digest, num_buckets]
+  2. num_buckets flat uint8 buffers, in plan order; bucket i holds whole fusion units
+     (`weight_sync.buckets`: q/k/v together, gate/up together), each tensor 256-byte aligned.
+Both sides derive the same `Plan` from the model config, dtype and bucket size, so no names or
+shapes travel: the digest in the header proves the two plans agree (a receiver built for
+another model or bucket size rejects the update instead of misreading bytes).
+
+Whole or nothing: the receiver fills one staging buffer with every bucket before anything
+reaches the engine (cost: one model-sized buffer on the generator's GPU), then hands views of
+it to `VllmEngine.update_hf_tensors`. A receive that does not finish within `timeout_s` raises
+TimeoutError; NCCL calls cannot be cancelled, so the communicator is unusable afterwards and the
+generator must be restarted (`GeneratorProcess` does that when the child exits).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import threading
+from typing import Any, Iterable, Protocol
+
+import torch
+
+from pipelinerl_jax.generation import weight_sync
+
+MAGIC = 0x4E43434C574A4158  # 'NCCLWJAX'
+ALIGN = 256
+_DTYPES = {'float32': torch.float32, 'bfloat16': torch.bfloat16, 'float16': torch.float16}
+
+
+class Communicator(Protocol):
+  """What the transport needs: vLLM's PyNcclCommunicator has this method."""
+
+  def broadcast(self, tensor: torch.Tensor, src: int) -> None:
+    ...
+
+
+@dataclasses.dataclass(frozen=True)
+class Slot:
+  name: str
+  shape: tuple[int, ...]
+  offset: int  # bytes from the start of its bucket
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+  """Where every HF tensor lies: buckets of slots, in checkpoint order."""
+  dtype: str
+  buckets: tuple[tuple[Slot, ...], ...]
+  bucket_nbytes: tuple[int, ...]
+
+  @property
+  def digest(self) -> int:
+    blob = json.dumps([self.dtype, [[dataclasses.astuple(s) for s in b] for b in self.buckets]])
+    return int.from_bytes(hashlib.sha256(blob.encode()).digest()[:7], 'little')
+
+  @property
+  def nbytes(self) -> int:
+    return sum(self.bucket_nbytes)
+
+
+def _align(n: int) -> int:
+  return -(-n // ALIGN) * ALIGN
+
+
+def make_plan(shapes: dict[str, tuple[int, ...]], dtype: str = 'bfloat16',
+              bucket_bytes: int = 256 << 20) -> Plan:
+  """The layout of `shapes` (checkpoint order, e.g. `weight_sync.expected_shapes(config)`) in
+  buckets of about `bucket_bytes`; fusion units are never split."""
+  itemsize = _DTYPES[dtype].itemsize
+  meta = [(name, torch.empty(shape, dtype=_DTYPES[dtype], device='meta'))
+          for name, shape in shapes.items()]
+  buckets, sizes = [], []
+  for bucket in weight_sync.buckets(meta, bucket_bytes):
+    slots, offset = [], 0
+    for name, t in bucket.tensors:
+      slots.append(Slot(name, tuple(t.shape), offset))
+      offset = _align(offset + t.numel() * itemsize)
+    buckets.append(tuple(slots))
+    sizes.append(offset)
+  return Plan(dtype, tuple(buckets), tuple(sizes))
+
+
+def bucket_views(plan: Plan, i: int, flat: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+  """(name, view) of bucket i's tensors inside its flat uint8 buffer (no copy)."""
+  out = []
+  for slot in plan.buckets[i]:
+    n = 1
+    for d in slot.shape:
+      n *= d
+    nbytes = n * _DTYPES[plan.dtype].itemsize
+    out.append((slot.name, flat[slot.offset:slot.offset + nbytes].view(_DTYPES[plan.dtype])
+                .view(slot.shape)))
+  return out
+
+
+def pack(plan: Plan, tensors: Iterable[tuple[str, torch.Tensor]], device='cpu'
+         ) -> Iterable[tuple[int, torch.Tensor]]:
+  """Yields (bucket index, flat uint8 buffer) with `tensors` copied in (cast to the plan's
+  dtype); `tensors` must come in plan order (checkpoint order), each exactly once."""
+  it = iter(tensors)
+  for i, size in enumerate(plan.bucket_nbytes):
+    flat = torch.zeros(size, dtype=torch.uint8, device=device)
+    for name, view in bucket_views(plan, i, flat):
+      got, src = next(it, (None, None))
+      if got != name:
+        raise ValueError(f'bucket {i}: expected tensor {name}, got {got} (not in checkpoint '
+                         'order, or from another model)')
+      if tuple(src.shape) != tuple(view.shape):
+        raise ValueError(f'{name} has shape {tuple(src.shape)}, the plan says {tuple(view.shape)}')
+      view.copy_(src)
+    yield i, flat
+  extra = next(it, None)
+  if extra is not None:
+    raise ValueError(f'tensor {extra[0]} is not in the plan')
+
+
+def send(comm: Communicator, plan: Plan, tensors: Iterable[tuple[str, torch.Tensor]],
+         version: int, *, src: int = 0, device='cpu') -> None:
+  """Trainer side: header, then every bucket (one bucket buffer alive at a time)."""
+  header = torch.tensor([MAGIC, version, plan.digest, len(plan.buckets)], dtype=torch.int64,
+                        device=device)
+  comm.broadcast(header, src=src)
+  for _, flat in pack(plan, tensors, device):
+    comm.broadcast(flat, src=src)
+
+
+def receive(comm: Communicator, plan: Plan, *, src: int = 0, device='cpu',
+            timeout_s: float = 120.0) -> tuple[int, list[tuple[str, torch.Tensor]]]:
+  """Generator side: (version, [(hf_name, view into one staging buffer)]) once every bucket has
+  arrived; raises ValueError for a header that does not match the plan, TimeoutError when the
+  update does not complete within `timeout_s` (the communicator is then unusable)."""
+  result: dict[str, Any] = {}
+
+  def body():
+    try:
+      header = torch.zeros(4, dtype=torch.int64, device=device)
+      comm.broadcast(header, src=src)
+      magic, version, digest, n = (int(x) for x in header.tolist())
+      if magic != MAGIC or digest != plan.digest or n != len(plan.buckets):
+        raise ValueError(f'weight update header {hex(magic)}/{digest:#x}/{n} buckets does not '
+                         f'match this generator\'s plan ({plan.digest:#x}/{len(plan.buckets)} '
+                         'buckets): trainer and generator disagree on model, dtype or bucket size')
+      staging = torch.empty(plan.nbytes, dtype=torch.uint8, device=device)
+      views, start = [], 0
+      for i, size in enumerate(plan.bucket_nbytes):
+        flat = staging[start:start + size]
+        comm.broadcast(flat, src=src)
+        views += bucket_views(plan, i, flat)
+        start += size
+      result['update'] = (version, views)
+    except BaseException as e:  # re-raised in the caller's thread
+      result['error'] = e
+
+  thread = threading.Thread(target=body, name='nccl-weights-receive', daemon=True)
+  thread.start()
+  thread.join(timeout_s)
+  if thread.is_alive():
+    raise TimeoutError(f'NCCL weight update not received within {timeout_s:.0f}s (trainer dead '
+                       'or stuck?); the communicator is unusable, restart the generator')
+  if 'error' in result:
+    raise result['error']
+  return result['update']
+
+
+def connect(host: str, port: int, rank: int, world_size: int, device: torch.device):
+  """A PyNcclCommunicator over a StatelessProcessGroup (trainer: rank 0; generators 1..N).
+  UNRUN here (needs CUDA)."""
+  from vllm.distributed.device_communicators.pynccl import PyNcclCommunicator
+  from vllm.distributed.utils import StatelessProcessGroup
+  group = StatelessProcessGroup.create(host=host, port=port, rank=rank, world_size=world_size)
+  return PyNcclCommunicator(group, device=device)
