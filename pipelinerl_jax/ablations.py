@@ -25,6 +25,9 @@ from pipelinerl_jax.pipeline import metrics as metrics_lib
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 SMOOTH_WINDOW = 10   # rewards swing +-0.1 step to step: targets are on a 10-step trailing mean
+# ESS and lag of conv<k> repeat every k steps (lag 0..k-1): a window that is a multiple of
+# every k plotted (1, 2, 4, 8) shows their level instead of an aliased sawtooth.
+PERIODIC_WINDOW = 40
 
 
 # ---------------------------------------------------------------------------------------------
@@ -206,15 +209,17 @@ def plot_comparison(results: Sequence[dict[str, Any]], target: float | None = No
     smooth = smoothed_rewards(records)
     line, = axes[0].plot(t, smooth, label=res['name'])
     axes[1].plot(s, smooth, color=line.get_color(), label=res['name'])
-    axes[2].plot(s, metrics_lib.smooth([r['ess'] for r in records], SMOOTH_WINDOW),
+    axes[2].plot(s, metrics_lib.smooth([r['ess'] for r in records], PERIODIC_WINDOW),
                  color=line.get_color(), label=res['name'])
-    axes[3].plot(s, metrics_lib.smooth([r['lag_mean'] for r in records], SMOOTH_WINDOW),
+    axes[3].plot(s, metrics_lib.smooth([r['lag_mean'] for r in records], PERIODIC_WINDOW),
                  color=line.get_color(), label=f"{res['name']} (max {res['max_lag_seen']})")
   axes[0].set(title=f'reward (mean of {SMOOTH_WINDOW} steps) vs time', xlabel='seconds of RL',
               ylabel='reward')
   axes[1].set(title='reward vs samples', xlabel='samples trained on')
-  axes[2].set(title='ESS (eq. 6)', xlabel='samples trained on', ylim=(None, 1.005))
-  axes[3].set(title='mean token lag (optimizer steps)', xlabel='samples trained on')
+  axes[2].set(title=f'ESS (eq. 6), mean of {PERIODIC_WINDOW} steps', xlabel='samples trained on',
+              ylim=(None, 1.005))
+  axes[3].set(title=f'mean token lag, mean of {PERIODIC_WINDOW} steps', xlabel='samples trained on',
+              ylabel='optimizer steps')
   if target is not None:
     for ax in axes[:2]:
       ax.axhline(target, color='gray', ls=':', lw=1)
