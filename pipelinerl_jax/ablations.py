@@ -156,6 +156,10 @@ def summarize(result: dict[str, Any], targets: Iterable[float]) -> dict[str, Any
       lag_max=max((r['lag_max'] for r in records), default=None),
       frac_truncated=_stats([r.get('frac_truncated', 0.0) for r in records])['mean'],
       stale_dropped=result['stale_dropped'],
+      samples_per_s=result['samples'] / last['time_s'] if records else None,
+      # Every mode runs the same train step (B samples, same shapes): its duration is a gauge
+      # of how much CPU the run got on a shared machine, for comparing runs made at different times.
+      train_step_s=result['train_busy_s'] / result['steps'] if result['steps'] else None,
       gen_busy_s=result['gen_busy_s'], train_busy_s=result['train_busy_s'],
       overlap_s=result['gen_train_overlap_s'],
       load_before=result['load_before'], load_after=result['load_after'])

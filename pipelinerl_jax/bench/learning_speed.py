@@ -55,6 +55,7 @@ COLUMNS = (('mode', 'name', 's'), ('H', 'num_slots', 'd'), ('steps', 'steps', 'd
            ('reward_final', 'reward_final', '.3f'), ('ess_mean', 'ess_mean', '.3f'),
            ('ess_min', 'ess_min', '.3f'), ('lag_min', 'lag_min', '.0f'),
            ('lag_mean', 'lag_mean', '.2f'), ('lag_max', 'lag_max', '.0f'),
+           ('samples/s', 'samples_per_s', '.0f'), ('train_step_s', 'train_step_s', '.2f'),
            ('overlap_s', 'overlap_s', '.0f'), ('load', 'load', '.1f'))
 
 
