@@ -1,4 +1,5 @@
-"""Train-step benchmark: a --quick run end to end, and the FLOP count it reports."""
+"""Benchmarks: --quick / --smoke runs end to end (train step, generation, log-prob agreement,
+learning speed), and the FLOP count the train-step bench reports."""
 
 import functools
 import json
@@ -111,3 +112,33 @@ def test_logprob_agreement_quick_runs_fp32_and_bf16_with_fp32_head(tmp_path):
   fp32, bf16 = json.loads(out.read_text())['rows']
   assert fp32['mean_abs_vs_fp32_trainer'] < 1e-4  # the fp32 path is exact
   assert 0 < bf16['mean_abs_vs_fp32_trainer'] < 1.0  # bf16 runs (its size: see the bench doc)
+
+
+def test_learning_speed_smoke_writes_json_and_png(tmp_path):
+  """The learning-speed benchmark end to end in --smoke mode (untrained model, 3 steps per
+  mode): the JSON has its keys and the figure exists. Its numbers mean nothing."""
+  out = tmp_path / 'learning_speed.json'
+  env = {k: v for k, v in os.environ.items() if k != 'XLA_FLAGS'}
+  proc = subprocess.run(
+      [sys.executable, '-m', 'pipelinerl_jax.bench.learning_speed', '--smoke',
+       '--modes=pipeline,conv2', f'--out={out}', f'--cache_dir={tmp_path / "cache"}',
+       f'--workdir={tmp_path / "runs"}'],
+      cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+
+  report = json.loads(out.read_text())
+  assert {'speedup_vs_best_conventional', 'speedup', 'modes', 'curves', 'target',
+          'definitions'} <= report.keys()
+  # An untrained model never reaches the target: no speedup, and the note says why.
+  assert report['speedup_vs_best_conventional'] is None and report['speedup']['note']
+  assert [m['name'] for m in report['modes']] == ['pipeline', 'conv2']
+  for m in report['modes']:
+    assert m['steps'] == 3 and m['samples'] == 48
+    assert 0 <= m['lag_min'] <= m['lag_mean'] <= m['lag_max']
+    assert 0 < m['ess']['min'] <= m['ess']['max'] <= 1 + 1e-6
+    assert set(m['to_target']) >= {'0.8'}
+  pipeline, conv2 = report['modes']
+  assert conv2['num_slots'] == 2 * 16   # conventional H = k * B
+  assert len(report['curves']['conv2']['step']) == 3
+  assert pathlib.Path(report['png']).stat().st_size > 10_000
+  assert 'speedup_vs_best_conventional' in proc.stdout
