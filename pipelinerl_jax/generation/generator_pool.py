@@ -17,6 +17,7 @@ a multiprocessing lock is not. On CPU the extra copies cost one memcpy of the pa
 from __future__ import annotations
 
 import collections
+import dataclasses
 import os
 import threading
 import time
@@ -37,15 +38,21 @@ class GeneratorPool(api.Engine):
   def __init__(self, model_dir: str | os.PathLike, engine_config=None, *, num_generators: int,
                version: int = 0,
                config: generator_process.ProcessConfig = generator_process.ProcessConfig(),
-               name: str = 'vllm_process'):
+               name: str = 'vllm_process', devices=None):
+    """`devices`: each child's CUDA_VISIBLE_DEVICES entries (`generator_process.assign_devices`);
+    None = every child inherits the parent's."""
     if num_generators < 1:
       raise ValueError(f'num_generators={num_generators} must be >= 1')
+    if devices is not None and len(devices) != num_generators:
+      raise ValueError(f'{len(devices)} device shares for {num_generators} generators')
     self.config = config
     self.children: list[generator_process.GeneratorProcess] = []
     try:  # started one after the other: vLLM start-up is CPU-bound
       for i in range(num_generators):
+        child_config = config if devices is None else dataclasses.replace(
+            config, devices=tuple(devices[i]))
         self.children.append(generator_process.GeneratorProcess(
-            model_dir, engine_config, version=version, config=config, name=f'{name}[{i}]'))
+            model_dir, engine_config, version=version, config=child_config, name=f'{name}[{i}]'))
     except BaseException:
       self.close()
       raise
