@@ -269,5 +269,15 @@ def test_gloo_transport_loads_updates_times_out_clearly_and_rejoins_after_restar
     for c in after:
       assert (c.versions == 2).all()
       assert_logprobs_under(p2, config, c)
+
+    # The child's side: an announced update that never arrives ends the child with a one-line
+    # error (here past max_restarts=1, so it is the GeneratorDied message's last error).
+    gen._requests.put(('weights', 3))  # announced, never sent
+    deadline = time.monotonic() + 60
+    with pytest.raises(generator_process.GeneratorDied,
+                       match=r"its last error: RuntimeError: generation.weight_transport='gloo': "
+                             r'TimeoutError: weight update not received within 5s'):
+      while time.monotonic() < deadline:
+        gen.step()
   finally:
     gen.close()

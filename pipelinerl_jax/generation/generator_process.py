@@ -478,16 +478,17 @@ class GeneratorProcess(api.Engine):
     thread = threading.Thread(target=body, name=f'weights-{self.name}', daemon=True)
     thread.start()
     thread.join(self.config.transport_timeout_s)
-    if thread.is_alive() or 'error' in out:
+    timed_out = thread.is_alive()  # before the kill below ends it with a connection error
+    if timed_out or 'error' in out:
       self._comm = None
-      if 'error' in out:  # a peer that died resets the connection a moment before it is reaped
+      if not timed_out:  # a peer that died resets the connection a moment before it is reaped
         self._proc.join(timeout=2.0)
         if not self._proc.is_alive():
           return None  # the child died: its replacement is sent the latest params
       if self._proc.is_alive():
         self._proc.kill()  # our own child, by its handle
         self._proc.join(timeout=10)
-      if thread.is_alive():
+      if timed_out:
         raise TimeoutError(self._transport_error(f'{what} did not complete', True))
       raise RuntimeError(self._transport_error(
           f'{what} failed ({type(out["error"]).__name__}: {_last_line(str(out["error"]))})',

@@ -136,6 +136,14 @@ def send(comm: Communicator, plan: Plan, tensors: Iterable[tuple[str, torch.Tens
   comm.broadcast(header, src=src)
   for _, flat in pack(plan, tensors, device):
     comm.broadcast(flat, src=src)
+  _wait(device)
+
+
+def _wait(device) -> None:
+  """NCCL broadcasts are asynchronous on the current CUDA stream: wait for them, so that a
+  caller's deadline covers the transfer itself. UNRUN (no GPU here)."""
+  if torch.device(device).type == 'cuda':
+    torch.cuda.current_stream(torch.device(device)).synchronize()
 
 
 def receive(comm: Communicator, plan: Plan, *, src: int = 0, device='cpu',
@@ -161,6 +169,7 @@ def receive(comm: Communicator, plan: Plan, *, src: int = 0, device='cpu',
         comm.broadcast(flat, src=src)
         views += bucket_views(plan, i, flat)
         start += size
+      _wait(device)  # NCCL only enqueues: done means the bytes are here, inside the deadline
       result['update'] = (version, views)
     except BaseException as e:  # re-raised in the caller's thread
       result['error'] = e
