@@ -42,6 +42,7 @@ the child before vLLM (or CUDA) starts; () leaves the environment as it is.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import multiprocessing as mp
 import os
@@ -580,7 +581,8 @@ class GeneratorProcess(api.Engine):
     """(background thread) One replacement child; once it is ready, every outstanding request
     goes to it from its prompt. A replacement that dies is replaced by the next call."""
     try:
-      with self._write_lock:  # a collective child gets the latest params before it serves
+      # A collective child gets the latest params before it serves; shm writers never wait.
+      with self._write_lock if self._collective else contextlib.nullcontext():
         self._start_child()
         sent = None
         while self._ready and not self._closed and self._proc.is_alive():
