@@ -65,6 +65,12 @@ def base_config() -> ml_collections.ConfigDict:
   c.generation.num_generators = 1 # vllm_process: generator processes (one per GPU / TP group);
                                   # each holds ceil(num_slots / num_generators) sequences
   c.generation.max_restarts = 3   # vllm_process: dead generators replaced before the run fails
+  c.generation.generator_devices = ''  # vllm_process: GPU ids (as CUDA_VISIBLE_DEVICES names
+                                  # them) split evenly among the generators, e.g. '4,5,6,7';
+                                  # '' = the GPUs the train mesh leaves free (none on CPU)
+  c.generation.weight_transport = 'shm'  # vllm_process: 'shm' (shared memory) | 'nccl' (CUDA:
+                                  # broadcast from the trainer's GPU) | 'gloo' (CPU, same protocol)
+  c.generation.transport_timeout_s = 120.0  # nccl/gloo: joining the group, one weight update
   c.generation.num_slots = 64     # H: sequences in flight
   c.generation.max_prompt_len = 32
   c.generation.max_new_tokens = 16
@@ -179,6 +185,20 @@ def validate(config: ml_collections.ConfigDict) -> None:
          f'{g.num_generators} generators leave each fewer than rl.group_size={rl.group_size} '
          f'of num_slots={g.num_slots}: a group must fit in one generator')
   _check(g.max_restarts >= 0, 'generation.max_restarts', f'must be >= 0, got {g.max_restarts}')
+  _check(g.weight_transport in ('shm', 'nccl', 'gloo'), 'generation.weight_transport',
+         f"must be 'shm', 'nccl' or 'gloo', got {g.weight_transport!r}")
+  _check(g.weight_transport == 'shm' or g.backend == 'vllm_process', 'generation.weight_transport',
+         f"{g.weight_transport!r} needs backend 'vllm_process', not {g.backend!r}")
+  _check(g.transport_timeout_s > 0, 'generation.transport_timeout_s',
+         f'must be > 0, got {g.transport_timeout_s}')
+  ids = [s.strip() for s in g.generator_devices.split(',')] if g.generator_devices.strip() else []
+  _check(all(s.isdigit() for s in ids) and len(set(ids)) == len(ids),
+         'generation.generator_devices',
+         f"must be distinct GPU ids like '4,5,6,7' ('' = automatic), got {g.generator_devices!r}")
+  _check(not ids or g.backend == 'vllm_process', 'generation.generator_devices',
+         f"needs backend 'vllm_process', not {g.backend!r}")
+  _check(len(ids) % g.num_generators == 0, 'generation.generator_devices',
+         f'{len(ids)} GPUs do not split evenly among generation.num_generators={g.num_generators}')
   _check(g.num_slots >= rl.group_size, 'generation.num_slots',
          f'H={g.num_slots} must hold at least one group (rl.group_size={rl.group_size})')
   _check(g.max_prompt_len >= 1, 'generation.max_prompt_len', 'must be >= 1')

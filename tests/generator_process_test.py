@@ -204,3 +204,80 @@ def test_pool_keeps_groups_together_and_updates_every_generator(demo):
     assert stats['tokens_generated'] == 120 and pool._route == {}
   finally:
     pool.close()
+
+
+def test_assign_devices_splits_the_gpus_the_mesh_leaves_free():
+  from pipelinerl_jax.generation.generator_process import assign_devices
+  gpus = [str(i) for i in range(8)]
+  assert assign_devices(gpus, 4, 4) == [('4',), ('5',), ('6',), ('7',)]
+  assert assign_devices(gpus, 4, 2) == [('4', '5'), ('6', '7')]
+  assert assign_devices(gpus, 5, 2, per_child_max=1) == [('5',), ('6',)]  # a remainder: unused
+  assert assign_devices(gpus, 2, 2, '5,7') == [('5',), ('7',)]
+  assert assign_devices(['3', '1', '6'], 1, 2) == [('1',), ('6',)]  # the trainer's own ids
+  assert assign_devices([], 1, 3) == [(), (), ()]  # CPU host: the children inherit
+
+
+@pytest.mark.parametrize('visible, used, n, requested, per_child_max, match', [
+    ('', 1, 1, '0', None, 'this host has no GPUs'),
+    ('01234567', 8, 1, '', None, 'the train mesh uses 8 of 8 GPUs, leaving 0'),
+    ('01234567', 6, 3, '', None, 'leaving 2 for generation.num_generators=3'),
+    ('01234567', 4, 2, '3,4', None, r'GPU\(s\) 3 belong to the train mesh'),
+    ('01234567', 4, 2, '5,9', None, r'GPU\(s\) 9 are not visible'),
+    ('01234567', 4, 2, '5,5', None, 'names a GPU twice'),
+    ('01234567', 4, 2, '5,6,7', None, 'do not split evenly'),
+    ('01234567', 4, 2, '', 1, r'tensor parallelism.*num_generators=4'),
+])
+def test_assign_devices_refuses_impossible_assignments(visible, used, n, requested,
+                                                       per_child_max, match):
+  from pipelinerl_jax.generation.generator_process import assign_devices
+  with pytest.raises(ValueError, match=match) as e:
+    assign_devices(list(visible), used, n, requested, per_child_max)
+  assert str(e.value).startswith('config.generation.generator_devices')
+  assert '\n' not in str(e.value)
+
+
+@needs_vllm
+def test_gloo_transport_loads_updates_times_out_clearly_and_rejoins_after_restart(demo):
+  from pipelinerl_jax.generation import generator_process
+  from pipelinerl_jax.generation import vllm_engine
+  import torch.distributed as dist
+  model_dir, config = demo
+  p1, p2 = sharp_params(config, 5), sharp_params(config, 6)
+  reqs = lambda tag: [api.Request(f'{tag}{i}', [5 + i, 6, 7, 8], api.SamplingParams(
+      temperature=1.0, max_tokens=8), seed=i) for i in range(3)]
+  gen = generator_process.GeneratorProcess(model_dir, vllm_engine.VllmEngineConfig(
+      max_num_seqs=8, max_model_len=64, kv_cache_bytes=16 << 20),
+      config=generator_process.ProcessConfig(max_restarts=1, weight_transport='gloo',
+                                             transport_timeout_s=5, bucket_mb=1))
+  try:
+    gen.update_params(p1, 1)  # broadcast over the gloo group, applied between two steps
+    gen.wait_loaded(1)
+    for c in api.generate(gen, reqs('a')):
+      assert (c.versions == 1).all()
+      assert_logprobs_under(p1, config, c)
+    assert not dist.is_initialized()
+
+    # A child that never takes its part of the broadcast: a one-line TimeoutError, not a hang;
+    # the child is killed and its replacement joins a new group and gets version 2 first.
+    os.kill(gen._proc.pid, signal.SIGSTOP)
+    with pytest.raises(TimeoutError, match=r"^vllm_process: weight update 2 did not complete "
+                       r"over generation.weight_transport='gloo' within 5s") as e:
+      gen.update_params(p2, 2)
+    assert '\n' not in str(e.value)
+    after = api.generate(gen, reqs('b'))
+    assert gen.stats()['restarts'] == 1
+    for c in after:
+      assert (c.versions == 2).all()
+      assert_logprobs_under(p2, config, c)
+
+    # The child's side: an announced update that never arrives ends the child with a one-line
+    # error (here past max_restarts=1, so it is the GeneratorDied message's last error).
+    gen._requests.put(('weights', 3))  # announced, never sent
+    deadline = time.monotonic() + 60
+    with pytest.raises(generator_process.GeneratorDied,
+                       match=r"its last error: RuntimeError: generation.weight_transport='gloo': "
+                             r'TimeoutError: weight update not received within 5s'):
+      while time.monotonic() < deadline:
+        gen.step()
+  finally:
+    gen.close()

@@ -118,3 +118,34 @@ def test_receive_times_out_with_a_clear_error():
   with pytest.raises(TimeoutError, match='not received within 0s .trainer dead or stuck'):
     nccl_weights.receive(Silent(), plan, timeout_s=0.2)
   assert time.monotonic() - start < 3
+
+
+def _gloo_receiver(endpoint, results):
+  """(spawned process) rank 1: receives one update and sends back its tensors."""
+  plan = nccl_weights.make_plan(weight_sync.expected_shapes(CONFIG), 'float32', 30_000)
+  comm = nccl_weights.join(endpoint, 1, timeout_s=30)
+  version, views = nccl_weights.receive(comm, plan, timeout_s=30)
+  results.put((version, [(n, v.clone()) for n, v in views]))
+
+
+def test_gloo_broadcast_across_processes_without_a_default_group():
+  import multiprocessing as mp
+  import torch.distributed as dist
+  params = transformer.init_params(CONFIG, jax.random.PRNGKey(1))
+  plan = nccl_weights.make_plan(weight_sync.expected_shapes(CONFIG), 'float32', 30_000)
+  rendezvous = nccl_weights.Rendezvous('gloo', timeout_s=30)
+  ctx = mp.get_context('spawn')
+  results = ctx.Queue()
+  proc = ctx.Process(target=_gloo_receiver, args=(rendezvous.endpoint, results), daemon=True)
+  proc.start()
+  try:
+    comm = rendezvous.connect()
+    nccl_weights.send(comm, plan, weight_sync.hf_torch_tensors(params, CONFIG), version=4)
+    version, got = results.get(timeout=60)
+  finally:
+    proc.join(timeout=30)
+  assert version == 4 and not dist.is_initialized()  # no global torch.distributed state
+  ref = list(weight_sync.hf_torch_tensors(params, CONFIG))
+  assert [n for n, _ in got] == [n for n, _ in ref]
+  for (name, v), (_, r) in zip(got, ref):
+    torch.testing.assert_close(v, r, rtol=0, atol=0, msg=name)

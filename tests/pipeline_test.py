@@ -195,6 +195,12 @@ def test_stream_credits_order_and_stop():
     ('rl.max_lag', True, 'must be an integer'),
     ('generation.num_generators', 2, "need backend 'vllm_process'"),
     ('generation.max_restarts', -1, 'must be >= 0'),
+    ('generation.weight_transport', 'mpi', "must be 'shm', 'nccl' or 'gloo'"),
+    ('generation.weight_transport', 'gloo', "'gloo' needs backend 'vllm_process'"),
+    ('generation.transport_timeout_s', 0.0, 'must be > 0'),
+    ('generation.generator_devices', '4,x', "must be distinct GPU ids like '4,5,6,7'"),
+    ('generation.generator_devices', '4,4', 'must be distinct GPU ids'),
+    ('generation.generator_devices', '4', "needs backend 'vllm_process'"),
 ])
 def test_invalid_config_values_name_the_key(key, value, message):
   c = math_config()

@@ -24,10 +24,25 @@ completion whose id is not outstanding. After `max_restarts` restarts in all, a 
 `GeneratorDied` with a one-line message naming the backend and the exit code or signal.
 `update_params` raises TimeoutError when the child holds the segment longer than
 `lock_timeout_s`; a child that died holding it is restarted and the write retried.
+
+Collective transport (`weight_transport` 'gloo' on CPU, 'nccl' on CUDA; 'nccl' is UNRUN): the
+trainer and each child form their own two-rank group (trainer rank 0, child rank 1; see
+`nccl_weights.Rendezvous`) once the child's engine is up. `update_params` announces the version on
+the request queue and broadcasts the buckets; a receiver thread in the child fills a staging
+buffer, and the child's loop applies it whole, between two engine steps, then acknowledges it.
+A send or receive that does not finish within `transport_timeout_s` ends in a one-line
+TimeoutError (never a hang); the group is then unusable, so the child is killed (or exits) and
+restarted. A restarted child joins a new group (new port) and is sent the latest published
+params before it serves (the parent keeps a reference to them: they are the fresh copy the
+trainer published).
+
+Devices: `devices` are this child's CUDA_VISIBLE_DEVICES entries (see `assign_devices`), set in
+the child before vLLM (or CUDA) starts; () leaves the environment as it is.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import multiprocessing as mp
 import os
@@ -37,10 +52,11 @@ import threading
 import time
 import traceback
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 from pipelinerl_jax.generation import api
 from pipelinerl_jax.generation import shm_weights
+from pipelinerl_jax.generation import weight_sync
 from pipelinerl_jax.models import hf_io
 
 
@@ -56,18 +72,129 @@ class ProcessConfig:
   start_timeout_s: float = 300.0
   poll_s: float = 0.05              # how long `step()` waits for results when work is outstanding
   max_restarts: int = 3             # child deaths survived (in all) before GeneratorDied
+  weight_transport: str = 'shm'     # 'shm' | 'gloo' (CPU) | 'nccl' (CUDA, UNRUN)
+  transport_timeout_s: float = 120.0  # collective transports: joining the group, one update
+  bucket_mb: int = 256              # collective transports: broadcast bucket size
+  devices: tuple[str, ...] = ()     # the child's CUDA_VISIBLE_DEVICES; () = inherit
+
+
+TRANSPORTS = ('shm', 'gloo', 'nccl')
+DEVICES_KEY = 'config.generation.generator_devices'
+
+
+def assign_devices(visible: Sequence[str], mesh_used: int, num_generators: int,
+                   requested: str = '', per_child_max: int | None = None
+                   ) -> list[tuple[str, ...]]:
+  """Each generator child's CUDA_VISIBLE_DEVICES entries, so that N children do not all land on
+  GPU 0. `visible`: the trainer's GPUs in JAX's order (its CUDA_VISIBLE_DEVICES entries, else
+  '0'..'n-1'); the train mesh holds the first `mesh_used` (sharding.make_mesh). `requested`
+  '' = the GPUs the mesh leaves free, split evenly (a remainder stays unused); '5,6,7' = those.
+  No GPUs: () for every child. `per_child_max`: most GPUs one child can use (1 while the
+  in-process vLLM engine has no tensor parallelism). Raises a one-line ValueError naming
+  generation.generator_devices when no valid assignment exists."""
+  ids = [s.strip() for s in requested.split(',') if s.strip()]
+  if not visible:
+    if ids:
+      raise ValueError(f'{DEVICES_KEY}={requested!r}: this host has no GPUs (leave it empty)')
+    return [()] * num_generators
+  used = list(visible[:mesh_used])
+  if ids:
+    unknown = [i for i in ids if i not in visible]
+    if unknown:
+      raise ValueError(f'{DEVICES_KEY}={requested!r}: GPU(s) {",".join(unknown)} are not '
+                       f'visible (visible: {",".join(visible)})')
+    if len(set(ids)) != len(ids):
+      raise ValueError(f'{DEVICES_KEY}={requested!r} names a GPU twice')
+    clash = [i for i in ids if i in used]
+    if clash:
+      raise ValueError(f'{DEVICES_KEY}={requested!r}: GPU(s) {",".join(clash)} belong to the '
+                       f'train mesh (train.mesh uses {",".join(used)})')
+    if len(ids) % num_generators:
+      raise ValueError(f'{DEVICES_KEY}={requested!r}: {len(ids)} GPUs do not split evenly '
+                       f'among generation.num_generators={num_generators}')
+    free = ids
+  else:
+    free = list(visible[mesh_used:])
+    if len(free) < num_generators:
+      raise ValueError(f'{DEVICES_KEY}: the train mesh uses {min(mesh_used, len(visible))} '
+                       f'of {len(visible)} GPUs, leaving {len(free)} for generation.'
+                       f'num_generators={num_generators}; shrink train.mesh or lower it')
+  k = len(free) // num_generators
+  if per_child_max is not None and k > per_child_max:
+    raise ValueError(f'{DEVICES_KEY}: {k} GPUs per generator would need tensor parallelism, '
+                     'which the in-process vLLM engine does not do; set generation.'
+                     f'num_generators={len(free) if ids else k * num_generators} (one GPU each)')
+  return [tuple(free[i * k:(i + 1) * k]) for i in range(num_generators)]
+
+
+def _plan(model_config, cfg: ProcessConfig):
+  from pipelinerl_jax.generation import nccl_weights
+  return nccl_weights.make_plan(weight_sync.expected_shapes(model_config), cfg.transport_dtype,
+                                cfg.bucket_mb << 20)
+
+
+class _Receiver:
+  """(child) Receives announced updates in a background thread, one at a time, into a fresh
+  staging buffer each; the loop takes the newest complete one between two engine steps."""
+
+  def __init__(self, endpoint, model_config, cfg: ProcessConfig):
+    from pipelinerl_jax.generation import nccl_weights
+    self._nccl_weights, self._cfg = nccl_weights, cfg
+    device = 'cuda:0' if endpoint.backend == 'nccl' else 'cpu'
+    self._device = device
+    self._comm = nccl_weights.join(endpoint, 1, cfg.transport_timeout_s, device)
+    self._plan = _plan(model_config, cfg)
+    self._announced: queue.Queue = queue.Queue()
+    self._staged: queue.Queue = queue.Queue()
+    threading.Thread(target=self._run, name='weights-receiver', daemon=True).start()
+
+  def announce(self, version: int) -> None:
+    self._announced.put(version)
+
+  def _run(self):
+    while True:
+      version = self._announced.get()
+      try:
+        got = self._nccl_weights.receive(self._comm, self._plan, device=self._device,
+                                         timeout_s=self._cfg.transport_timeout_s)
+        if got[0] != version:
+          raise ValueError(f'announced version {version}, received {got[0]}')
+        self._staged.put(got)
+      except BaseException as e:  # the group is unusable now: the loop ends the child
+        self._staged.put(e)
+        return
+
+  def newest(self):
+    """(version, views) of the newest complete update, or None; raises the receive error."""
+    newest = None
+    while True:
+      try:
+        got = self._staged.get_nowait()
+      except queue.Empty:
+        return newest
+      if isinstance(got, BaseException):
+        raise RuntimeError(f'generation.weight_transport={self._cfg.weight_transport!r}: '
+                           f'{type(got).__name__}: {got}') from got
+      newest = got
 
 
 def _child_main(model_dir, engine_config, version, seg_name, manifest_capacity, lock,
-                requests: mp.Queue, results: mp.Queue, cfg: ProcessConfig):
+                requests: mp.Queue, results: mp.Queue, cfg: ProcessConfig, endpoint=None):
   """The generator loop (runs in the child)."""
   os.environ['VLLM_ENABLE_V1_MULTIPROCESSING'] = '0'
+  if cfg.devices:  # before anything starts CUDA in this process
+    os.environ['CUDA_VISIBLE_DEVICES'] = ','.join(cfg.devices)
+  receiver = None
   try:
     from pipelinerl_jax.generation import vllm_engine
     engine = vllm_engine.VllmEngine(model_dir, engine_config, version=version)
     seg = shm_weights.Segment.attach(seg_name, lock, manifest_capacity)
-    _load_newest(seg, engine, cfg, results)  # a restarted child serves the latest weights
+    if endpoint is None:
+      _load_newest(seg, engine, cfg, results)  # a restarted child serves the latest weights
     results.put(('ready', engine.version))
+    if endpoint is not None:  # the parent joins on 'ready', then sends the latest params
+      receiver = _Receiver(endpoint, engine.model_config, cfg)
+      results.put(('joined', None))
     closing, last_report = False, 0.0
     while not closing:
       try:  # block briefly only when idle, so an idle child does not spin
@@ -77,13 +204,18 @@ def _child_main(model_dir, engine_config, version, seg_name, manifest_capacity, 
       while msg is not None:
         if msg[0] == 'submit':
           engine.submit(msg[1])
+        elif msg[0] == 'weights':
+          receiver.announce(msg[1])
         elif msg[0] == 'close':
           closing = True
         try:
           msg = requests.get_nowait()
         except queue.Empty:
           msg = None
-      loaded = _load_newest(seg, engine, cfg, results)
+      if receiver is None:
+        loaded = _load_newest(seg, engine, cfg, results)
+      else:
+        loaded = _apply_staged(receiver, engine, results)
       done = engine.step() if engine.num_unfinished else []
       if done or loaded or time.monotonic() - last_report > 0.5:
         results.put(('step', done, engine.stats()))
@@ -93,7 +225,31 @@ def _child_main(model_dir, engine_config, version, seg_name, manifest_capacity, 
     results.put(('closed', None))
   except BaseException:
     results.put(('error', traceback.format_exc()))
+    if receiver is not None:  # a thread may be stuck in the collective: do not wait for it
+      results.close()
+      results.join_thread()
+      os._exit(1)
     raise
+
+
+def _apply_staged(receiver: _Receiver, engine, results) -> bool:
+  """Loads the newest received update whole; a rejected one is reported, the engine keeps
+  serving (and rolls back, see VllmEngine.apply_update). A receive error ends the child."""
+  from pipelinerl_jax.generation import vllm_engine
+  got = receiver.newest()
+  if got is None:
+    return False
+  version, views = got
+  if version <= engine.version:
+    return False
+  try:
+    engine.update_hf_tensors(views, version)
+    engine.apply_update()
+    results.put(('loaded', version))
+    return True
+  except vllm_engine.WeightUpdateError as e:
+    results.put(('update_error', version, f'{type(e).__name__}: {e}'))
+    return False
 
 
 def _load_newest(seg: shm_weights.Segment, engine, cfg: ProcessConfig, results) -> bool:
@@ -149,7 +305,11 @@ class GeneratorProcess(api.Engine):
   def __init__(self, model_dir: str | os.PathLike, engine_config=None, *, version: int = 0,
                config: ProcessConfig = ProcessConfig(), name: str = 'vllm_process'):
     from pipelinerl_jax.generation import vllm_engine  # config type only; vLLM starts in the child
+    if config.weight_transport not in TRANSPORTS:
+      raise ValueError(f'config.generation.weight_transport must be one of {TRANSPORTS}, got '
+                       f'{config.weight_transport!r}')
     self.config, self.name = config, name
+    self._collective = config.weight_transport != 'shm'
     self.model_dir = str(Path(model_dir))
     self.model_config = hf_io.load_config(model_dir)
     self._entries, size, self._capacity = shm_weights.manifest_for(self.model_config,
@@ -157,10 +317,14 @@ class GeneratorProcess(api.Engine):
     self._engine_config = engine_config or vllm_engine.VllmEngineConfig()
     self._max_model_len = self._engine_config.max_model_len
     self._initial_version = version
+    self._acked = version      # collective transports: the newest version the child loaded
+    self._latest = None        # collective transports: (params, version) last published
+    self._comm = None          # collective transports: rank 0's communicator for this child
+    self._plan = _plan(self.model_config, config) if self._collective else None
     self._ctx = mp.get_context('spawn')
     self._seg = shm_weights.Segment.create(size, self._ctx.Lock(), self._capacity)
     self._state_lock = threading.RLock()  # queues, child handle, in-flight map, inbox, stats
-    self._write_lock = threading.Lock()   # held by a parent-side writer of the segment
+    self._write_lock = threading.RLock()  # held by a parent-side writer of the weights
     self._inflight: dict[str, api.Request] = {}  # submitted; no completion received yet
     self._inbox: list[api.Completion] = []       # received; not yet returned by step()
     self._update_errors: dict[int, str] = {}
@@ -201,7 +365,18 @@ class GeneratorProcess(api.Engine):
   def update_params(self, params: Any, version: int) -> None:
     """Writes the update into shared memory now (one copy); the child loads it between two of
     its steps (a child being restarted loads it when it starts). Returns once written;
-    `wait_loaded` waits for the child's acknowledgement."""
+    `wait_loaded` waits for the child's acknowledgement. Collective transports: returns once
+    broadcast (the child has it staged); a child being restarted is sent it when it is up."""
+    if self._collective:
+      self._ensure_alive()  # raises once restarts are used up; may start a restart
+      with self._state_lock:  # a restart in progress sends `_latest` before it serves
+        self._latest = (params, version)
+        if not self._serving:
+          return
+      with self._write_lock:
+        if self._proc.is_alive() and self._comm is not None:  # else the restart sends it
+          self._send(params, version)
+      return
     for attempt in range(2):
       self._ensure_alive()
       try:
@@ -221,7 +396,7 @@ class GeneratorProcess(api.Engine):
     """Blocks until the child has loaded `version` (or a newer one); raises the child's error
     if it rejected that update."""
     deadline = time.monotonic() + timeout
-    while self._seg.header()['acked'] < version:
+    while self._acked_version() < version:
       if self._ensure_alive():
         self._receive(timeout=0.005)
       else:
@@ -277,15 +452,78 @@ class GeneratorProcess(api.Engine):
       self._proc.join(timeout=10)
     self._seg.close(unlink=True)
 
+  # --- collective transport --------------------------------------------------------------------
+
+  def _acked_version(self) -> int:
+    return self._acked if self._collective else self._seg.header()['acked']
+
+  def _transport_error(self, what: str, timed_out: bool) -> str:
+    within = (f' within {self.config.transport_timeout_s:.0f}s (generation.transport_timeout_s)'
+              if timed_out else '')
+    return (f'{self.name}: {what} over generation.weight_transport='
+            f'{self.config.weight_transport!r}{within}; the group is unusable, the generator '
+            'is restarted')
+
+  def _in_thread(self, fn, what: str):
+    """Runs `fn` with a deadline: a collective that never completes must not hang the caller.
+    On timeout or error the child is killed (so `_ensure_alive` restarts it) and a one-line
+    error raised; if the child died by itself, its restart takes over and nothing is raised."""
+    out: dict[str, Any] = {}
+
+    def body():
+      try:
+        out['value'] = fn()
+      except BaseException as e:
+        out['error'] = e
+
+    thread = threading.Thread(target=body, name=f'weights-{self.name}', daemon=True)
+    thread.start()
+    thread.join(self.config.transport_timeout_s)
+    timed_out = thread.is_alive()  # before the kill below ends it with a connection error
+    if timed_out or 'error' in out:
+      self._comm = None
+      if not timed_out:  # a peer that died resets the connection a moment before it is reaped
+        self._proc.join(timeout=2.0)
+        if not self._proc.is_alive():
+          return None  # the child died: its replacement is sent the latest params
+      if self._proc.is_alive():
+        self._proc.kill()  # our own child, by its handle
+        self._proc.join(timeout=10)
+      if timed_out:
+        raise TimeoutError(self._transport_error(f'{what} did not complete', True))
+      raise RuntimeError(self._transport_error(
+          f'{what} failed ({type(out["error"]).__name__}: {_last_line(str(out["error"]))})',
+          False))
+    return out.get('value')
+
+  def _send(self, params, version: int) -> None:
+    """(under _write_lock) Announces `version`, then broadcasts it to the child."""
+    from pipelinerl_jax.generation import nccl_weights
+    comm, device = self._comm, 'cuda:0' if self.config.weight_transport == 'nccl' else 'cpu'
+    self._requests.put(('weights', version))
+    start = time.perf_counter()
+    self._in_thread(lambda: nccl_weights.send(
+        comm, self._plan, weight_sync.hf_torch_tensors(params, self.model_config), version,
+        device=device), f'weight update {version}')
+    self._stats['last_write_s'] = time.perf_counter() - start
+
   # --- child lifecycle -------------------------------------------------------------------------
 
   def _start_child(self):
-    """Starts a child on fresh queues and waits for its 'ready' (or its death)."""
+    """Starts a child on fresh queues and waits for its 'ready' (or its death); with a
+    collective transport, then joins a new group with it."""
     self._requests, self._results = self._ctx.Queue(), self._ctx.Queue()
+    rendezvous = None
+    if self._collective:
+      from pipelinerl_jax.generation import nccl_weights
+      rendezvous = nccl_weights.Rendezvous(self.config.weight_transport,
+                                           self.config.transport_timeout_s)
+      self._comm = None
     self._proc = self._ctx.Process(
         target=_child_main, name=f'pipelinerl-generator-{self.name}', daemon=True,
         args=(self.model_dir, self._engine_config, self._initial_version, self._seg.name,
-              self._capacity, self._seg.lock, self._requests, self._results, self.config))
+              self._capacity, self._seg.lock, self._requests, self._results, self.config,
+              rendezvous and rendezvous.endpoint))
     self._proc.start()
     self._ready = False
     deadline = time.monotonic() + self.config.start_timeout_s
@@ -298,6 +536,10 @@ class GeneratorProcess(api.Engine):
       if timed_out:
         raise TimeoutError(f'{self.name} generator did not start within '
                            f'{self.config.start_timeout_s:.0f}s')
+    if rendezvous is not None and self._ready:
+      self._acked = self._initial_version  # a fresh child serves the checkpoint
+      device = 'cuda:0' if self.config.weight_transport == 'nccl' else None
+      self._comm = self._in_thread(lambda: rendezvous.connect(device), 'joining the group')
 
   def _ensure_alive(self) -> bool:
     """True when a child is serving. A dead child is replaced in a background thread (see the
@@ -339,13 +581,26 @@ class GeneratorProcess(api.Engine):
     """(background thread) One replacement child; once it is ready, every outstanding request
     goes to it from its prompt. A replacement that dies is replaced by the next call."""
     try:
-      self._start_child()
-      with self._state_lock:
-        if self._ready and not self._closed:
-          for request in self._inflight.values():
-            self._requests.put(('submit', request))
-          self.requeued += len(self._inflight)
-          self._serving = True
+      # A collective child gets the latest params before it serves; shm writers never wait.
+      with self._write_lock if self._collective else contextlib.nullcontext():
+        self._start_child()
+        sent = None
+        while self._ready and not self._closed and self._proc.is_alive():
+          with self._state_lock:  # `update_params` sets `_latest` under this lock
+            if not self._collective or self._latest is None or self._latest is sent:
+              for request in self._inflight.values():
+                self._requests.put(('submit', request))
+              self.requeued += len(self._inflight)
+              self._serving = True
+              break
+            sent = self._latest
+          if self._comm is None:
+            break  # the group failed: this child is dead or killed; the next call replaces it
+          self._send(*sent)
+          deadline = time.monotonic() + self.config.transport_timeout_s
+          while (self._acked < sent[1] and sent[1] not in self._update_errors
+                 and self._proc.is_alive() and time.monotonic() < deadline):
+            self._receive(timeout=0.05)
     except BaseException as e:  # raised by the next _ensure_alive, in the caller's thread
       self._restart_error = e
 
@@ -385,6 +640,9 @@ class GeneratorProcess(api.Engine):
       elif kind == 'update_error':
         self._update_errors[msg[1]] = msg[2]
         self._stats['last_update_error'] = f'version {msg[1]}: {msg[2]}'
+      elif kind == 'loaded':
+        self._acked = max(self._acked, msg[1])
+        self._stats['version'] = self._acked
       elif kind == 'ready':
         self._ready = True
         self._stats['version'] = msg[1]

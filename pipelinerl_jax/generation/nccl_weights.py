@@ -1,4 +1,5 @@
-"""Bucketed NCCL weight transport for CUDA hosts (the counterpart of `shm_weights` there).
+"""Bucketed NCCL weight transport for CUDA hosts (the counterpart of `shm_weights` there), and
+the same protocol over gloo on CPU (`GlooCommunicator`, generation.weight_transport='gloo').
 
 UNRUN: written for one trainer rank broadcasting to the generator processes over a vLLM
 `PyNcclCommunicator` on a `StatelessProcessGroup` (no global torch.distributed state); no GPU was
@@ -24,8 +25,10 @@ generator must be restarted (`GeneratorProcess` does that when the child exits).
 from __future__ import annotations
 
 import dataclasses
+import datetime
 import hashlib
 import json
+import socket
 import threading
 from typing import Any, Iterable, Protocol
 
@@ -133,6 +136,14 @@ def send(comm: Communicator, plan: Plan, tensors: Iterable[tuple[str, torch.Tens
   comm.broadcast(header, src=src)
   for _, flat in pack(plan, tensors, device):
     comm.broadcast(flat, src=src)
+  _wait(device)
+
+
+def _wait(device) -> None:
+  """NCCL broadcasts are asynchronous on the current CUDA stream: wait for them, so that a
+  caller's deadline covers the transfer itself. UNRUN (no GPU here)."""
+  if torch.device(device).type == 'cuda':
+    torch.cuda.current_stream(torch.device(device)).synchronize()
 
 
 def receive(comm: Communicator, plan: Plan, *, src: int = 0, device='cpu',
@@ -158,6 +169,7 @@ def receive(comm: Communicator, plan: Plan, *, src: int = 0, device='cpu',
         comm.broadcast(flat, src=src)
         views += bucket_views(plan, i, flat)
         start += size
+      _wait(device)  # NCCL only enqueues: done means the bytes are here, inside the deadline
       result['update'] = (version, views)
     except BaseException as e:  # re-raised in the caller's thread
       result['error'] = e
@@ -166,7 +178,7 @@ def receive(comm: Communicator, plan: Plan, *, src: int = 0, device='cpu',
   thread.start()
   thread.join(timeout_s)
   if thread.is_alive():
-    raise TimeoutError(f'NCCL weight update not received within {timeout_s:.0f}s (trainer dead '
+    raise TimeoutError(f'weight update not received within {timeout_s:.0f}s (trainer dead '
                        'or stuck?); the communicator is unusable, restart the generator')
   if 'error' in result:
     raise result['error']
@@ -179,4 +191,92 @@ def connect(host: str, port: int, rank: int, world_size: int, device: torch.devi
   from vllm.distributed.device_communicators.pynccl import PyNcclCommunicator
   from vllm.distributed.utils import StatelessProcessGroup
   group = StatelessProcessGroup.create(host=host, port=port, rank=rank, world_size=world_size)
+  return PyNcclCommunicator(group, device=device)
+
+
+# --- rendezvous: trainer (rank 0) and one generator child (rank 1) ------------------------------
+
+BACKENDS = ('gloo', 'nccl')
+
+
+def _backstop(timeout_s: float) -> datetime.timedelta:
+  """The library's own timeout: later than the callers' deadlines (`receive`, the generator's
+  send thread), so theirs report first, with the clearer message."""
+  return datetime.timedelta(seconds=2 * timeout_s + 10)
+
+
+class GlooCommunicator:
+  """`broadcast` over a torch ProcessGroupGloo built on its own TCPStore. No default process
+  group is created (`torch.distributed.is_initialized()` stays False), so the trainer process
+  keeps no global torch.distributed state and can hold one group per generator. Gloo runs the
+  same wire protocol as NCCL on CPU, so CI exercises the real cross-process path."""
+
+  def __init__(self, store, rank: int, world_size: int, timeout_s: float):
+    import torch.distributed as dist
+    self._dist = dist
+    self.pg = dist.ProcessGroupGloo(dist.PrefixStore('pipelinerl_jax/weights', store), rank,
+                                    world_size, _backstop(timeout_s))
+
+  def broadcast(self, tensor: torch.Tensor, src: int) -> None:
+    opts = self._dist.BroadcastOptions()
+    opts.rootRank = src
+    self.pg.broadcast([tensor], opts).wait()
+
+
+@dataclasses.dataclass(frozen=True)
+class Endpoint:
+  """What a generator child needs to join its trainer's group (picklable)."""
+  backend: str
+  host: str
+  port: int
+  world_size: int = 2
+
+
+class Rendezvous:
+  """Trainer side of one group, made before the child starts (so the child knows the port);
+  `connect` blocks until the child joins. Every (re)started child gets a new one: a new port,
+  so a dead child's group is never reused."""
+
+  def __init__(self, backend: str, timeout_s: float, host: str = '127.0.0.1'):
+    if backend not in BACKENDS:
+      raise ValueError(f'weight transport {backend!r} is not one of {BACKENDS}')
+    self.backend, self.timeout_s = backend, timeout_s
+    if backend == 'gloo':
+      from torch.distributed import TCPStore
+      self._server = TCPStore(host, 0, 2, True, timeout=_backstop(timeout_s),
+                              wait_for_workers=False)
+      port = self._server.port
+    else:  # StatelessProcessGroup starts its store server on this socket in `connect`
+      self._server = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+      self._server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+      self._server.bind((host, 0))
+      self._server.listen()
+      port = self._server.getsockname()[1]
+    self.endpoint = Endpoint(backend, host, port)
+
+  def connect(self, device=None) -> Communicator:
+    """Rank 0's communicator (NCCL: on `device`, the trainer's GPU). UNRUN for nccl."""
+    if self.backend == 'gloo':
+      return GlooCommunicator(self._server, 0, self.endpoint.world_size, self.timeout_s)
+    from vllm.distributed.device_communicators.pynccl import PyNcclCommunicator
+    from vllm.distributed.utils import StatelessProcessGroup
+    e = self.endpoint
+    group = StatelessProcessGroup.create(host=e.host, port=e.port, rank=0,
+                                         world_size=e.world_size, listen_socket=self._server,
+                                         store_timeout=int(self.timeout_s))
+    return PyNcclCommunicator(group, device=device)
+
+
+def join(endpoint: Endpoint, rank: int, timeout_s: float, device=None) -> Communicator:
+  """Generator side: this rank's communicator in the group `endpoint` names."""
+  if endpoint.backend == 'gloo':
+    from torch.distributed import TCPStore
+    store = TCPStore(endpoint.host, endpoint.port, endpoint.world_size, False,
+                     timeout=_backstop(timeout_s))
+    return GlooCommunicator(store, rank, endpoint.world_size, timeout_s)
+  from vllm.distributed.device_communicators.pynccl import PyNcclCommunicator
+  from vllm.distributed.utils import StatelessProcessGroup
+  group = StatelessProcessGroup.create(host=endpoint.host, port=endpoint.port, rank=rank,
+                                       world_size=endpoint.world_size,
+                                       store_timeout=int(timeout_s))
   return PyNcclCommunicator(group, device=device)

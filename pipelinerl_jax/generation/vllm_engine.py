@@ -345,9 +345,10 @@ class VllmEngine(api.Engine):
     return self._checked(list(weight_sync.hf_torch_tensors(params, self.model_config)))
 
   def _checked(self, tensors: list[tuple[str, Any]]) -> list[tuple[str, Any]]:
-    bad = [n for n, t in tensors if t.device.type != 'cpu' or not t.is_floating_point()]
+    bad = [n for n, t in tensors
+           if t.device.type not in ('cpu', 'cuda') or not t.is_floating_point()]
     if bad:
-      raise WeightUpdateError(f'tensors not on the CPU or not floating point: {bad[:3]}')
+      raise WeightUpdateError(f'tensors not on the CPU or GPU or not floating point: {bad[:3]}')
     try:
       weight_sync.check_complete([(n, tuple(t.shape)) for n, t in tensors], self._expected)
     except ValueError as e:

@@ -86,6 +86,14 @@ def generation_device(mesh):
   return free[0] if free else jax.devices()[0]
 
 
+def visible_gpus() -> list[str]:
+  """The GPUs this process sees, in JAX's order, as CUDA_VISIBLE_DEVICES entries (what a child's
+  CUDA_VISIBLE_DEVICES must name); [] on a host without GPUs."""
+  gpus = [d for d in jax.devices() if d.platform == 'gpu']
+  env = [s.strip() for s in os.environ.get('CUDA_VISIBLE_DEVICES', '').split(',') if s.strip()]
+  return env[:len(gpus)] if env else [str(i) for i in range(len(gpus))]
+
+
 def engine_publisher(config: ml_collections.ConfigDict, mesh) -> Callable:
   """What the trainer hands to `engine.update_params`: always a fresh copy (never buffers
   the donated train step reuses); for the JAX engine, on its device."""
@@ -115,11 +123,16 @@ def make_engine(config: ml_collections.ConfigDict, model_config, model_dir: str,
     return vllm_engine.VllmEngine(model_dir, engine_config, version=0)
   from pipelinerl_jax.generation import generator_process
   from pipelinerl_jax.generation import generator_pool
-  process_config = generator_process.ProcessConfig(max_restarts=g.max_restarts)
+  devices = generator_process.assign_devices(
+      visible_gpus(), mesh.devices.size, g.num_generators, g.generator_devices, per_child_max=1)
+  process_config = generator_process.ProcessConfig(
+      max_restarts=g.max_restarts, weight_transport=g.weight_transport,
+      transport_timeout_s=g.transport_timeout_s, devices=devices[0])
   if g.num_generators == 1:
     return generator_process.GeneratorProcess(model_dir, engine_config, version=0,
                                               config=process_config)
   return generator_pool.GeneratorPool(model_dir, engine_config, num_generators=g.num_generators,
+                                      devices=devices,
                                       version=0, config=process_config)
 
 
