@@ -48,6 +48,7 @@ def get_config(arg=None):
     # split. (Placing vLLM children on those GPUs is the vLLM backend's job.)
     c.train.mesh = '1,5,1'
     c.generation.backend = 'vllm_process'
+    c.generation.num_generators = 3   # one vLLM child per free GPU (5, 6, 7)
     # Qwen2.5-Math's context is 4096 tokens: prompt + completion must fit in it.
     c.generation.max_prompt_len = 512
     c.generation.max_new_tokens = 3072
@@ -64,11 +65,14 @@ def get_config(arg=None):
     c.task.reward.overlong_buffer = 512
   elif preset == 'paper_7b':
     # Section 5: Qwen2.5-7B base on Open-Reasoner-Zero problems, 128 H100 (48 generate at
-    # H = 64 each, 80 train). Our runs are single-host: the mesh below is whatever the host
-    # has; the RL settings are the paper's.
+    # H = 64 each, 80 train). Our runs are single-host: the RL settings are the paper's, the
+    # placement is one 8-GPU host's, 5 train and 3 generate (set train.mesh and
+    # generation.num_generators for yours).
     _math_task(c)
     _gpu_model(c)
+    c.train.mesh = '1,5,1'
     c.generation.backend = 'vllm_process'
+    c.generation.num_generators = 3
     c.generation.max_prompt_len = 1024
     c.generation.max_new_tokens = 8192
     c.generation.temperature = 1.0
