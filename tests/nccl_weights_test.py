@@ -125,7 +125,9 @@ def _gloo_receiver(endpoint, results):
   plan = nccl_weights.make_plan(weight_sync.expected_shapes(CONFIG), 'float32', 30_000)
   comm = nccl_weights.join(endpoint, 1, timeout_s=30)
   version, views = nccl_weights.receive(comm, plan, timeout_s=30)
-  results.put((version, [(n, v.clone()) for n, v in views]))
+  # numpy, not torch: a torch tensor crosses a Queue as a shared-memory fd that the reader
+  # fetches from this process, which may have exited by then.
+  results.put((version, [(n, v.numpy().copy()) for n, v in views]))
 
 
 def test_gloo_broadcast_across_processes_without_a_default_group():
@@ -148,4 +150,4 @@ def test_gloo_broadcast_across_processes_without_a_default_group():
   ref = list(weight_sync.hf_torch_tensors(params, CONFIG))
   assert [n for n, _ in got] == [n for n, _ in ref]
   for (name, v), (_, r) in zip(got, ref):
-    torch.testing.assert_close(v, r, rtol=0, atol=0, msg=name)
+    torch.testing.assert_close(torch.from_numpy(v), r, rtol=0, atol=0, msg=name)
