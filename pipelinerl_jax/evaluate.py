@@ -257,7 +257,8 @@ def report(result: Mapping[str, Any]) -> str:
 
 def main(argv):
   del argv
-  from absl import flags  # pylint: disable=g-import-not-at-top
+  from absl import flags, logging  # pylint: disable=g-import-not-at-top,g-multiple-import
+  logging.set_verbosity(logging.WARNING)  # orbax logs every read at INFO
   f = flags.FLAGS
   try:
     result = evaluate_checkpoint(f.config, f.checkpoint, k=f.k, n=f.n, out_dir=f.out)
