@@ -9,7 +9,6 @@ calls and plots, and the benchmark and the notebooks measure the same thing the 
 from __future__ import annotations
 
 import functools
-import importlib.util
 import math
 import os
 import pathlib
@@ -17,13 +16,12 @@ import time
 from typing import Any, Iterable, Sequence
 
 import jax
-import jax.numpy as jnp
 import ml_collections
 import numpy as np
 
+from pipelinerl_jax import config as config_lib
 from pipelinerl_jax.pipeline import metrics as metrics_lib
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
 SMOOTH_WINDOW = 10   # rewards swing +-0.1 step to step: targets are on a 10-step trailing mean
 # ESS and lag of conv<k> repeat every k steps (lag 0..k-1): a window that is a multiple of
 # every k plotted (1, 2, 4, 8) shows their level instead of an aliased sawtooth.
@@ -35,11 +33,8 @@ PERIODIC_WINDOW = 40
 
 
 def preset(name: str = 'tiny') -> ml_collections.ConfigDict:
-  """configs/math.py:<name> (configs/ is not a package, so it is loaded from its path)."""
-  spec = importlib.util.spec_from_file_location('math_config', ROOT / 'configs' / 'math.py')
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  return module.get_config(name)
+  """configs/math.py:<name>."""
+  return config_lib.load_preset(name)
 
 
 def override(config: ml_collections.ConfigDict, **dotted: Any) -> ml_collections.ConfigDict:

@@ -7,7 +7,9 @@ in a key is an error (the key is not in the base) instead of a silently ignored 
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import math
+import pathlib
 
 import ml_collections
 
@@ -16,6 +18,7 @@ from pipelinerl_jax import train
 from pipelinerl_jax import warmstart
 from pipelinerl_jax.tasks import math as math_task
 
+MATH_CONFIG = pathlib.Path(__file__).resolve().parent.parent / 'configs' / 'math.py'
 TASK_KEYS = ('ops', 'digits', 'sft_pool_mod')  # shared by the arithmetic task and the demo build
 TASKS = ('arithmetic', 'math')
 # Fields whose value is a tuple: the type of their items (a tuple default says nothing when empty).
@@ -121,6 +124,16 @@ def base_config() -> ml_collections.ConfigDict:
   c.log.tensorboard = True
   c.log.progress = True
   return c
+
+
+def load_preset(name: str = 'tiny', path: str | pathlib.Path = MATH_CONFIG
+                ) -> ml_collections.ConfigDict:
+  """`get_config(name)` of an experiment file (what `--config=path:name` gives `main`), loaded
+  by path: configs/ is not a package. For notebooks, benchmarks and tests."""
+  spec = importlib.util.spec_from_file_location('experiment_config', path)
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module.get_config(name)
 
 
 def _paths(cfg, prefix=''):

@@ -2,7 +2,6 @@
 
 import _thread
 import json
-import os
 import threading
 import types
 import zlib
@@ -15,7 +14,6 @@ from pipelinerl_jax import checkpoint as checkpoint_lib
 from pipelinerl_jax import export as export_lib
 from pipelinerl_jax import sharding as sharding_lib
 from pipelinerl_jax import train
-from pipelinerl_jax import warmstart
 from pipelinerl_jax.models import hf_io
 from pipelinerl_jax.pipeline import metrics as metrics_lib
 from pipelinerl_jax.pipeline import run as run_lib
@@ -24,13 +22,6 @@ from pipelinerl_jax.tasks import arithmetic
 from pipelinerl_jax.tasks import base as tasks_base
 
 import pipeline_test  # its small_config (tests/ is on sys.path under pytest)
-
-
-@pytest.fixture(scope='module')
-def model_dir(tmp_path_factory):
-  cfg = warmstart.WarmStartConfig(max_steps=0, eval_problems=8)
-  out = tmp_path_factory.mktemp('model') / 'demo'
-  return str(warmstart.build_demo_model(out, cfg, log=lambda *_: None))
 
 
 @pytest.fixture

@@ -1,28 +1,17 @@
 """Evaluation: the pass@k estimator, and the CLI agreeing with the in-training evaluation."""
 
-import importlib.util
 import json
 import math
-import pathlib
 
 import pytest
 
+from pipelinerl_jax import config as config_lib
 from pipelinerl_jax import evaluate
-from pipelinerl_jax import warmstart
 from pipelinerl_jax.models import hf_io
 from pipelinerl_jax.pipeline import metrics as metrics_lib
 from pipelinerl_jax.pipeline import run as run_lib
 from pipelinerl_jax.tasks import arithmetic
 from pipelinerl_jax.tasks.base import Score
-
-ROOT = pathlib.Path(__file__).resolve().parent.parent
-
-
-def math_config(preset='tiny'):
-  spec = importlib.util.spec_from_file_location('math_config', ROOT / 'configs' / 'math.py')
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  return module.get_config(preset)
 
 
 @pytest.mark.parametrize('n,c,k,expected', [
@@ -61,19 +50,12 @@ def test_summary_is_per_dataset_and_over_all_problems():
   assert greedy['num_problems'] == 3 and greedy['pass@1'] == pytest.approx(2 / 3)
 
 
-@pytest.fixture(scope='module')
-def model_dir(tmp_path_factory):
-  cfg = warmstart.WarmStartConfig(max_steps=0, eval_problems=8)
-  out = tmp_path_factory.mktemp('model') / 'demo'
-  return str(warmstart.build_demo_model(out, cfg, log=lambda *_: None))
-
-
 def test_cli_matches_the_in_training_evaluation(model_dir, tmp_path, monkeypatch):
   # An untrained model solves nothing; a rule on the text's length makes about half the samples
   # "correct", so pass@1 / pass@k are informative numbers (the training sees it as its reward).
   monkeypatch.setattr(arithmetic.ArithmeticTask, 'score', lambda self, problem, text: (
       Score(1.0, 'correct') if len(text) % 2 == 0 else Score(0.0, 'wrong')))
-  c = math_config()
+  c = config_lib.load_preset()
   c.rl.batch_size, c.rl.group_size, c.generation.num_slots = 16, 4, 16
   c.rl.total_steps, c.rl.max_time_s = 2, 0.0
   c.eval.every_steps, c.eval.num_problems, c.eval.k = 2, 6, 3

@@ -1,6 +1,5 @@
 """The math task in runs: a short pipeline run, masked samples in the actor, config and presets."""
 
-import importlib.util
 import pathlib
 import threading
 
@@ -22,13 +21,6 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 DATA = ROOT / 'tests' / 'data'
 
 
-def math_config(preset='tiny'):
-  spec = importlib.util.spec_from_file_location('math_config', ROOT / 'configs' / 'math.py')
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  return module.get_config(preset)
-
-
 @pytest.fixture(scope='module')
 def model_dir(tmp_path_factory):
   """An untrained demo-format model whose positions cover ~200-character math prompts."""
@@ -38,7 +30,7 @@ def model_dir(tmp_path_factory):
 
 
 def small_math_config(model_dir):
-  c = math_config()
+  c = config_lib.load_preset()
   c.task.name = 'math'
   c.model.path = model_dir
   c.task.train_files = (str(DATA / 'math_problems.jsonl'), str(DATA / 'math_solutions.parquet'))
@@ -186,7 +178,7 @@ def test_tasks_without_score_many_are_scored_per_sample():
 # --- config ----------------------------------------------------------------------------------
 
 def _filled(preset='tiny', **task):
-  c = math_config(preset)
+  c = config_lib.load_preset(preset)
   c.task.name = 'math'
   c.model.path = '/models/m'
   c.task.train_files = ('/data/train.jsonl',)
@@ -234,20 +226,20 @@ def test_bad_reward_and_missing_model_and_eval_set():
 
 def test_every_preset_validates_once_its_placeholders_are_set():
   for preset in ('tiny', 'qwen1p5b_8xh100', 'paper_7b'):
-    c = math_config(preset)
+    c = config_lib.load_preset(preset)
     if c.task.name == 'math':
       with pytest.raises(ValueError, match='config.model.path'):
         config_lib.validate(c)  # placeholders left empty: a clear error, not a demo build
       c.model.path = '/models/m'
       c.task.train_files = ('/data/train.jsonl',)
     config_lib.validate(c)
-  paper = math_config('paper_7b')
+  paper = config_lib.load_preset('paper_7b')
   assert (paper.rl.batch_size, paper.rl.group_size, paper.optimizer.lr,
           paper.generation.max_new_tokens, paper.loss.is_cap) == (1024, 8, 1e-6, 8192, 5.0)
 
 
 def test_tiny_preset_is_unchanged():
-  tiny, base = math_config('tiny').to_dict(), config_lib.base_config().to_dict()
+  tiny, base = config_lib.load_preset('tiny').to_dict(), config_lib.base_config().to_dict()
   expected = {
       ('task', 'name'): 'arithmetic', ('task', 'ops'): ('+',), ('task', 'digits'): 2,
       ('generation', 'num_slots'): 128, ('generation', 'max_prompt_len'): 8,

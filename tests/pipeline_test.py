@@ -1,6 +1,5 @@
 """The pipeline end to end on a tiny model: both modes, lag bound, overlap, failures, Ctrl-C."""
 
-import importlib.util
 import json
 import os
 import pathlib
@@ -18,7 +17,6 @@ import pytest
 
 from pipelinerl_jax import config as config_lib
 from pipelinerl_jax import packing
-from pipelinerl_jax import warmstart
 from pipelinerl_jax.generation import engine as engine_lib
 from pipelinerl_jax.pipeline import metrics as metrics_lib
 from pipelinerl_jax.pipeline import run as run_lib
@@ -27,23 +25,8 @@ from pipelinerl_jax.pipeline import stream as stream_lib
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
 
-def math_config(preset='tiny'):
-  spec = importlib.util.spec_from_file_location('math_config', ROOT / 'configs' / 'math.py')
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  return module.get_config(preset)
-
-
-@pytest.fixture(scope='module')
-def model_dir(tmp_path_factory):
-  """An untrained demo-format model (random init, real HF dir with the char tokenizer)."""
-  cfg = warmstart.WarmStartConfig(max_steps=0, eval_problems=8)
-  out = tmp_path_factory.mktemp('model') / 'demo'
-  return str(warmstart.build_demo_model(out, cfg, log=lambda *_: None))
-
-
 def small_config(**rl):
-  c = math_config()
+  c = config_lib.load_preset()
   c.log.tensorboard = True
   c.rl.batch_size, c.rl.group_size, c.generation.num_slots = 16, 4, 16
   c.rl.total_steps = 6
@@ -203,7 +186,7 @@ def test_stream_credits_order_and_stop():
     ('generation.generator_devices', '4', "needs backend 'vllm_process'"),
 ])
 def test_invalid_config_values_name_the_key(key, value, message):
-  c = math_config()
+  c = config_lib.load_preset()
   section, field = key.split('.')
   # Replace the whole section: ConfigDict's own type check only guards single-field writes.
   c[section] = ml_collections.ConfigDict({**c[section].to_dict(), field: value})
@@ -213,7 +196,7 @@ def test_invalid_config_values_name_the_key(key, value, message):
 
 
 def test_unknown_config_key_is_an_error():
-  c = math_config()
+  c = config_lib.load_preset()
   c.rl.max_lagg = 3
   with pytest.raises(ValueError, match=r'config.rl.max_lagg: unknown key'):
     config_lib.validate(c)
@@ -221,7 +204,7 @@ def test_unknown_config_key_is_an_error():
 
 def test_unknown_preset_is_an_error():
   with pytest.raises(ValueError, match="unknown preset 'huge'"):
-    math_config('huge')
+    config_lib.load_preset('huge')
 
 
 @pytest.mark.parametrize('backend', ['vllm', 'vllm_process'])

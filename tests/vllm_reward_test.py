@@ -9,24 +9,19 @@ reward went 0.300 -> 0.526 (seed 1) and 0.311 -> 0.552 (seed 2); at 120 steps se
 while the rise seen was ~0.23.
 """
 
-import importlib.util
-import pathlib
 
 import numpy as np
 import pytest
 
+from pipelinerl_jax import config as config_lib
 from pipelinerl_jax.pipeline import run as run_lib
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
 STEPS = 240
 MARGIN = 0.10  # see the module docstring
 
 
 def demo_config(seed):
-  spec = importlib.util.spec_from_file_location('math_config', ROOT / 'configs' / 'math.py')
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  c = module.get_config('tiny')
+  c = config_lib.load_preset('tiny')
   c.seed = seed
   c.generation.backend = 'vllm'
   c.generation.vllm_kv_cache_mb = 64
