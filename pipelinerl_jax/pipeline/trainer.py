@@ -72,6 +72,7 @@ class Trainer:
     """`after_publish` runs after every weight publication, when the trained state, the
     engine's weights and the data position agree: where periodic checkpoints are taken."""
     self.state, self.train_step, self.put_batch = state, train_step, put_batch
+    self._step = int(state.step)
     self.publish, self.stream, self.config, self.stop = publish, stream, config, stop
     self.log, self.gen_stats, self.after_publish = log, gen_stats, after_publish
     self.evaluate, self.eval_every_steps = evaluate, eval_every_steps  # (params, step) -> record
@@ -84,7 +85,9 @@ class Trainer:
 
   @property
   def step(self) -> int:
-    return int(self.state.step)
+    """The optimizer step as a host int, safe to read from any thread (`state.step` is a device
+    array that the train step donates, so another thread may find it deleted)."""
+    return self._step
 
   def _take_fresh(self, n: int) -> list[stream_lib.Group]:
     """n samples whose lag at the current step is within max_lag; stale ones are dropped."""
@@ -106,6 +109,7 @@ class Trainer:
     lags = token_lags(batch, step)
     t0 = time.monotonic()
     self.state, metrics = self.train_step(self.state, self.put_batch(batch))
+    self._step = int(self.state.step)  # not step + 1: a skipped (non-finite) update keeps it
     metrics = jax.device_get(metrics)
     self.stream.ledger.mark(g.group_id for g in groups)
     t1 = time.monotonic()
