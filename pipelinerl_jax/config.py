@@ -15,7 +15,7 @@ import ml_collections
 
 from pipelinerl_jax import losses
 from pipelinerl_jax import train
-from pipelinerl_jax import warmstart
+from pipelinerl_jax.demo import warmstart
 from pipelinerl_jax.tasks import math as math_task
 
 MATH_CONFIG = pathlib.Path(__file__).resolve().parent.parent / 'configs' / 'math.py'

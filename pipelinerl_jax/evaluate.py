@@ -169,7 +169,7 @@ def evaluate_params(config, model_config, params, tokenizer, task,
   generation.max_prompt_len are skipped and counted ('skipped'), not fatal: a long test problem
   must not end a run at its first evaluation.
   """
-  from pipelinerl_jax.generation import engine as engine_lib
+  from pipelinerl_jax.generation import jax_engine as engine_lib
   g, ev = config.generation, config.eval
   k = k or ev.k
   encoded: dict[str, list[int]] = {}

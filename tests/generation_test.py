@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from pipelinerl_jax.generation import api
-from pipelinerl_jax.generation import engine as engine_lib
+from pipelinerl_jax.generation import jax_engine as engine_lib
 from pipelinerl_jax.generation import sampling
 from pipelinerl_jax.models import transformer
 

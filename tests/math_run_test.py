@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from pipelinerl_jax import config as config_lib
-from pipelinerl_jax import warmstart
+from pipelinerl_jax.demo import warmstart
 from pipelinerl_jax.generation import api
 from pipelinerl_jax.pipeline import actor as actor_lib
 from pipelinerl_jax.pipeline import metrics as metrics_lib

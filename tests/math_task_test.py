@@ -219,7 +219,7 @@ def test_truncated_samples_in_the_task(task):
 
 def test_format_prompt_plain_and_chat_template():
   transformers = pytest.importorskip('transformers')
-  from pipelinerl_jax.models import char_tokenizer
+  from pipelinerl_jax.demo import char_tokenizer
   plain = math_task.format_prompt('What is 1+1?')
   assert plain.startswith(math_task.SYSTEM_PROMPT) and 'What is 1+1?' in plain
   assert plain.rstrip().endswith('Solution:')

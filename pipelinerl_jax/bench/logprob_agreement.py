@@ -36,7 +36,7 @@ def run_variant(variant: str, args) -> dict:
   import numpy as np
   from pipelinerl_jax.bench import weight_sync as ws_bench
   from pipelinerl_jax.generation import api
-  from pipelinerl_jax.generation import vllm_engine
+  from pipelinerl_jax.generation.vllm import engine as vllm_engine
   from pipelinerl_jax.models import hf_io
   from pipelinerl_jax.models import transformer
 

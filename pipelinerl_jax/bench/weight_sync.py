@@ -84,8 +84,8 @@ def throughput(engine, vocab: int, params_pair, update_every: int, seed: int) ->
 def run_size(size: str, args) -> dict:
   """One size, in this process."""
   import jax
-  from pipelinerl_jax.generation import vllm_engine
-  from pipelinerl_jax.generation import weight_sync
+  from pipelinerl_jax.generation.vllm import engine as vllm_engine
+  from pipelinerl_jax.generation.transport import hf_tensors
   from pipelinerl_jax.models import hf_io
   from pipelinerl_jax.models import transformer
 
@@ -95,7 +95,7 @@ def run_size(size: str, args) -> dict:
   hf_io.save_params(params, config, model_dir, dtype=args.dtype)
   other = transformer.init_params(config, jax.random.PRNGKey(1))
   nbytes = sum(x.nbytes for x in jax.tree.leaves(params))
-  zero_copy = weight_sync.zero_copy_report(params, config)
+  zero_copy = hf_tensors.zero_copy_report(params, config)
   # Before vLLM starts: its CPU worker pins OpenMP threads, which would slow this plain copy.
   memcpy_s = memcpy_seconds(nbytes, max(args.repeats, 10))
 
@@ -137,7 +137,7 @@ def main(argv=None):
   parser.add_argument('--repeats', type=int, default=5)
   parser.add_argument('--update-every', type=int, default=8, help='token steps between updates')
   parser.add_argument('--workdir', default='/tmp/pipelinerl_jax_bench/weight_sync')
-  parser.add_argument('--out', default='/tmp/pipelinerl_jax_bench/weight_sync.json')
+  parser.add_argument('--out', default='/tmp/pipelinerl_jax_bench/hf_tensors.json')
   parser.add_argument('--one', help=argparse.SUPPRESS)  # internal: run one size, print JSON
   args = parser.parse_args(argv)
 

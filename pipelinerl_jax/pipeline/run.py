@@ -23,9 +23,9 @@ from pipelinerl_jax import losses
 from pipelinerl_jax import packing
 from pipelinerl_jax import sharding as sharding_lib
 from pipelinerl_jax import train
-from pipelinerl_jax import warmstart
+from pipelinerl_jax.demo import warmstart
 from pipelinerl_jax.generation import api
-from pipelinerl_jax.generation import engine as engine_lib
+from pipelinerl_jax.generation import jax_engine as engine_lib
 from pipelinerl_jax.models import hf_io
 from pipelinerl_jax.models import transformer
 from pipelinerl_jax.pipeline import actor as actor_lib
@@ -114,15 +114,15 @@ def make_engine(config: ml_collections.ConfigDict, model_config, model_dir: str,
                                 eos_token_ids=(eos_token_id,), recompute_kv=g.recompute_kv),
         version=version, device=device)
   # vLLM starts from the checkpoint on disk, which is what `params` were loaded from.
-  from pipelinerl_jax.generation import vllm_engine  # imports vLLM: only when asked for
+  from pipelinerl_jax.generation.vllm import engine as vllm_engine  # imports vLLM: only when asked for
   engine_config = vllm_engine.VllmEngineConfig(
       max_num_seqs=-(-g.num_slots // g.num_generators), max_model_len=max_len,
       eos_token_ids=(eos_token_id,), kv_cache_bytes=g.vllm_kv_cache_mb << 20,
       lm_head_fp32=config.model.lm_head_fp32)
   if g.backend == 'vllm':
     return vllm_engine.VllmEngine(model_dir, engine_config, version=0)
-  from pipelinerl_jax.generation import generator_process
-  from pipelinerl_jax.generation import generator_pool
+  from pipelinerl_jax.generation.vllm import process as generator_process
+  from pipelinerl_jax.generation.vllm import pool as generator_pool
   devices = generator_process.assign_devices(
       visible_gpus(), mesh.devices.size, g.num_generators, g.generator_devices, per_child_max=1)
   process_config = generator_process.ProcessConfig(

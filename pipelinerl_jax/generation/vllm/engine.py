@@ -59,7 +59,7 @@ from typing import Any, Callable
 import numpy as np
 
 from pipelinerl_jax.generation import api
-from pipelinerl_jax.generation import weight_sync
+from pipelinerl_jax.generation.transport import hf_tensors
 from pipelinerl_jax.models import hf_io
 
 _FINISH_REASONS = {'stop': 'stop', 'length': 'length'}
@@ -143,7 +143,7 @@ class VllmEngine(api.Engine):
     self.model_dir = Path(model_dir)
     self.config = config
     self.model_config = hf_io.load_config(self.model_dir)
-    self._expected = weight_sync.expected_shapes(self.model_config)
+    self._expected = hf_tensors.expected_shapes(self.model_config)
     stored = checkpoint_shapes(self.model_dir)
     tied = {'lm_head.weight'} if self.model_config.tie_embeddings else set()
     if {k: v for k, v in stored.items() if k not in tied} != self._expected:
@@ -213,7 +213,7 @@ class VllmEngine(api.Engine):
     problems = []
     for spec in hf_io.name_map(self.model_config):
       try:
-        leaf = weight_sync.leaf_at(params, spec.path)
+        leaf = hf_tensors.leaf_at(params, spec.path)
       except (KeyError, TypeError):
         problems.append(f'{"/".join(spec.path)} is missing')
         continue
@@ -342,7 +342,7 @@ class VllmEngine(api.Engine):
     if deleted:
       raise WeightUpdateError(f'{len(deleted)} params were deleted after being published '
                               '(donated?); publish a copy the trainer will not donate')
-    return self._checked(list(weight_sync.hf_torch_tensors(params, self.model_config)))
+    return self._checked(list(hf_tensors.hf_torch_tensors(params, self.model_config)))
 
   def _checked(self, tensors: list[tuple[str, Any]]) -> list[tuple[str, Any]]:
     bad = [n for n, t in tensors
@@ -350,7 +350,7 @@ class VllmEngine(api.Engine):
     if bad:
       raise WeightUpdateError(f'tensors not on the CPU or GPU or not floating point: {bad[:3]}')
     try:
-      weight_sync.check_complete([(n, tuple(t.shape)) for n, t in tensors], self._expected)
+      hf_tensors.check_complete([(n, tuple(t.shape)) for n, t in tensors], self._expected)
     except ValueError as e:
       raise WeightUpdateError(str(e)) from None
     return tensors

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 import torch
 
-from pipelinerl_jax.generation import weight_sync
+from pipelinerl_jax.generation.transport import hf_tensors
 from pipelinerl_jax.models import hf_io
 from pipelinerl_jax.models import transformer
 
@@ -20,22 +20,22 @@ def params():
 
 
 def test_tensors_alias_the_jax_buffers_and_match_hf_layout(params):
-  ours = list(weight_sync.hf_torch_tensors(params, CONFIG))
+  ours = list(hf_tensors.hf_torch_tensors(params, CONFIG))
   reference = list(hf_io.hf_tensors(params, CONFIG))  # jitted slices + transposes (copies)
   assert [n for n, _ in ours] == [n for n, _ in reference]
   for (name, t), (_, ref) in zip(ours, reference):
     np.testing.assert_array_equal(t.numpy(), np.asarray(ref), err_msg=name)
 
-  specs = {name: (spec, i) for name, spec, i in weight_sync.checkpoint_order(CONFIG)}
+  specs = {name: (spec, i) for name, spec, i in hf_tensors.checkpoint_order(CONFIG)}
   for name, t in ours:
     spec, i = specs[name]
-    leaf = weight_sync.leaf_at(params, spec.path)
+    leaf = hf_tensors.leaf_at(params, spec.path)
     # Same bytes: layer i of a stacked leaf starts i layers into the JAX buffer.
     offset = 0 if i is None else i * (leaf.nbytes // leaf.shape[0])
     assert t.data_ptr() == leaf.unsafe_buffer_pointer() + offset, name
     if spec.transposed:
       assert not t.is_contiguous() and t.stride() == (1, t.shape[0]), name  # a .T view
-  assert all(weight_sync.zero_copy_report(params, CONFIG).values())
+  assert all(hf_tensors.zero_copy_report(params, CONFIG).values())
 
 
 def test_a_sharded_leaf_is_copied_and_reported_as_such(params):
@@ -43,16 +43,16 @@ def test_a_sharded_leaf_is_copied_and_reported_as_such(params):
   sharded = jax.device_put(params['lm_head']['kernel'],
                            jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(None, 'x')))
   mixed = {**params, 'lm_head': {'kernel': sharded}}
-  report = weight_sync.zero_copy_report(mixed, CONFIG)
+  report = hf_tensors.zero_copy_report(mixed, CONFIG)
   assert report['lm_head.weight'] is False
   assert sum(not v for v in report.values()) == 1
-  tensors = dict(weight_sync.hf_torch_tensors(mixed, CONFIG))
+  tensors = dict(hf_tensors.hf_torch_tensors(mixed, CONFIG))
   np.testing.assert_array_equal(tensors['lm_head.weight'].numpy(), np.asarray(sharded).T)
 
 
 def test_fusion_units_keep_fused_parts_together(params):
-  units = [[n for n, _ in u] for u in weight_sync.fusion_units(
-      weight_sync.hf_torch_tensors(params, CONFIG))]
+  units = [[n for n, _ in u] for u in hf_tensors.fusion_units(
+      hf_tensors.hf_torch_tensors(params, CONFIG))]
   qkv = [u for u in units if any('q_proj' in n for n in u)]
   assert len(qkv) == CONFIG.num_layers
   for u in qkv:
@@ -61,25 +61,25 @@ def test_fusion_units_keep_fused_parts_together(params):
         'v_proj.weight']
   gate_up = [u for u in units if any('gate_proj' in n for n in u)]
   assert all(len(u) == 2 and 'up_proj' in u[1] for u in gate_up)
-  assert weight_sync.module_of('model.layers.3.mlp.up_proj.weight') == \
+  assert hf_tensors.module_of('model.layers.3.mlp.up_proj.weight') == \
       'model.layers.3.mlp.gate_up_proj'
-  assert weight_sync.module_of('model.norm.weight') == 'model.norm'
+  assert hf_tensors.module_of('model.norm.weight') == 'model.norm'
 
 
 @pytest.mark.parametrize('max_bytes', [1, 40_000, 100_000, 10**9])
 def test_buckets_are_bounded_whole_units_in_order(params, max_bytes):
-  tensors = list(weight_sync.hf_torch_tensors(params, CONFIG))
-  buckets = list(weight_sync.buckets(tensors, max_bytes))
+  tensors = list(hf_tensors.hf_torch_tensors(params, CONFIG))
+  buckets = list(hf_tensors.buckets(tensors, max_bytes))
   assert [n for b in buckets for n in b.names] == [n for n, _ in tensors]
   for b in buckets:
-    modules = [weight_sync.module_of(n) for n in b.names]
+    modules = [hf_tensors.module_of(n) for n in b.names]
     if b.nbytes > max_bytes:  # only a single oversized unit may exceed the budget
       assert len(set(modules)) == 1
   # No fused module is split across two buckets.
   owners = {}
   for k, b in enumerate(buckets):
     for n in b.names:
-      owners.setdefault(weight_sync.module_of(n), set()).add(k)
+      owners.setdefault(hf_tensors.module_of(n), set()).add(k)
   assert all(len(ks) == 1 for ks in owners.values())
   if max_bytes == 10**9:
     assert len(buckets) == 1
@@ -88,20 +88,20 @@ def test_buckets_are_bounded_whole_units_in_order(params, max_bytes):
 
 
 def test_check_complete_rejects_partial_wrong_or_extra_updates(params):
-  expected = weight_sync.expected_shapes(CONFIG)
-  full = [(n, tuple(t.shape)) for n, t in weight_sync.hf_torch_tensors(params, CONFIG)]
-  weight_sync.check_complete(full, expected)  # no error
+  expected = hf_tensors.expected_shapes(CONFIG)
+  full = [(n, tuple(t.shape)) for n, t in hf_tensors.hf_torch_tensors(params, CONFIG)]
+  hf_tensors.check_complete(full, expected)  # no error
   with pytest.raises(ValueError, match='missing'):
-    weight_sync.check_complete(full[:-1], expected)
+    hf_tensors.check_complete(full[:-1], expected)
   with pytest.raises(ValueError, match='expected'):
-    weight_sync.check_complete(full[:-1] + [(full[-1][0], (1, 2))], expected)
+    hf_tensors.check_complete(full[:-1] + [(full[-1][0], (1, 2))], expected)
   with pytest.raises(ValueError, match='not a tensor of the model'):
-    weight_sync.check_complete(full + [('model.extra.weight', (3,))], expected)
+    hf_tensors.check_complete(full + [('model.extra.weight', (3,))], expected)
   with pytest.raises(ValueError, match='twice'):
-    weight_sync.check_complete(full + full[:1], expected)
+    hf_tensors.check_complete(full + full[:1], expected)
 
 
 def test_a_leaf_of_the_wrong_shape_is_named(params):
   bad = {**params, 'final_norm': {'scale': torch.zeros(3)}}
   with pytest.raises(ValueError, match='final_norm/scale'):
-    list(weight_sync.hf_torch_tensors(bad, CONFIG))
+    list(hf_tensors.hf_torch_tensors(bad, CONFIG))

@@ -27,7 +27,7 @@ completion whose id is not outstanding. After `max_restarts` restarts in all, a 
 
 Collective transport (`weight_transport` 'gloo' on CPU, 'nccl' on CUDA; 'nccl' is UNRUN): the
 trainer and each child form their own two-rank group (trainer rank 0, child rank 1; see
-`nccl_weights.Rendezvous`) once the child's engine is up. `update_params` announces the version on
+`collective.Rendezvous`) once the child's engine is up. `update_params` announces the version on
 the request queue and broadcasts the buckets; a receiver thread in the child fills a staging
 buffer, and the child's loop applies it whole, between two engine steps, then acknowledges it.
 A send or receive that does not finish within `transport_timeout_s` ends in a one-line
@@ -55,8 +55,8 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from pipelinerl_jax.generation import api
-from pipelinerl_jax.generation import shm_weights
-from pipelinerl_jax.generation import weight_sync
+from pipelinerl_jax.generation.transport import shm
+from pipelinerl_jax.generation.transport import hf_tensors
 from pipelinerl_jax.models import hf_io
 
 
@@ -128,8 +128,8 @@ def assign_devices(visible: Sequence[str], mesh_used: int, num_generators: int,
 
 
 def _plan(model_config, cfg: ProcessConfig):
-  from pipelinerl_jax.generation import nccl_weights
-  return nccl_weights.make_plan(weight_sync.expected_shapes(model_config), cfg.transport_dtype,
+  from pipelinerl_jax.generation.transport import collective
+  return collective.make_plan(hf_tensors.expected_shapes(model_config), cfg.transport_dtype,
                                 cfg.bucket_mb << 20)
 
 
@@ -138,11 +138,11 @@ class _Receiver:
   staging buffer each; the loop takes the newest complete one between two engine steps."""
 
   def __init__(self, endpoint, model_config, cfg: ProcessConfig):
-    from pipelinerl_jax.generation import nccl_weights
-    self._nccl_weights, self._cfg = nccl_weights, cfg
+    from pipelinerl_jax.generation.transport import collective
+    self._collective, self._cfg = collective, cfg
     device = 'cuda:0' if endpoint.backend == 'nccl' else 'cpu'
     self._device = device
-    self._comm = nccl_weights.join(endpoint, 1, cfg.transport_timeout_s, device)
+    self._comm = collective.join(endpoint, 1, cfg.transport_timeout_s, device)
     self._plan = _plan(model_config, cfg)
     self._announced: queue.Queue = queue.Queue()
     self._staged: queue.Queue = queue.Queue()
@@ -155,7 +155,7 @@ class _Receiver:
     while True:
       version = self._announced.get()
       try:
-        got = self._nccl_weights.receive(self._comm, self._plan, device=self._device,
+        got = self._collective.receive(self._comm, self._plan, device=self._device,
                                          timeout_s=self._cfg.transport_timeout_s)
         if got[0] != version:
           raise ValueError(f'announced version {version}, received {got[0]}')
@@ -186,9 +186,9 @@ def _child_main(model_dir, engine_config, version, seg_name, manifest_capacity, 
     os.environ['CUDA_VISIBLE_DEVICES'] = ','.join(cfg.devices)
   receiver = None
   try:
-    from pipelinerl_jax.generation import vllm_engine
+    from pipelinerl_jax.generation.vllm import engine as vllm_engine
     engine = vllm_engine.VllmEngine(model_dir, engine_config, version=version)
-    seg = shm_weights.Segment.attach(seg_name, lock, manifest_capacity)
+    seg = shm.Segment.attach(seg_name, lock, manifest_capacity)
     if endpoint is None:
       _load_newest(seg, engine, cfg, results)  # a restarted child serves the latest weights
     results.put(('ready', engine.version))
@@ -235,7 +235,7 @@ def _child_main(model_dir, engine_config, version, seg_name, manifest_capacity, 
 def _apply_staged(receiver: _Receiver, engine, results) -> bool:
   """Loads the newest received update whole; a rejected one is reported, the engine keeps
   serving (and rolls back, see VllmEngine.apply_update). A receive error ends the child."""
-  from pipelinerl_jax.generation import vllm_engine
+  from pipelinerl_jax.generation.vllm import engine as vllm_engine
   got = receiver.newest()
   if got is None:
     return False
@@ -252,16 +252,16 @@ def _apply_staged(receiver: _Receiver, engine, results) -> bool:
     return False
 
 
-def _load_newest(seg: shm_weights.Segment, engine, cfg: ProcessConfig, results) -> bool:
+def _load_newest(seg: shm.Segment, engine, cfg: ProcessConfig, results) -> bool:
   """Loads the segment's update if it is newer than the engine's weights. A corrupt segment or
   a rejected load is reported to the parent; the engine keeps serving its current version."""
   h = seg.header()
-  if h['state'] != shm_weights.VALID or h['version'] <= max(engine.version, _rejected[0]):
+  if h['state'] != shm.VALID or h['version'] <= max(engine.version, _rejected[0]):
     return False
-  from pipelinerl_jax.generation import vllm_engine
+  from pipelinerl_jax.generation.vllm import engine as vllm_engine
   seg.acquire(cfg.lock_timeout_s, 'trainer (writer)')
   try:
-    version, views = shm_weights.read_update(seg, verify=cfg.checksum)
+    version, views = shm.read_update(seg, verify=cfg.checksum)
     if version <= engine.version:
       return False
     engine.update_hf_tensors(views, version)
@@ -269,7 +269,7 @@ def _load_newest(seg: shm_weights.Segment, engine, cfg: ProcessConfig, results) 
     engine.apply_update()  # copies out of the segment before the lock is released
     seg.write_header(acked=version)
     return True
-  except (shm_weights.TransportError, vllm_engine.WeightUpdateError) as e:
+  except (shm.TransportError, vllm_engine.WeightUpdateError) as e:
     _rejected[0] = seg.header()['version']  # do not retry the same bytes
     results.put(('update_error', _rejected[0], f'{type(e).__name__}: {e}'))
     return False
@@ -304,7 +304,7 @@ class GeneratorProcess(api.Engine):
 
   def __init__(self, model_dir: str | os.PathLike, engine_config=None, *, version: int = 0,
                config: ProcessConfig = ProcessConfig(), name: str = 'vllm_process'):
-    from pipelinerl_jax.generation import vllm_engine  # config type only; vLLM starts in the child
+    from pipelinerl_jax.generation.vllm import engine as vllm_engine  # config type only; vLLM starts in the child
     if config.weight_transport not in TRANSPORTS:
       raise ValueError(f'config.generation.weight_transport must be one of {TRANSPORTS}, got '
                        f'{config.weight_transport!r}')
@@ -312,7 +312,7 @@ class GeneratorProcess(api.Engine):
     self._collective = config.weight_transport != 'shm'
     self.model_dir = str(Path(model_dir))
     self.model_config = hf_io.load_config(model_dir)
-    self._entries, size, self._capacity = shm_weights.manifest_for(self.model_config,
+    self._entries, size, self._capacity = shm.manifest_for(self.model_config,
                                                                   config.transport_dtype)
     self._engine_config = engine_config or vllm_engine.VllmEngineConfig()
     self._max_model_len = self._engine_config.max_model_len
@@ -322,7 +322,7 @@ class GeneratorProcess(api.Engine):
     self._comm = None          # collective transports: rank 0's communicator for this child
     self._plan = _plan(self.model_config, config) if self._collective else None
     self._ctx = mp.get_context('spawn')
-    self._seg = shm_weights.Segment.create(size, self._ctx.Lock(), self._capacity)
+    self._seg = shm.Segment.create(size, self._ctx.Lock(), self._capacity)
     self._state_lock = threading.RLock()  # queues, child handle, in-flight map, inbox, stats
     self._write_lock = threading.RLock()  # held by a parent-side writer of the weights
     self._inflight: dict[str, api.Request] = {}  # submitted; no completion received yet
@@ -381,13 +381,13 @@ class GeneratorProcess(api.Engine):
       self._ensure_alive()
       try:
         with self._write_lock:
-          timing = shm_weights.write_update(self._seg, params, self.model_config, version,
+          timing = shm.write_update(self._seg, params, self.model_config, version,
                                             dtype=self.config.transport_dtype,
                                             checksum=self.config.checksum,
                                             timeout=self.config.lock_timeout_s,
                                             reader_alive=lambda: self._proc.is_alive())
         break
-      except shm_weights.HolderDied:  # the next _ensure_alive frees the lock
+      except shm.HolderDied:  # the next _ensure_alive frees the lock
         if attempt:
           raise
     self._stats['last_write_s'] = timing['write_s']
@@ -498,12 +498,12 @@ class GeneratorProcess(api.Engine):
 
   def _send(self, params, version: int) -> None:
     """(under _write_lock) Announces `version`, then broadcasts it to the child."""
-    from pipelinerl_jax.generation import nccl_weights
+    from pipelinerl_jax.generation.transport import collective
     comm, device = self._comm, 'cuda:0' if self.config.weight_transport == 'nccl' else 'cpu'
     self._requests.put(('weights', version))
     start = time.perf_counter()
-    self._in_thread(lambda: nccl_weights.send(
-        comm, self._plan, weight_sync.hf_torch_tensors(params, self.model_config), version,
+    self._in_thread(lambda: collective.send(
+        comm, self._plan, hf_tensors.hf_torch_tensors(params, self.model_config), version,
         device=device), f'weight update {version}')
     self._stats['last_write_s'] = time.perf_counter() - start
 
@@ -515,8 +515,8 @@ class GeneratorProcess(api.Engine):
     self._requests, self._results = self._ctx.Queue(), self._ctx.Queue()
     rendezvous = None
     if self._collective:
-      from pipelinerl_jax.generation import nccl_weights
-      rendezvous = nccl_weights.Rendezvous(self.config.weight_transport,
+      from pipelinerl_jax.generation.transport import collective
+      rendezvous = collective.Rendezvous(self.config.weight_transport,
                                            self.config.transport_timeout_s)
       self._comm = None
     self._proc = self._ctx.Process(

@@ -10,10 +10,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pipelinerl_jax import warmstart
+from pipelinerl_jax.demo import warmstart
 from pipelinerl_jax.generation import api
-from pipelinerl_jax.generation import shm_weights
-from pipelinerl_jax.generation import weight_sync
+from pipelinerl_jax.generation.transport import shm
+from pipelinerl_jax.generation.transport import hf_tensors
 from pipelinerl_jax.models import hf_io
 from pipelinerl_jax.models import transformer
 
@@ -32,19 +32,19 @@ needs_vllm = pytest.mark.skipif(_VLLM_ERROR is not None,
 
 @pytest.fixture
 def segment():
-  _, size, capacity = shm_weights.manifest_for(CONFIG)
-  seg = shm_weights.Segment.create(size, mp.get_context('spawn').Lock(), capacity)
+  _, size, capacity = shm.manifest_for(CONFIG)
+  seg = shm.Segment.create(size, mp.get_context('spawn').Lock(), capacity)
   yield seg
   seg.close(unlink=True)
 
 
 def test_round_trip_gives_the_hf_tensors(segment):
   params = transformer.init_params(CONFIG, jax.random.PRNGKey(0))
-  shm_weights.write_update(segment, params, CONFIG, version=3)
+  shm.write_update(segment, params, CONFIG, version=3)
   with segment.lock:
-    version, views = shm_weights.read_update(segment)
+    version, views = shm.read_update(segment)
     assert version == 3
-    ref = list(weight_sync.hf_torch_tensors(params, CONFIG))
+    ref = list(hf_tensors.hf_torch_tensors(params, CONFIG))
     assert [n for n, _ in views] == [n for n, _ in ref]
     raw = np.frombuffer(segment.shm.buf, np.uint8)
     base, end = raw.ctypes.data, raw.ctypes.data + raw.size
@@ -56,16 +56,16 @@ def test_round_trip_gives_the_hf_tensors(segment):
 
 def test_corrupt_or_half_written_segments_are_rejected(segment):
   params = transformer.init_params(CONFIG, jax.random.PRNGKey(0))
-  shm_weights.write_update(segment, params, CONFIG, version=1)
+  shm.write_update(segment, params, CONFIG, version=1)
   segment.shm.buf[segment.data_start + 100] ^= 0xFF  # one flipped byte
-  with segment.lock, pytest.raises(shm_weights.TransportError, match='checksum'):
-    shm_weights.read_update(segment)
-  segment.write_header(state=shm_weights.WRITING)  # a writer that died part-way
-  with segment.lock, pytest.raises(shm_weights.TransportError, match='no complete update'):
-    shm_weights.read_update(segment)
-  segment.write_header(state=shm_weights.VALID, payload=12)
-  with segment.lock, pytest.raises(shm_weights.TransportError, match='payload'):
-    shm_weights.read_update(segment)
+  with segment.lock, pytest.raises(shm.TransportError, match='checksum'):
+    shm.read_update(segment)
+  segment.write_header(state=shm.WRITING)  # a writer that died part-way
+  with segment.lock, pytest.raises(shm.TransportError, match='no complete update'):
+    shm.read_update(segment)
+  segment.write_header(state=shm.VALID, payload=12)
+  with segment.lock, pytest.raises(shm.TransportError, match='payload'):
+    shm.read_update(segment)
 
 
 def test_writer_times_out_with_a_clear_error_while_the_reader_holds_the_lock(segment):
@@ -73,7 +73,7 @@ def test_writer_times_out_with_a_clear_error_while_the_reader_holds_the_lock(seg
   with segment.lock:
     start = time.perf_counter()
     with pytest.raises(TimeoutError, match='generator .reader. has held the lock'):
-      shm_weights.write_update(segment, params, CONFIG, version=1, timeout=0.2)
+      shm.write_update(segment, params, CONFIG, version=1, timeout=0.2)
     assert time.perf_counter() - start < 5
 
 
@@ -106,8 +106,8 @@ def kill(gen):
 
 @needs_vllm
 def test_generator_process_loads_updates_restarts_once_then_reports_death(demo):
-  from pipelinerl_jax.generation import generator_process
-  from pipelinerl_jax.generation import vllm_engine
+  from pipelinerl_jax.generation.vllm import process as generator_process
+  from pipelinerl_jax.generation.vllm import engine as vllm_engine
   model_dir, config = demo
   p1, p2 = sharp_params(config, 5), sharp_params(config, 6)
   reqs = lambda tag, n=4, max_tokens=12: [api.Request(f'{tag}{i}', [5 + i, 6, 7, 8], api.SamplingParams(
@@ -173,8 +173,8 @@ def test_generator_process_loads_updates_restarts_once_then_reports_death(demo):
 
 @needs_vllm
 def test_pool_keeps_groups_together_and_updates_every_generator(demo):
-  from pipelinerl_jax.generation import generator_pool
-  from pipelinerl_jax.generation import vllm_engine
+  from pipelinerl_jax.generation.vllm import pool as generator_pool
+  from pipelinerl_jax.generation.vllm import engine as vllm_engine
   model_dir, config = demo
   p1 = sharp_params(config, 7)
   pool = generator_pool.GeneratorPool(model_dir, vllm_engine.VllmEngineConfig(
@@ -207,7 +207,7 @@ def test_pool_keeps_groups_together_and_updates_every_generator(demo):
 
 
 def test_assign_devices_splits_the_gpus_the_mesh_leaves_free():
-  from pipelinerl_jax.generation.generator_process import assign_devices
+  from pipelinerl_jax.generation.vllm.process import assign_devices
   gpus = [str(i) for i in range(8)]
   assert assign_devices(gpus, 4, 4) == [('4',), ('5',), ('6',), ('7',)]
   assert assign_devices(gpus, 4, 2) == [('4', '5'), ('6', '7')]
@@ -229,7 +229,7 @@ def test_assign_devices_splits_the_gpus_the_mesh_leaves_free():
 ])
 def test_assign_devices_refuses_impossible_assignments(visible, used, n, requested,
                                                        per_child_max, match):
-  from pipelinerl_jax.generation.generator_process import assign_devices
+  from pipelinerl_jax.generation.vllm.process import assign_devices
   with pytest.raises(ValueError, match=match) as e:
     assign_devices(list(visible), used, n, requested, per_child_max)
   assert str(e.value).startswith('config.generation.generator_devices')
@@ -238,8 +238,8 @@ def test_assign_devices_refuses_impossible_assignments(visible, used, n, request
 
 @needs_vllm
 def test_gloo_transport_loads_updates_times_out_clearly_and_rejoins_after_restart(demo):
-  from pipelinerl_jax.generation import generator_process
-  from pipelinerl_jax.generation import vllm_engine
+  from pipelinerl_jax.generation.vllm import process as generator_process
+  from pipelinerl_jax.generation.vllm import engine as vllm_engine
   import torch.distributed as dist
   model_dir, config = demo
   p1, p2 = sharp_params(config, 5), sharp_params(config, 6)

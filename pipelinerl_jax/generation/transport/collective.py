@@ -10,7 +10,7 @@ communicator (tests/nccl_weights_test.py).
 Wire protocol, per update (every tensor is broadcast from rank `src`):
   1. header: int64 [MAGIC, version, plan_digest, num_buckets]
   2. num_buckets flat uint8 buffers, in plan order; bucket i holds whole fusion units
-     (`weight_sync.buckets`: q/k/v together, gate/up together), each tensor 256-byte aligned.
+     (`hf_tensors.buckets`: q/k/v together, gate/up together), each tensor 256-byte aligned.
 Both sides derive the same `Plan` from the model config, dtype and bucket size, so no names or
 shapes travel: the digest in the header proves the two plans agree (a receiver built for
 another model or bucket size rejects the update instead of misreading bytes).
@@ -34,7 +34,7 @@ from typing import Any, Iterable, Protocol
 
 import torch
 
-from pipelinerl_jax.generation import weight_sync
+from pipelinerl_jax.generation.transport import hf_tensors
 
 MAGIC = 0x4E43434C574A4158  # 'NCCLWJAX'
 ALIGN = 256
@@ -78,13 +78,13 @@ def _align(n: int) -> int:
 
 def make_plan(shapes: dict[str, tuple[int, ...]], dtype: str = 'bfloat16',
               bucket_bytes: int = 256 << 20) -> Plan:
-  """The layout of `shapes` (checkpoint order, e.g. `weight_sync.expected_shapes(config)`) in
+  """The layout of `shapes` (checkpoint order, e.g. `hf_tensors.expected_shapes(config)`) in
   buckets of about `bucket_bytes`; fusion units are never split."""
   itemsize = _DTYPES[dtype].itemsize
   meta = [(name, torch.empty(shape, dtype=_DTYPES[dtype], device='meta'))
           for name, shape in shapes.items()]
   buckets, sizes = [], []
-  for bucket in weight_sync.buckets(meta, bucket_bytes):
+  for bucket in hf_tensors.buckets(meta, bucket_bytes):
     slots, offset = [], 0
     for name, t in bucket.tensors:
       slots.append(Slot(name, tuple(t.shape), offset))

@@ -9,8 +9,8 @@ import jax
 import pytest
 import torch
 
-from pipelinerl_jax.generation import nccl_weights
-from pipelinerl_jax.generation import weight_sync
+from pipelinerl_jax.generation.transport import collective
+from pipelinerl_jax.generation.transport import hf_tensors
 from pipelinerl_jax.models import transformer
 
 CONFIG = transformer.ModelConfig(vocab_size=96, hidden_size=64, intermediate_size=128,
@@ -42,73 +42,73 @@ def comms(n):
 
 
 def test_plan_keeps_checkpoint_order_and_whole_fusion_units():
-  shapes = weight_sync.expected_shapes(CONFIG)
-  plan = nccl_weights.make_plan(shapes, 'bfloat16', bucket_bytes=20_000)
+  shapes = hf_tensors.expected_shapes(CONFIG)
+  plan = collective.make_plan(shapes, 'bfloat16', bucket_bytes=20_000)
   names = [s.name for b in plan.buckets for s in b]
   assert names == list(shapes)
   assert len(plan.buckets) > 3
   for bucket in plan.buckets:
-    modules = [weight_sync.module_of(s.name) for s in bucket]
+    modules = [hf_tensors.module_of(s.name) for s in bucket]
     for m in set(modules):  # every part of a fused module sits in one bucket
-      assert modules.count(m) == sum(weight_sync.module_of(n) == m for n in names)
-    assert all(s.offset % nccl_weights.ALIGN == 0 for s in bucket)
-  assert plan.digest == nccl_weights.make_plan(shapes, 'bfloat16', 20_000).digest
-  assert plan.digest != nccl_weights.make_plan(shapes, 'bfloat16', 40_000).digest
-  assert plan.digest != nccl_weights.make_plan(shapes, 'float32', 20_000).digest
+      assert modules.count(m) == sum(hf_tensors.module_of(n) == m for n in names)
+    assert all(s.offset % collective.ALIGN == 0 for s in bucket)
+  assert plan.digest == collective.make_plan(shapes, 'bfloat16', 20_000).digest
+  assert plan.digest != collective.make_plan(shapes, 'bfloat16', 40_000).digest
+  assert plan.digest != collective.make_plan(shapes, 'float32', 20_000).digest
 
 
 @pytest.mark.parametrize('dtype', ['float32', 'bfloat16'])
 def test_broadcast_round_trip_to_two_generators(dtype):
   params = transformer.init_params(CONFIG, jax.random.PRNGKey(0))
-  plan = nccl_weights.make_plan(weight_sync.expected_shapes(CONFIG), dtype, bucket_bytes=30_000)
+  plan = collective.make_plan(hf_tensors.expected_shapes(CONFIG), dtype, bucket_bytes=30_000)
   trainer, *generators = comms(3)
   results = [None, None]
 
   def receive(k):
-    results[k] = nccl_weights.receive(generators[k], plan, timeout_s=30)
+    results[k] = collective.receive(generators[k], plan, timeout_s=30)
 
   threads = [threading.Thread(target=receive, args=(k,)) for k in range(2)]
   for t in threads:
     t.start()
-  nccl_weights.send(trainer, plan, weight_sync.hf_torch_tensors(params, CONFIG), version=7)
+  collective.send(trainer, plan, hf_tensors.hf_torch_tensors(params, CONFIG), version=7)
   for t in threads:
     t.join(30)
-  ref = list(weight_sync.hf_torch_tensors(params, CONFIG))
+  ref = list(hf_tensors.hf_torch_tensors(params, CONFIG))
   for version, views in results:
     assert version == 7
     assert [n for n, _ in views] == [n for n, _ in ref]
     base = views[0][1].untyped_storage().data_ptr()
     for (name, v), (_, r) in zip(views, ref):
-      assert v.dtype == nccl_weights._DTYPES[dtype]
+      assert v.dtype == collective._DTYPES[dtype]
       torch.testing.assert_close(v, r.to(v.dtype), rtol=0, atol=0, msg=name)
       assert v.untyped_storage().data_ptr() == base  # one staging buffer: whole or nothing
 
 
 def test_mismatched_plans_are_rejected_not_misread():
-  shapes = weight_sync.expected_shapes(CONFIG)
+  shapes = hf_tensors.expected_shapes(CONFIG)
   params = transformer.init_params(CONFIG, jax.random.PRNGKey(0))
   trainer, gen = comms(2)
-  sender = threading.Thread(target=nccl_weights.send, args=(
-      trainer, nccl_weights.make_plan(shapes, 'bfloat16', 30_000),
-      weight_sync.hf_torch_tensors(params, CONFIG), 1))
+  sender = threading.Thread(target=collective.send, args=(
+      trainer, collective.make_plan(shapes, 'bfloat16', 30_000),
+      hf_tensors.hf_torch_tensors(params, CONFIG), 1))
   sender.start()
   with pytest.raises(ValueError, match='disagree on model, dtype or bucket size'):
-    nccl_weights.receive(gen, nccl_weights.make_plan(shapes, 'bfloat16', 60_000), timeout_s=30)
+    collective.receive(gen, collective.make_plan(shapes, 'bfloat16', 60_000), timeout_s=30)
   sender.join(1)  # it stays blocked on buckets nobody reads (a real group would be torn down)
 
 
 def test_pack_refuses_tensors_out_of_plan_order():
-  shapes = weight_sync.expected_shapes(CONFIG)
-  plan = nccl_weights.make_plan(shapes, 'float32', 30_000)
-  tensors = list(weight_sync.hf_torch_tensors(
+  shapes = hf_tensors.expected_shapes(CONFIG)
+  plan = collective.make_plan(shapes, 'float32', 30_000)
+  tensors = list(hf_tensors.hf_torch_tensors(
       transformer.init_params(CONFIG, jax.random.PRNGKey(0)), CONFIG))
   tensors[0], tensors[1] = tensors[1], tensors[0]
   with pytest.raises(ValueError, match='checkpoint order'):
-    list(nccl_weights.pack(plan, tensors))
+    list(collective.pack(plan, tensors))
 
 
 def test_receive_times_out_with_a_clear_error():
-  plan = nccl_weights.make_plan(weight_sync.expected_shapes(CONFIG), 'float32', 30_000)
+  plan = collective.make_plan(hf_tensors.expected_shapes(CONFIG), 'float32', 30_000)
 
   class Silent:  # a trainer that never sends
     def broadcast(self, tensor, src):
@@ -116,15 +116,15 @@ def test_receive_times_out_with_a_clear_error():
 
   start = time.monotonic()
   with pytest.raises(TimeoutError, match='not received within 0s .trainer dead or stuck'):
-    nccl_weights.receive(Silent(), plan, timeout_s=0.2)
+    collective.receive(Silent(), plan, timeout_s=0.2)
   assert time.monotonic() - start < 3
 
 
 def _gloo_receiver(endpoint, results):
   """(spawned process) rank 1: receives one update and sends back its tensors."""
-  plan = nccl_weights.make_plan(weight_sync.expected_shapes(CONFIG), 'float32', 30_000)
-  comm = nccl_weights.join(endpoint, 1, timeout_s=30)
-  version, views = nccl_weights.receive(comm, plan, timeout_s=30)
+  plan = collective.make_plan(hf_tensors.expected_shapes(CONFIG), 'float32', 30_000)
+  comm = collective.join(endpoint, 1, timeout_s=30)
+  version, views = collective.receive(comm, plan, timeout_s=30)
   # numpy, not torch: a torch tensor crosses a Queue as a shared-memory fd that the reader
   # fetches from this process, which may have exited by then.
   results.put((version, [(n, v.numpy().copy()) for n, v in views]))
@@ -134,20 +134,20 @@ def test_gloo_broadcast_across_processes_without_a_default_group():
   import multiprocessing as mp
   import torch.distributed as dist
   params = transformer.init_params(CONFIG, jax.random.PRNGKey(1))
-  plan = nccl_weights.make_plan(weight_sync.expected_shapes(CONFIG), 'float32', 30_000)
-  rendezvous = nccl_weights.Rendezvous('gloo', timeout_s=30)
+  plan = collective.make_plan(hf_tensors.expected_shapes(CONFIG), 'float32', 30_000)
+  rendezvous = collective.Rendezvous('gloo', timeout_s=30)
   ctx = mp.get_context('spawn')
   results = ctx.Queue()
   proc = ctx.Process(target=_gloo_receiver, args=(rendezvous.endpoint, results), daemon=True)
   proc.start()
   try:
     comm = rendezvous.connect()
-    nccl_weights.send(comm, plan, weight_sync.hf_torch_tensors(params, CONFIG), version=4)
+    collective.send(comm, plan, hf_tensors.hf_torch_tensors(params, CONFIG), version=4)
     version, got = results.get(timeout=60)
   finally:
     proc.join(timeout=30)
   assert version == 4 and not dist.is_initialized()  # no global torch.distributed state
-  ref = list(weight_sync.hf_torch_tensors(params, CONFIG))
+  ref = list(hf_tensors.hf_torch_tensors(params, CONFIG))
   assert [n for n, _ in got] == [n for n, _ in ref]
   for (name, v), (_, r) in zip(got, ref):
     torch.testing.assert_close(torch.from_numpy(v), r, rtol=0, atol=0, msg=name)

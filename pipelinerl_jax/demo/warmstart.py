@@ -33,8 +33,8 @@ import optax
 from pipelinerl_jax import packing
 from pipelinerl_jax import train
 from pipelinerl_jax.generation import api as gen_api
-from pipelinerl_jax.generation import engine as gen_engine
-from pipelinerl_jax.models import char_tokenizer
+from pipelinerl_jax.generation import jax_engine as gen_engine
+from pipelinerl_jax.demo import char_tokenizer
 from pipelinerl_jax.models import hf_io
 from pipelinerl_jax.models import transformer
 from pipelinerl_jax.tasks import arithmetic

@@ -29,7 +29,7 @@ import time
 from typing import Any
 
 from pipelinerl_jax.generation import api
-from pipelinerl_jax.generation import generator_process
+from pipelinerl_jax.generation.vllm import process as generator_process
 
 
 def group_key(request: api.Request) -> Any:

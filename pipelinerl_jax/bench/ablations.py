@@ -287,7 +287,7 @@ def _generate_with_update(model_config, params_old, params_new, engine_config, r
                           update_after: int | None):
   """Runs `requests` (all in slots at once) under params_old; after `update_after` token steps
   the engine switches to params_new (None: never). Completions in request order."""
-  from pipelinerl_jax.generation import engine as engine_lib
+  from pipelinerl_jax.generation import jax_engine as engine_lib
   with engine_lib.JaxEngine(model_config, params_old, engine_config) as engine:
     for r in requests:
       engine.submit(r)
@@ -364,9 +364,9 @@ def stale_kv_experiment(model_dir: str, snapshots: dict[int, Any], task, *,
   """
   from transformers import AutoTokenizer
   from pipelinerl_jax.generation import api
-  from pipelinerl_jax.generation import engine as engine_lib
+  from pipelinerl_jax.generation import jax_engine as engine_lib
   from pipelinerl_jax.models import hf_io
-  from pipelinerl_jax.warmstart import eos_id
+  from pipelinerl_jax.demo.warmstart import eos_id
 
   tokenizer = AutoTokenizer.from_pretrained(model_dir)
   model_config = hf_io.load_config(model_dir)

@@ -8,7 +8,7 @@ model, written by the writer once), then the tensor data, each tensor 64-byte al
 
 The writer (trainer process) copies each HF tensor straight into a torch view of the segment:
 `hf_torch_tensors` gives DLPack views of the params, so the only copy is the one into shared
-memory (it also does HF's transpose), written bucket by bucket (`weight_sync.buckets`). The
+memory (it also does HF's transpose), written bucket by bucket (`hf_tensors.buckets`). The
 reader (generator process) hands torch views of the segment to the engine, which copies them
 into its own parameters: no other copy on either side.
 
@@ -32,7 +32,7 @@ from typing import Any, Callable
 
 import torch
 
-from pipelinerl_jax.generation import weight_sync
+from pipelinerl_jax.generation.transport import hf_tensors
 
 MAGIC = 0x504C524C4A415831  # 'PLRLJAX1'
 HEADER = struct.Struct('<QqQQQQq')  # see the module docstring
@@ -57,7 +57,7 @@ def _align(n: int) -> int:
 def manifest_for(config, dtype: str = 'float32', max_manifest_bytes: int = 1 << 20):
   """[(hf_name, shape, dtype, offset)] and the segment size for a model config."""
   entries, offset = [], 0
-  for name, shape in weight_sync.expected_shapes(config).items():
+  for name, shape in hf_tensors.expected_shapes(config).items():
     entries.append((name, tuple(shape), dtype, offset))
     offset = _align(offset + _numel(shape) * _DTYPES[dtype].itemsize)
   blob = json.dumps(entries).encode()
@@ -143,7 +143,7 @@ def write_update(seg: Segment, params, config, version: int, *, dtype: str = 'fl
     blob = json.dumps(entries).encode()
     seg.shm.buf[HEADER_BYTES:HEADER_BYTES + len(blob)] = blob
     crc, payload = 0, 0
-    for bucket in weight_sync.buckets(weight_sync.hf_torch_tensors(params, config),
+    for bucket in hf_tensors.buckets(hf_tensors.hf_torch_tensors(params, config),
                                       bucket_bytes):
       for name, src in bucket.tensors:
         shape, offset = where[name]
