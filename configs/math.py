@@ -47,7 +47,8 @@ def get_config(arg=None):
     # 5 GPUs train (FSDP), the 3 the mesh leaves free are for generation: the paper's 80:48
     # split. (Placing vLLM children on those GPUs is the vLLM backend's job.)
     c.train.mesh = '1,5,1'
-    c.generation.backend = 'vllm_process'
+    c.generation.backend = 'vllm'
+    c.generation.placement = 'process'
     c.generation.num_generators = 3   # one vLLM child per free GPU (5, 6, 7)
     # Qwen2.5-Math's context is 4096 tokens: prompt + completion must fit in it.
     c.generation.max_prompt_len = 512
@@ -71,7 +72,8 @@ def get_config(arg=None):
     _math_task(c)
     _gpu_model(c)
     c.train.mesh = '1,5,1'
-    c.generation.backend = 'vllm_process'
+    c.generation.backend = 'vllm'
+    c.generation.placement = 'process'
     c.generation.num_generators = 3
     c.generation.max_prompt_len = 1024
     c.generation.max_new_tokens = 8192

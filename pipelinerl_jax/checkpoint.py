@@ -19,18 +19,18 @@ dropped before the save is skipped, so no problem is trained twice).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import itertools
-import json
 import os
 from pathlib import Path
 from typing import Any, Iterator
 
 import jax
-import ml_collections
 import optax
 import orbax.checkpoint as ocp
 
+from pipelinerl_jax import config as config_lib
 from pipelinerl_jax import train
 from pipelinerl_jax.models import hf_io
 from pipelinerl_jax.models import transformer
@@ -38,7 +38,7 @@ from pipelinerl_jax.models import transformer
 STATE, META = 'state', 'meta'
 
 
-def directory(config: ml_collections.ConfigDict, workdir: str) -> str:
+def directory(config: config_lib.Config, workdir: str) -> str:
   """config.checkpoint.dir, or <workdir>/checkpoints; absolute (orbax wants that)."""
   return os.path.abspath(config.checkpoint.dir or os.path.join(workdir, 'checkpoints'))
 
@@ -117,24 +117,22 @@ class Checkpointer:
     self._manager.close()
 
 
-def run_meta(config: ml_collections.ConfigDict, model_dir: str, trainer) -> dict[str, Any]:
-  """What a resumed run needs besides the TrainState (and what export needs to find the model)."""
-  return dict(
-      step=trainer.step, policy_version=trainer.step, seed=config.seed,
-      data=trainer.stream.ledger.position(),
-      counters=dict(samples_trained=trainer.samples_trained, stale_dropped=trainer.stale_dropped,
-                    max_lag_seen=trainer.max_lag_seen),
-      model_dir=os.path.abspath(model_dir), config=json.loads(config.to_json_best_effort()))
+def run_meta(config: config_lib.Config, model_dir: str, trainer_meta: dict[str, Any]
+             ) -> dict[str, Any]:
+  """What a resumed run needs besides the TrainState (`trainer_meta`: the trainer's
+  `checkpoint_meta()`), and what export needs to find the model."""
+  return dict(**trainer_meta, seed=config.seed, model_dir=os.path.abspath(model_dir),
+              config=dataclasses.asdict(config))
 
 
-def check_resumable(meta: dict[str, Any], config: ml_collections.ConfigDict, path: str) -> None:
+def check_resumable(meta: dict[str, Any], config: config_lib.Config, path: str) -> None:
   """The data stream is a function of the seed: another seed would not continue this run."""
   if meta['seed'] != config.seed:
     raise ValueError(f"config.seed: {config.seed} differs from the checkpoint's seed "
                      f"{meta['seed']} in {path}; use that seed or config.checkpoint.resume=False")
 
 
-def restore_latest(config: ml_collections.ConfigDict, checkpoints: Checkpointer,
+def restore_latest(config: config_lib.Config, checkpoints: Checkpointer,
                    model_config: transformer.ModelConfig, optimizer: optax.GradientTransformation,
                    mesh) -> tuple[train.TrainState, train.TrainState, dict[str, Any]] | None:
   """(state in the trainer's shardings, those shardings, meta) of the latest checkpoint when
@@ -149,7 +147,7 @@ def restore_latest(config: ml_collections.ConfigDict, checkpoints: Checkpointer,
   return state, shardings, meta
 
 
-def check_fresh_start(config: ml_collections.ConfigDict, checkpoints: Checkpointer) -> None:
+def check_fresh_start(config: config_lib.Config, checkpoints: Checkpointer) -> None:
   """A fresh run must not write into another run's checkpoints: its saves would mix with them
   (and the other run's later steps would stay the 'latest')."""
   step = checkpoints.latest_step()

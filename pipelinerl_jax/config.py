@@ -1,129 +1,535 @@
-"""Every knob of a run, with its default, in one place; and the checks that reject bad values.
+"""Every knob of a run, its default and its check, in one place.
 
-Experiment files in configs/ start from `base_config()` and change what they need, so a typo
-in a key is an error (the key is not in the base) instead of a silently ignored setting.
+Each section of the config is a frozen dataclass here: its fields are the knobs (with their
+defaults and meaning), its `__post_init__` holds the checks of those values, and a `Literal`
+annotation lists a knob's choices. `base_config()` turns `Config()` into the
+`ml_collections.ConfigDict` that experiment files (configs/*.py) change and the command line
+overrides; `validate(config_dict)` turns it back into a typed `Config`, raising a one-line
+ValueError naming the first unknown key or bad value (`config.rl.batch_size: ...`).
+Checks that span sections live in `Config.__post_init__`. Components take their section
+(`LossConfig`, `OptimizerConfig`, ...), never the ConfigDict.
+
+This module imports the standard library and ml_collections only, so anything may import it.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import importlib.util
 import math
 import pathlib
+import typing
+from typing import Any, Literal
 
 import ml_collections
 
-from pipelinerl_jax import losses
-from pipelinerl_jax import train
-from pipelinerl_jax.demo import warmstart
-from pipelinerl_jax.tasks import math as math_task
-
 MATH_CONFIG = pathlib.Path(__file__).resolve().parent.parent / 'configs' / 'math.py'
-TASK_KEYS = ('ops', 'digits', 'sft_pool_mod')  # shared by the arithmetic task and the demo build
-TASKS = ('arithmetic', 'math')
-# Fields whose value is a tuple: the type of their items (a tuple default says nothing when empty).
-SEQUENCE_ITEM_TYPES = {'task.ops': str, 'task.train_files': str, 'task.train_weights': float,
-                       'task.test_files': str}
+
+# Keys that were renamed: an experiment file that still sets one gets the new name in its error.
+RENAMED = {
+    'generation.vllm_kv_cache_mb': 'generation.vllm.kv_cache_mb',
+    'generation.generator_devices': 'generation.remote.devices',
+    'generation.max_restarts': 'generation.remote.max_restarts',
+    'generation.weight_transport': 'generation.remote.weight_transport',
+    'generation.transport_timeout_s': 'generation.remote.transport_timeout_s',
+}
+
+
+def _check(ok: bool, field: str, message: str) -> None:
+  """Section checks name the field; `validate` prefixes the section's path."""
+  if not ok:
+    raise ValueError(f'{field}: {message}')
+
+
+@functools.cache
+def _hints(cls) -> dict[str, Any]:
+  return typing.get_type_hints(cls)
+
+
+def _type_error(kind: Any, value: Any) -> str | None:
+  """Why `value` is not a `kind`, or None when it is."""
+  origin, args = typing.get_origin(kind), typing.get_args(kind)
+  if origin is Literal:
+    return None if value in args else (
+        f"must be one of {', '.join(repr(a) for a in args)}, got {value!r}")
+  if origin is tuple:
+    item = args[0]
+    ok = isinstance(value, (tuple, list)) and all(_type_error(item, v) is None for v in value)
+    return None if ok else f'must be a tuple of {item.__name__}s, got {value!r}'
+  if kind is bool:
+    return None if isinstance(value, bool) else f'must be true/false, got {value!r}'
+  if kind is int:
+    ok = isinstance(value, int) and not isinstance(value, bool)
+    return None if ok else f'must be an integer, got {value!r}'
+  if kind is float:
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and not math.isnan(value)
+    return None if ok else f'must be a number, got {value!r}'
+  if kind is str:
+    return None if isinstance(value, str) else f'must be a string, got {value!r}'
+  raise TypeError(f'config.py: no check for fields of type {kind}')
+
+
+class _Section:
+  """Base of every section: construction checks each field's type (a `Literal` field: its
+  choices; tuples may be given as lists) and then the section's own `_check_values`."""
+
+  def __post_init__(self):
+    for name, kind in _hints(type(self)).items():
+      value = getattr(self, name)
+      if dataclasses.is_dataclass(kind):
+        _check(isinstance(value, kind), name, f'must be a {kind.__name__}, got {value!r}')
+        continue
+      problem = _type_error(kind, value)
+      if problem:
+        raise ValueError(f'{name}: {problem}')
+      if typing.get_origin(kind) is tuple:
+        object.__setattr__(self, name, tuple(value))
+    self._check_values()
+
+  def _check_values(self):
+    pass
+
+
+# --- model -----------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class DemoModelConfig(_Section):
+  """The demo model built when `model.path` is '' (demo/warmstart.py): a small Qwen2 over a
+  character tokenizer, SFT-warmed on a fixed set of the task's SFT-pool problems."""
+  hidden_size: int = 64
+  intermediate_size: int = 256
+  num_layers: int = 2
+  num_heads: int = 2
+  num_kv_heads: int = 2
+  head_dim: int = 32              # 32 or 64: what vLLM's CPU attention supports
+  max_position_embeddings: int = 128
+  init_seed: int = 0
+  sft_examples: int = 1000        # the fixed supervised set, from the task's SFT pool
+  sft_seed: int = 0
+  batch_size: int = 128
+  lr: float = 1e-3
+  max_steps: int = 2000
+  eval_every: int = 25
+  eval_problems: int = 128        # unseen RL-pool problems, sampled at temperature 1
+  eval_seed: int = 10_000
+  target_sampled_accuracy: float = 0.3  # SFT stops once sampled accuracy reaches this
+
+  def _check_values(self):
+    _check(self.head_dim in (32, 64), 'head_dim',
+           f'{self.head_dim}: vLLM on CPU supports 32 or 64 for a tiny model')
+    _check(self.max_steps >= 0, 'max_steps', f'must be >= 0, got {self.max_steps}')
+    _check(self.eval_every >= 1, 'eval_every', f'must be >= 1, got {self.eval_every}')
+    _check(self.batch_size >= 1, 'batch_size', f'must be >= 1, got {self.batch_size}')
+    _check(self.sft_examples >= 1, 'sft_examples', f'must be >= 1, got {self.sft_examples}')
+    _check(self.eval_problems >= 1, 'eval_problems', f'must be >= 1, got {self.eval_problems}')
+    _check(self.lr > 0, 'lr', f'must be > 0, got {self.lr}')
+    _check(self.num_heads % self.num_kv_heads == 0, 'num_kv_heads',
+           f'{self.num_kv_heads} must divide num_heads={self.num_heads}')
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelSettings(_Section):
+  path: str = ''                  # HF dir (config.json + safetensors); '' = build the demo model
+  cache_dir: str = ''             # where the demo model is built once ('' = ~/.cache/pipelinerl_jax)
+  param_dtype: Literal['float32', 'bfloat16', 'float16'] = 'float32'  # master weights
+  dtype: Literal['float32', 'bfloat16', 'float16'] = 'float32'  # compute ('bfloat16' on GPUs)
+  lm_head_fp32: bool = True       # logits in fp32 (train/generate log-prob agreement)
+  remat: bool = False             # rematerialize layers in the backward pass
+  demo: DemoModelConfig = DemoModelConfig()
+
+
+# --- task ------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class RewardConfig(_Section):
+  """Rewards per judged status, and what a completion cut at the length limit gets."""
+  correct: float = 1.0
+  wrong: float = 0.0
+  no_answer: float = 0.0
+  unparsable: float = 0.0
+  # Completions cut at the length limit: 'none' (judged as usual) | 'mask' (not trained on)
+  # | 'penalize' (truncated_reward).
+  truncated: Literal['none', 'mask', 'penalize'] = 'none'
+  truncated_reward: float = 0.0
+  overlong_max_len: int = 0       # L, in tokens, for DAPO's soft overlong penalty; 0 = off
+  overlong_buffer: int = 0        # Lc
+
+  def _check_values(self):
+    for name in ('correct', 'wrong', 'no_answer', 'unparsable', 'truncated_reward'):
+      value = getattr(self, name)
+      _check(math.isfinite(value), name, f'must be finite, got {value}')
+    _check(self.overlong_max_len >= 0, 'overlong_max_len',
+           f'must be >= 0, got {self.overlong_max_len}')
+    _check(0 <= self.overlong_buffer <= self.overlong_max_len, 'overlong_buffer',
+           f'need 0 <= overlong_buffer ({self.overlong_buffer}) <= overlong_max_len '
+           f'({self.overlong_max_len})')
+
+
+@dataclasses.dataclass(frozen=True)
+class TaskConfig(_Section):
+  name: Literal['arithmetic', 'math'] = 'arithmetic'
+  # arithmetic (tasks/arithmetic.py): `a op b =`, also the demo model's SFT task.
+  ops: tuple[str, ...] = ('+',)
+  digits: int = 2
+  sft_pool_mod: int = 8           # 1 / sft_pool_mod of the problems are reserved for SFT
+  # math (tasks/math.py): problems from local .jsonl / .json / .parquet files.
+  train_files: tuple[str, ...] = ()   # paths; each is a dataset of the training mix
+  train_weights: tuple[float, ...] = ()  # one weight per train file (draw probability); () = equal
+  test_files: tuple[str, ...] = ()    # held-out sets for evaluation, one dataset each
+  test_fraction: float = 0.0      # without test_files: this fraction of each train file is held
+                                  # out (split by problem text, seed 0) as its test set
+  problem_field: str = ''         # '' = first present of problem / question / prompt
+  answer_field: str = ''          # '' = first present of answer / final_answer / solution
+  reward: RewardConfig = RewardConfig()
+  verify_timeout_s: float = 5.0   # hard limit per sample in the math-verify worker pool
+  verify_workers: int = 2         # math-verify processes
+
+  def _check_values(self):
+    _check(bool(self.ops) and all(op in ('+', '-', '*') for op in self.ops), 'ops',
+           f"must be a non-empty subset of ('+', '-', '*'), got {self.ops}")
+    _check(1 <= self.digits <= 9, 'digits', f'must be in 1..9, got {self.digits}')
+    _check(self.sft_pool_mod >= 2, 'sft_pool_mod',
+           f'must be >= 2 (RL needs a pool too), got {self.sft_pool_mod}')
+    _check(all(self.train_files), 'train_files', 'holds an empty path')
+    _check(all(self.test_files), 'test_files', 'holds an empty path')
+    _check(not self.train_weights or len(self.train_weights) == len(self.train_files),
+           'train_weights',
+           f'has {len(self.train_weights)} weights for {len(self.train_files)} train files')
+    _check(all(w > 0 for w in self.train_weights), 'train_weights',
+           f'must all be > 0, got {tuple(self.train_weights)}')
+    _check(0 <= self.test_fraction < 1, 'test_fraction',
+           f'must be in [0, 1), got {self.test_fraction}')
+    _check(self.verify_timeout_s > 0, 'verify_timeout_s',
+           f'must be > 0, got {self.verify_timeout_s}')
+    _check(self.verify_workers >= 1, 'verify_workers', f'must be >= 1, got {self.verify_workers}')
+
+
+# --- generation ------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class VllmConfig(_Section):
+  """Settings of the vLLM backend only."""
+  kv_cache_mb: int = 256          # vLLM on CPU needs its KV cache size given
+
+  def _check_values(self):
+    _check(self.kv_cache_mb >= 1, 'kv_cache_mb', f'must be >= 1, got {self.kv_cache_mb}')
+
+
+@dataclasses.dataclass(frozen=True)
+class RemoteConfig(_Section):
+  """Generators outside the trainer's process (placement 'process')."""
+  max_restarts: int = 3           # dead generators replaced (in all) before the run fails
+  devices: str = ''               # GPU ids (as CUDA_VISIBLE_DEVICES names them) split evenly
+                                  # among the generators, e.g. '4,5,6,7'; '' = the GPUs the
+                                  # train mesh leaves free (none on CPU)
+  # 'shm' (shared memory) | 'nccl' (CUDA: broadcast from the trainer's GPU) | 'gloo' (CPU, the
+  # same protocol as nccl).
+  weight_transport: Literal['shm', 'nccl', 'gloo'] = 'shm'
+  transport_timeout_s: float = 120.0  # nccl/gloo: joining the group, one weight update
+
+  def _check_values(self):
+    _check(self.max_restarts >= 0, 'max_restarts', f'must be >= 0, got {self.max_restarts}')
+    ids = self.device_ids
+    _check(all(s.isdigit() for s in ids) and len(set(ids)) == len(ids), 'devices',
+           f"must be distinct GPU ids like '4,5,6,7' ('' = automatic), got {self.devices!r}")
+    _check(self.transport_timeout_s > 0, 'transport_timeout_s',
+           f'must be > 0, got {self.transport_timeout_s}')
+
+  @property
+  def device_ids(self) -> list[str]:
+    return [s.strip() for s in self.devices.split(',')] if self.devices.strip() else []
+
+
+@dataclasses.dataclass(frozen=True)
+class GenerationConfig(_Section):
+  backend: Literal['jax', 'vllm'] = 'jax'  # the engine that decodes
+  # Where generators run: 'inline' (in the trainer's process, sharing its devices) | 'process'
+  # (vLLM generator processes with restarts; see `remote`).
+  placement: Literal['inline', 'process'] = 'inline'
+  num_generators: int = 1         # generators (placement 'process': one per GPU); each holds
+                                  # ceil(num_slots / num_generators) sequences
+  num_slots: int = 64             # H: sequences in flight
+  max_prompt_len: int = 32
+  max_new_tokens: int = 16
+  temperature: float = 1.0
+  top_p: float = 1.0
+  top_k: int = 0                  # 0 = off
+  recompute_kv: bool = False      # paper default keeps the stale KV cache (section 5.1)
+  vllm: VllmConfig = VllmConfig()
+  remote: RemoteConfig = RemoteConfig()
+
+  def _check_values(self):
+    _check(self.backend == 'jax' or not self.recompute_kv, 'recompute_kv',
+           'is only implemented by the JAX engine')
+    _check(self.placement != 'process' or self.backend == 'vllm', 'placement',
+           f"'process' runs vLLM generators; set backend='vllm' (got {self.backend!r})")
+    _check(self.num_slots >= 1, 'num_slots', f'H must be >= 1, got {self.num_slots}')
+    _check(self.num_generators >= 1, 'num_generators', f'must be >= 1, got {self.num_generators}')
+    _check(self.num_generators == 1 or self.placement != 'inline', 'num_generators',
+           f"{self.num_generators} generators need placement 'process', not 'inline'")
+    _check(self.placement != 'inline' or self.remote == RemoteConfig(), 'remote',
+           "applies to generators outside the trainer's process: set placement='process'")
+    _check(len(self.remote.device_ids) % self.num_generators == 0, 'remote.devices',
+           f'{len(self.remote.device_ids)} GPUs do not split evenly among '
+           f'num_generators={self.num_generators}')
+    _check(self.max_prompt_len >= 1, 'max_prompt_len', f'must be >= 1, got {self.max_prompt_len}')
+    _check(self.max_new_tokens >= 1, 'max_new_tokens', f'must be >= 1, got {self.max_new_tokens}')
+    _check(self.temperature >= 0, 'temperature', f'must be >= 0, got {self.temperature}')
+    _check(0 < self.top_p <= 1, 'top_p', f'must be in (0, 1], got {self.top_p}')
+    _check(self.top_k >= 0, 'top_k', f'must be >= 0, got {self.top_k}')
+
+  @property
+  def max_seq_len(self) -> int:
+    return self.max_prompt_len + self.max_new_tokens
+
+  @property
+  def slots_per_generator(self) -> int:
+    return -(-self.num_slots // self.num_generators)
+
+
+# --- RL --------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class RLConfig(_Section):
+  mode: Literal['pipeline', 'conventional'] = 'pipeline'
+  batch_size: int = 64            # B samples per optimizer step (B / group_size prompts)
+  group_size: int = 8             # G samples per prompt; advantages are relative to the group
+  max_lag: int = 4                # pipeline mode: backpressure + hard bound, in optimizer steps
+  conventional_steps: int = 1     # conventional mode: optimizer steps per generated batch
+  total_steps: int = 200
+  max_time_s: float = 0.0         # stop RL after this many seconds (0 = only total_steps)
+
+  def _check_values(self):
+    _check(self.group_size >= 1, 'group_size', f'must be >= 1, got {self.group_size}')
+    _check(self.batch_size >= 1 and self.batch_size % self.group_size == 0, 'batch_size',
+           f'B={self.batch_size} must be a positive multiple of rl.group_size={self.group_size}')
+    _check(self.max_lag >= 0, 'max_lag', f'must be >= 0, got {self.max_lag}')
+    _check(self.conventional_steps >= 1, 'conventional_steps',
+           f'must be >= 1, got {self.conventional_steps}')
+    _check(self.total_steps >= 1, 'total_steps', f'must be >= 1, got {self.total_steps}')
+    _check(self.max_time_s >= 0, 'max_time_s', f'must be >= 0, got {self.max_time_s}')
+
+
+@dataclasses.dataclass(frozen=True)
+class AdvantageConfig(_Section):
+  baseline: Literal['mean', 'loo', 'none'] = 'mean'  # 'mean' = R - group mean (the paper)
+  normalize_std: bool = False     # divide by the group's std (GRPO)
+  drop_zero_groups: bool = False  # drop groups whose samples all got the same reward
+
+
+@dataclasses.dataclass(frozen=True)
+class LossConfig(_Section):
+  """Loss kinds, with w = pi / mu per token (see losses.py):
+  pipelinerl  -stopgrad(min(w, c)) * A * log pi   (paper eq. 5)
+  ppo         -min(w A, clip(w, 1-low, 1+high) A)
+  gspo        the same per sequence, with the geometric mean of w."""
+  kind: Literal['pipelinerl', 'ppo', 'gspo'] = 'pipelinerl'
+  is_cap: float = 5.0             # c in min(pi/mu, c); inf = no truncation
+  clip_eps_low: float = 0.2       # PPO/GSPO ratio clip [1-low, 1+high] (asymmetric, DAPO-style)
+  clip_eps_high: float = 0.28
+  # 'sample': token sum / number of sequences (paper); 'token': / number of tokens.
+  normalization: Literal['sample', 'token'] = 'sample'
+  kl_coef: float = 0.0            # k3 estimator to the reference log-probs
+  kl_log_ratio_clamp: float = 5.0  # |log ref - log pi| clamped before exp in k3 (no overflow)
+  entropy_coef: float = 0.0       # bonus: loss -= coef * sum(entropy) / denominator
+
+  def _check_values(self):
+    _check(self.is_cap > 0, 'is_cap', f'must be > 0 (inf disables truncation), got {self.is_cap}')
+    _check(0 <= self.clip_eps_low < 1, 'clip_eps_low',
+           f'must be in [0, 1), got {self.clip_eps_low}')
+    _check(0 <= self.clip_eps_high < math.inf, 'clip_eps_high',
+           f'must be finite and >= 0, got {self.clip_eps_high}')
+    _check(0 <= self.kl_coef < math.inf, 'kl_coef', f'must be finite and >= 0, got {self.kl_coef}')
+    _check(0 < self.kl_log_ratio_clamp, 'kl_log_ratio_clamp',
+           f'must be > 0, got {self.kl_log_ratio_clamp}')
+    _check(0 <= self.entropy_coef < math.inf, 'entropy_coef',
+           f'must be finite and >= 0, got {self.entropy_coef}')
+
+
+@dataclasses.dataclass(frozen=True)
+class OptimizerConfig(_Section):
+  lr: float = 1e-6
+  schedule: Literal['constant', 'cosine'] = 'constant'  # both after a linear warmup
+  warmup_steps: int = 0
+  total_steps: int = 1000         # cosine decay horizon
+  min_lr_ratio: float = 0.1       # cosine floor, as a fraction of lr
+  b1: float = 0.9
+  b2: float = 0.999
+  eps: float = 1e-8
+  weight_decay: float = 0.0
+  max_grad_norm: float = 1.0      # global-norm clipping; 0 disables it
+
+  def _check_values(self):
+    _check(0 < self.lr < math.inf, 'lr',
+           f'must be finite and > 0, got {self.lr}')
+    _check(self.warmup_steps >= 0, 'warmup_steps', f'must be >= 0, got {self.warmup_steps}')
+    _check(self.total_steps >= 1, 'total_steps', f'must be >= 1, got {self.total_steps}')
+    _check(0 <= self.min_lr_ratio <= 1, 'min_lr_ratio',
+           f'must be in [0, 1], got {self.min_lr_ratio}')
+    _check(0 <= self.b1 < 1 and 0 <= self.b2 < 1, 'b1',
+           f'b1 and b2 must be in [0, 1), got {self.b1}, {self.b2}')
+    _check(self.eps > 0, 'eps', f'must be > 0, got {self.eps}')
+    _check(self.weight_decay >= 0, 'weight_decay', f'must be >= 0, got {self.weight_decay}')
+    _check(self.max_grad_norm >= 0, 'max_grad_norm', f'must be >= 0, got {self.max_grad_norm}')
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig(_Section):
+  seq_len: int = 256              # packed row length
+  micro_batches: int = 1
+  mesh: str = '1,-1,1'            # data,fsdp,tensor sizes; -1 = the remaining devices
+  overlong: Literal['error', 'truncate'] = 'error'  # samples longer than seq_len: 'truncate'
+                                                    # cuts and counts them
+
+  def _check_values(self):
+    _check(self.micro_batches >= 1, 'micro_batches', f'must be >= 1, got {self.micro_batches}')
+    _check(self.seq_len >= 1, 'seq_len', f'must be >= 1, got {self.seq_len}')
+    sizes = self.mesh_sizes
+    _check(sizes is not None and all(s >= 1 or s == -1 for s in sizes)
+           and list(sizes).count(-1) <= 1, 'mesh',
+           f"must be 'data,fsdp,tensor' sizes like '1,-1,1', got {self.mesh!r}")
+
+  @property
+  def mesh_sizes(self) -> tuple[int, int, int] | None:
+    try:
+      sizes = tuple(int(s) for s in self.mesh.split(','))
+    except ValueError:
+      return None
+    return sizes if len(sizes) == 3 else None
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckpointConfig(_Section):
+  dir: str = ''                   # orbax checkpoints ('' = <workdir>/checkpoints)
+  every_steps: int = 100          # also saved at exit (end, Ctrl-C, time budget); 0 = only then
+  keep: int = 3                   # the last k checkpoints are kept
+  resume: bool = True             # continue from the latest checkpoint in dir, if there is one
+
+  def _check_values(self):
+    _check(self.every_steps >= 0, 'every_steps', f'must be >= 0, got {self.every_steps}')
+    _check(self.keep >= 1, 'keep', f'must be >= 1, got {self.keep}')
+
+
+@dataclasses.dataclass(frozen=True)
+class EvalConfig(_Section):
+  """Periodic evaluation on held-out problems (evaluation.py), logged as eval/pass@1 and
+  eval/pass@<k>; the same function backs `python -m pipelinerl_jax.evaluate`."""
+  every_steps: int = 0            # 0 = off
+  num_problems: int = 64          # per dataset (0 = all of it)
+  k: int = 4                      # samples per problem, for pass@k (pass@1 is their mean)
+  temperature: float = 1.0
+  seed: int = 10_000
+
+  def _check_values(self):
+    _check(self.every_steps >= 0, 'every_steps', f'must be >= 0 (0 = off), got {self.every_steps}')
+    _check(self.num_problems >= 0, 'num_problems', f'must be >= 0, got {self.num_problems}')
+    _check(self.k >= 1, 'k', f'must be >= 1, got {self.k}')
+    _check(self.temperature >= 0, 'temperature', f'must be >= 0, got {self.temperature}')
+
+
+@dataclasses.dataclass(frozen=True)
+class LogConfig(_Section):
+  tensorboard: bool = True
+  progress: bool = True           # a live progress line (every 10 steps when not a terminal)
+
+
+# --- the whole run ---------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Config(_Section):
+  seed: int = 0
+  model: ModelSettings = ModelSettings()
+  task: TaskConfig = TaskConfig()
+  generation: GenerationConfig = GenerationConfig()
+  rl: RLConfig = RLConfig()
+  advantage: AdvantageConfig = AdvantageConfig()
+  loss: LossConfig = LossConfig()
+  optimizer: OptimizerConfig = OptimizerConfig()
+  train: TrainConfig = TrainConfig()
+  checkpoint: CheckpointConfig = CheckpointConfig()
+  eval: EvalConfig = EvalConfig()
+  log: LogConfig = LogConfig()
+
+  def _check_values(self):
+    """Checks that span sections (each names the key to change)."""
+    g, rl, t = self.generation, self.rl, self.task
+    _check(g.num_slots >= rl.group_size, 'generation.num_slots',
+           f'H={g.num_slots} must hold at least one group (rl.group_size={rl.group_size})')
+    _check(g.slots_per_generator >= rl.group_size, 'generation.num_generators',
+           f'{g.num_generators} generators leave each fewer than rl.group_size={rl.group_size} '
+           f'of num_slots={g.num_slots}: a group must fit in one generator')
+    longest = g.max_seq_len - 1
+    _check(self.train.seq_len >= longest, 'train.seq_len',
+           f'{self.train.seq_len} < max_prompt_len + max_new_tokens - 1 = {longest}: samples '
+           'would not fit')
+    _check(self.eval.num_problems >= 1 or t.name == 'math', 'eval.num_problems',
+           'must be >= 1 for an endless problem stream (0 = whole test sets is for math)')
+    if t.name == 'math':
+      _check(bool(self.model.path), 'model.path',
+             "is empty: task 'math' needs a model directory (the demo model only knows "
+             'arithmetic)')
+      _check(len(t.train_files) > 0, 'task.train_files',
+             "task 'math' needs at least one training file (.jsonl, .json or .parquet)")
+      _check(self.eval.every_steps == 0 or bool(t.test_files) or t.test_fraction > 0,
+             'eval.every_steps',
+             "needs held-out problems: set task.test_files or task.test_fraction for task 'math'")
+
+
+# --- ConfigDict <-> Config -------------------------------------------------------------------
+
+
+def to_config_dict(section: Any) -> ml_collections.ConfigDict:
+  """A dataclass section (nested ones included) as a ConfigDict."""
+  out = ml_collections.ConfigDict()
+  for f in dataclasses.fields(section):
+    value = getattr(section, f.name)
+    out[f.name] = to_config_dict(value) if dataclasses.is_dataclass(value) else value
+  return out
 
 
 def base_config() -> ml_collections.ConfigDict:
-  c = ml_collections.ConfigDict()
-  c.seed = 0
+  """Every knob at its default: what experiment files start from."""
+  return to_config_dict(Config())
 
-  c.model = ml_collections.ConfigDict()
-  c.model.path = ''               # HF dir (config.json + safetensors); '' = build the demo model
-  c.model.cache_dir = ''          # where the demo model is built once ('' = ~/.cache/pipelinerl_jax)
-  c.model.param_dtype = 'float32'
-  c.model.dtype = 'float32'       # compute dtype ('bfloat16' on GPUs)
-  c.model.lm_head_fp32 = True
-  c.model.remat = False
 
-  # Settings of the demo model built when model.path is '' (see warmstart.WarmStartConfig);
-  # its task settings come from `task` below, so SFT and RL see the same problem family.
-  demo = dataclasses.asdict(warmstart.WarmStartConfig())
-  c.model.demo = ml_collections.ConfigDict(
-      {k: v for k, v in demo.items() if k not in TASK_KEYS})
+def _build(cls, values: Any, path: str):
+  """`cls` from a ConfigDict / mapping section, checking keys, types and values; errors name
+  the full key."""
+  if not isinstance(values, (ml_collections.ConfigDict, dict)):
+    raise ValueError(f'config.{path.rstrip(".")}: must be a section, got {values!r}')
+  hints = _hints(cls)
+  names = {f.name for f in dataclasses.fields(cls)}
+  for key in values.keys():
+    if key not in names:
+      old = f'{path}{key}'
+      hint = f' (renamed: use config.{RENAMED[old]})' if old in RENAMED else ''
+      raise ValueError(f'config.{old}: unknown key{hint}')
+  kwargs = {}
+  for name in names & set(values.keys()):
+    kind = hints[name]
+    kwargs[name] = (_build(kind, values[name], f'{path}{name}.')
+                    if dataclasses.is_dataclass(kind) else values[name])
+  try:
+    return cls(**kwargs)
+  except ValueError as e:
+    raise ValueError(f'config.{path}{e}') from None
 
-  c.task = ml_collections.ConfigDict()
-  c.task.name = 'arithmetic'
-  c.task.ops = ('+',)
-  c.task.digits = 2
-  c.task.sft_pool_mod = 8
-  # task.name = 'math' (tasks/math.py): problems from local .jsonl / .json / .parquet files.
-  c.task.train_files = ()         # paths; each is a dataset of the training mix
-  c.task.train_weights = ()       # one weight per train file (draw probability); () = equal
-  c.task.test_files = ()          # held-out sets for evaluation, one dataset each
-  c.task.test_fraction = 0.0      # without test_files: this fraction of each train file is held
-                                  # out (split by problem text, seed 0) as its test set
-  c.task.problem_field = ''       # '' = first present of problem / question / prompt
-  c.task.answer_field = ''        # '' = first present of answer / final_answer / solution
-  c.task.reward = ml_collections.ConfigDict(vars(math_task.RewardConfig()))
-  c.task.verify_timeout_s = 5.0   # hard limit per sample in the math-verify worker pool
-  c.task.verify_workers = 2       # math-verify processes
 
-  c.generation = ml_collections.ConfigDict()
-  c.generation.backend = 'jax'    # 'jax' (in-process JAX engine) | 'vllm' (in-process vLLM)
-                                  # | 'vllm_process' (vLLM in a child process, shared-memory weights)
-  c.generation.vllm_kv_cache_mb = 256  # vLLM on CPU needs its KV cache size given
-  c.generation.num_generators = 1 # vllm_process: generator processes (one per GPU / TP group);
-                                  # each holds ceil(num_slots / num_generators) sequences
-  c.generation.max_restarts = 3   # vllm_process: dead generators replaced before the run fails
-  c.generation.generator_devices = ''  # vllm_process: GPU ids (as CUDA_VISIBLE_DEVICES names
-                                  # them) split evenly among the generators, e.g. '4,5,6,7';
-                                  # '' = the GPUs the train mesh leaves free (none on CPU)
-  c.generation.weight_transport = 'shm'  # vllm_process: 'shm' (shared memory) | 'nccl' (CUDA:
-                                  # broadcast from the trainer's GPU) | 'gloo' (CPU, same protocol)
-  c.generation.transport_timeout_s = 120.0  # nccl/gloo: joining the group, one weight update
-  c.generation.num_slots = 64     # H: sequences in flight
-  c.generation.max_prompt_len = 32
-  c.generation.max_new_tokens = 16
-  c.generation.temperature = 1.0
-  c.generation.top_p = 1.0
-  c.generation.top_k = 0
-  c.generation.recompute_kv = False   # paper default keeps the stale KV cache (section 5.1)
-
-  c.rl = ml_collections.ConfigDict()
-  c.rl.mode = 'pipeline'          # 'pipeline' | 'conventional'
-  c.rl.batch_size = 64            # B samples per optimizer step (B / group_size prompts)
-  c.rl.group_size = 8             # samples per prompt; advantages are relative to the group
-  c.rl.max_lag = 4                # pipeline mode: backpressure + hard bound, in optimizer steps
-  c.rl.conventional_steps = 1     # conventional mode: optimizer steps per generated batch
-  c.rl.total_steps = 200
-  c.rl.max_time_s = 0.0           # stop RL after this many seconds (0 = only total_steps)
-
-  c.advantage = ml_collections.ConfigDict()
-  c.advantage.baseline = 'mean'   # 'mean' (paper) | 'loo' | 'none'
-  c.advantage.normalize_std = False
-  c.advantage.drop_zero_groups = False
-
-  c.loss = ml_collections.ConfigDict(vars(losses.LossConfig()))
-  c.optimizer = ml_collections.ConfigDict(vars(train.OptimizerConfig()))
-
-  c.train = ml_collections.ConfigDict()
-  c.train.seq_len = 256           # packed row length
-  c.train.micro_batches = 1
-  c.train.mesh = '1,-1,1'         # data,fsdp,tensor sizes; -1 = the remaining devices
-  c.train.overlong = 'error'      # 'error' | 'truncate' (counted) for samples longer than seq_len
-
-  c.checkpoint = ml_collections.ConfigDict()
-  c.checkpoint.dir = ''           # orbax checkpoints ('' = <workdir>/checkpoints)
-  c.checkpoint.every_steps = 100  # also saved at exit (end, Ctrl-C, time budget); 0 = only then
-  c.checkpoint.keep = 3           # the last k checkpoints are kept
-  c.checkpoint.resume = True      # continue from the latest checkpoint in dir, if there is one
-
-  # Periodic evaluation on held-out problems (evaluate.py), logged into the metrics as
-  # eval/pass@1 and eval/pass@<k>; the same function backs `python -m pipelinerl_jax.evaluate`.
-  c.eval = ml_collections.ConfigDict()
-  c.eval.every_steps = 0          # 0 = off
-  c.eval.num_problems = 64        # per dataset (0 = all of it)
-  c.eval.k = 4                    # samples per problem, for pass@k (pass@1 is their mean)
-  c.eval.temperature = 1.0
-  c.eval.seed = 10_000
-
-  c.log = ml_collections.ConfigDict()
-  c.log.tensorboard = True
-  c.log.progress = True
-  return c
+def validate(config: ml_collections.ConfigDict | Config) -> Config:
+  """The typed Config of a ConfigDict; raises a one-line ValueError naming the first unknown
+  key or bad value. A Config passes through."""
+  if isinstance(config, Config):
+    return config
+  if config.get('generation', {}).get('backend') == 'vllm_process':
+    raise ValueError("config.generation.backend: 'vllm_process' is now backend='vllm' with "
+                     "placement='process'")
+  return _build(Config, config, '')
 
 
 def load_preset(name: str = 'tiny', path: str | pathlib.Path = MATH_CONFIG
@@ -134,149 +540,3 @@ def load_preset(name: str = 'tiny', path: str | pathlib.Path = MATH_CONFIG
   module = importlib.util.module_from_spec(spec)
   spec.loader.exec_module(module)
   return module.get_config(name)
-
-
-def _paths(cfg, prefix=''):
-  for k, v in cfg.items():
-    path = f'{prefix}{k}'
-    if isinstance(v, ml_collections.ConfigDict):
-      yield from _paths(v, path + '.')
-    else:
-      yield path, v
-
-
-def _check(ok: bool, key: str, message: str):
-  if not ok:
-    raise ValueError(f'config.{key}: {message}')
-
-
-def validate(config: ml_collections.ConfigDict) -> None:
-  """Raises ValueError naming the first unknown key or invalid value."""
-  known = dict(_paths(base_config()))
-  for path, value in _paths(config):
-    _check(path in known, path, 'unknown key')
-    default = known[path]
-    if isinstance(default, bool):
-      _check(isinstance(value, bool), path, f'must be true/false, got {value!r}')
-    elif isinstance(default, int):
-      _check(isinstance(value, int) and not isinstance(value, bool), path,
-             f'must be an integer, got {value!r}')
-    elif isinstance(default, float):
-      _check(isinstance(value, (int, float)) and not isinstance(value, bool)
-             and not math.isnan(value), path, f'must be a number, got {value!r}')
-    elif isinstance(default, str):
-      _check(isinstance(value, str), path, f'must be a string, got {value!r}')
-    elif isinstance(default, tuple):
-      item = SEQUENCE_ITEM_TYPES[path]
-      ok = isinstance(value, (tuple, list)) and all(
-          isinstance(v, str) if item is str else
-          isinstance(v, (int, float)) and not isinstance(v, bool) for v in value)
-      _check(ok, path, f'must be a tuple of {item.__name__}s, got {value!r}')
-
-  g, rl, tr = config.generation, config.rl, config.train
-  _check(config.task.name in TASKS, 'task.name',
-         f'unknown task {config.task.name!r} (known: {", ".join(TASKS)})')
-  if config.task.name == 'math':
-    _validate_math(config)
-  ev = config.eval
-  _check(ev.every_steps >= 0, 'eval.every_steps', f'must be >= 0 (0 = off), got {ev.every_steps}')
-  _check(ev.num_problems >= 0, 'eval.num_problems', f'must be >= 0, got {ev.num_problems}')
-  _check(ev.k >= 1, 'eval.k', f'must be >= 1, got {ev.k}')
-  _check(ev.temperature >= 0, 'eval.temperature', f'must be >= 0, got {ev.temperature}')
-  _check(ev.num_problems >= 1 or config.task.name == 'math', 'eval.num_problems',
-         'must be >= 1 for an endless problem stream (0 = whole test sets is for math)')
-  _check(g.backend in ('jax', 'vllm', 'vllm_process'), 'generation.backend',
-         f"must be 'jax', 'vllm' or 'vllm_process', got {g.backend!r}")
-  _check(g.backend == 'jax' or not g.recompute_kv, 'generation.recompute_kv',
-         'is only implemented by the JAX engine')
-  _check(g.num_slots >= 1, 'generation.num_slots', f'H must be >= 1, got {g.num_slots}')
-  _check(g.num_generators >= 1, 'generation.num_generators',
-         f'must be >= 1, got {g.num_generators}')
-  _check(g.num_generators == 1 or g.backend == 'vllm_process', 'generation.num_generators',
-         f"{g.num_generators} generators need backend 'vllm_process', not {g.backend!r}")
-  _check(-(-g.num_slots // g.num_generators) >= rl.group_size, 'generation.num_generators',
-         f'{g.num_generators} generators leave each fewer than rl.group_size={rl.group_size} '
-         f'of num_slots={g.num_slots}: a group must fit in one generator')
-  _check(g.max_restarts >= 0, 'generation.max_restarts', f'must be >= 0, got {g.max_restarts}')
-  _check(g.weight_transport in ('shm', 'nccl', 'gloo'), 'generation.weight_transport',
-         f"must be 'shm', 'nccl' or 'gloo', got {g.weight_transport!r}")
-  _check(g.weight_transport == 'shm' or g.backend == 'vllm_process', 'generation.weight_transport',
-         f"{g.weight_transport!r} needs backend 'vllm_process', not {g.backend!r}")
-  _check(g.transport_timeout_s > 0, 'generation.transport_timeout_s',
-         f'must be > 0, got {g.transport_timeout_s}')
-  ids = [s.strip() for s in g.generator_devices.split(',')] if g.generator_devices.strip() else []
-  _check(all(s.isdigit() for s in ids) and len(set(ids)) == len(ids),
-         'generation.generator_devices',
-         f"must be distinct GPU ids like '4,5,6,7' ('' = automatic), got {g.generator_devices!r}")
-  _check(not ids or g.backend == 'vllm_process', 'generation.generator_devices',
-         f"needs backend 'vllm_process', not {g.backend!r}")
-  _check(len(ids) % g.num_generators == 0, 'generation.generator_devices',
-         f'{len(ids)} GPUs do not split evenly among generation.num_generators={g.num_generators}')
-  _check(g.num_slots >= rl.group_size, 'generation.num_slots',
-         f'H={g.num_slots} must hold at least one group (rl.group_size={rl.group_size})')
-  _check(g.max_prompt_len >= 1, 'generation.max_prompt_len', 'must be >= 1')
-  _check(g.max_new_tokens >= 1, 'generation.max_new_tokens', 'must be >= 1')
-  _check(g.temperature >= 0, 'generation.temperature', f'must be >= 0, got {g.temperature}')
-  _check(0 < g.top_p <= 1, 'generation.top_p', f'must be in (0, 1], got {g.top_p}')
-  _check(g.top_k >= 0, 'generation.top_k', f'must be >= 0, got {g.top_k}')
-  _check(rl.mode in ('pipeline', 'conventional'), 'rl.mode',
-         f"must be 'pipeline' or 'conventional', got {rl.mode!r}")
-  _check(rl.group_size >= 1, 'rl.group_size', f'must be >= 1, got {rl.group_size}')
-  _check(rl.batch_size >= 1 and rl.batch_size % rl.group_size == 0, 'rl.batch_size',
-         f'B={rl.batch_size} must be a positive multiple of rl.group_size={rl.group_size}')
-  _check(rl.max_lag >= 0, 'rl.max_lag', f'must be >= 0, got {rl.max_lag}')
-  _check(rl.conventional_steps >= 1, 'rl.conventional_steps', 'must be >= 1')
-  _check(rl.total_steps >= 1, 'rl.total_steps', f'must be >= 1, got {rl.total_steps}')
-  _check(rl.max_time_s >= 0, 'rl.max_time_s', 'must be >= 0')
-  _check(config.advantage.baseline in ('mean', 'loo', 'none'), 'advantage.baseline',
-         f"must be 'mean', 'loo' or 'none', got {config.advantage.baseline!r}")
-  _check(tr.micro_batches >= 1, 'train.micro_batches', 'must be >= 1')
-  _check(tr.overlong in ('error', 'truncate'), 'train.overlong', "must be 'error' or 'truncate'")
-  _check(config.checkpoint.every_steps >= 0, 'checkpoint.every_steps',
-         f'must be >= 0, got {config.checkpoint.every_steps}')
-  _check(config.checkpoint.keep >= 1, 'checkpoint.keep',
-         f'must be >= 1, got {config.checkpoint.keep}')
-  longest = g.max_prompt_len + g.max_new_tokens - 1
-  _check(tr.seq_len >= longest, 'train.seq_len',
-         f'{tr.seq_len} < max_prompt_len + max_new_tokens - 1 = {longest}: samples would not fit')
-  try:
-    sizes = [int(s) for s in tr.mesh.split(',')]
-  except ValueError:
-    sizes = []
-  _check(len(sizes) == 3 and all(s >= 1 or s == -1 for s in sizes), 'train.mesh',
-         f"must be 'data,fsdp,tensor' sizes like '1,-1,1', got {tr.mesh!r}")
-  for section, make in (('loss', lambda: losses.LossConfig(**config.loss.to_dict())),
-                        ('optimizer', lambda: train.OptimizerConfig(**config.optimizer.to_dict())),
-                        ('model.demo', lambda: demo_config(config))):
-    try:
-      make()
-    except ValueError as e:
-      raise ValueError(f'config.{section}: {e}') from None
-
-
-def _validate_math(config: ml_collections.ConfigDict) -> None:
-  t = config.task
-  _check(bool(config.model.path), 'model.path',
-         "is empty: task 'math' needs a model directory (the demo model only knows arithmetic)")
-  _check(len(t.train_files) > 0 and all(t.train_files), 'task.train_files',
-         "task 'math' needs at least one training file (.jsonl, .json or .parquet)")
-  _check(all(t.test_files), 'task.test_files', 'holds an empty path')
-  _check(not t.train_weights or len(t.train_weights) == len(t.train_files), 'task.train_weights',
-         f'has {len(t.train_weights)} weights for {len(t.train_files)} train files')
-  _check(all(w > 0 for w in t.train_weights), 'task.train_weights',
-         f'must all be > 0, got {tuple(t.train_weights)}')
-  _check(0 <= t.test_fraction < 1, 'task.test_fraction',
-         f'must be in [0, 1), got {t.test_fraction}')
-  _check(t.verify_timeout_s > 0, 'task.verify_timeout_s', f'must be > 0, got {t.verify_timeout_s}')
-  _check(t.verify_workers >= 1, 'task.verify_workers', f'must be >= 1, got {t.verify_workers}')
-  _check(config.eval.every_steps == 0 or t.test_files or t.test_fraction > 0, 'eval.every_steps',
-         "needs held-out problems: set task.test_files or task.test_fraction for task 'math'")
-  try:
-    math_task.RewardConfig(**t.reward.to_dict())
-  except ValueError as e:
-    raise ValueError(f'config.task.reward: {e}') from None
-
-
-def demo_config(config: ml_collections.ConfigDict) -> warmstart.WarmStartConfig:
-  return warmstart.WarmStartConfig(**config.model.demo.to_dict(),
-                                   **{k: config.task[k] for k in TASK_KEYS})

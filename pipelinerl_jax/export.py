@@ -15,6 +15,10 @@ import shutil
 import sys
 from pathlib import Path
 
+from absl import app
+from absl import flags
+from absl import logging
+
 from pipelinerl_jax import checkpoint as checkpoint_lib
 from pipelinerl_jax.models import hf_io
 
@@ -57,8 +61,6 @@ def export_hf(checkpoint_dir: str | os.PathLike, model_dir: str | os.PathLike | 
 
 def main(argv):
   del argv
-  from absl import flags  # the CLI only
-  from absl import logging
   logging.set_verbosity(logging.WARNING)  # orbax logs every read at INFO
   f = flags.FLAGS
   try:
@@ -69,9 +71,8 @@ def main(argv):
   print(f'exported {len(written)} files to {f.out}')
 
 
-if __name__ == '__main__':
-  from absl import app
-  from absl import flags
+def run():
+  """The command; flags are defined here so that importing this module defines none."""
   flags.DEFINE_string('checkpoint', None, "A run's checkpoints dir (latest step) or one step dir.")
   flags.DEFINE_string('out', None, 'Output HF model directory.')
   flags.DEFINE_string('model_dir', '', "The run's model dir ('' = as recorded in the checkpoint).")
@@ -79,3 +80,7 @@ if __name__ == '__main__':
   flags.DEFINE_string('dtype', '', "bfloat16 | float32 | float16 ('' = the run's param dtype).")
   flags.mark_flags_as_required(['checkpoint', 'out'])
   app.run(main)
+
+
+if __name__ == '__main__':
+  run()

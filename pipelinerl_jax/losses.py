@@ -1,11 +1,11 @@
 """Policy-gradient losses over packed micro-batches, their statistics, and group advantages.
 
-A micro-batch is B packed rows of T tokens (all [B, T]):
+A micro-batch is R packed rows of T tokens (all [R, T]):
   targets, segment_ids (1..k per row, 0 = padding), loss_mask (1 on completion tokens to train),
   behaviour_logprobs (log mu of the target under the sampler), advantages (per sample,
   broadcast over its tokens), optional ref_logprobs (reference model, for the KL term).
-A sequence is a (row, segment id) pair. The trainer supplies logp_BxT = log pi(target) (with
-gradient) and entropy_BxT.
+A sequence is a (row, segment id) pair. The trainer supplies logp_RxT = log pi(target) (with
+gradient) and entropy_RxT.
 
 Losses are sums over this micro-batch divided by a denominator taken over the WHOLE optimizer
 batch (num_samples or num_tokens), so the per-micro-batch losses add up to the full-batch loss.
@@ -20,53 +20,23 @@ Loss kinds, with w = pi / mu per token (mu = behaviour policy, stale weights inc
 
 from __future__ import annotations
 
-import dataclasses
-import math
 from typing import Mapping
 
 import jax
 import jax.numpy as jnp
 
-_KINDS = ('pipelinerl', 'ppo', 'gspo')
-_NORMALIZATIONS = ('sample', 'token')
+from pipelinerl_jax import config as config_lib
+
 _BASELINES = ('mean', 'loo', 'none')
 
 
-@dataclasses.dataclass(frozen=True)
-class LossConfig:
-  kind: str = 'pipelinerl'        # 'pipelinerl' | 'ppo' | 'gspo'
-  is_cap: float = 5.0             # c in min(pi/mu, c); math.inf = no truncation
-  clip_eps_low: float = 0.2       # PPO/GSPO ratio clip [1-low, 1+high] (asymmetric, DAPO-style)
-  clip_eps_high: float = 0.28
-  normalization: str = 'sample'   # 'sample': token sum / number of sequences (paper); 'token': / tokens
-  kl_coef: float = 0.0            # k3 estimator to ref_logprobs
-  entropy_coef: float = 0.0       # bonus: loss -= coef * sum(entropy) / denominator
-
-  def __post_init__(self):
-    # `not (x >= 0)` style comparisons also reject NaN.
-    if self.kind not in _KINDS:
-      raise ValueError(f'kind={self.kind!r} must be one of {_KINDS}')
-    if not self.is_cap > 0:
-      raise ValueError(f'is_cap={self.is_cap} must be > 0 (math.inf disables truncation)')
-    if not 0 <= self.clip_eps_low < 1:
-      raise ValueError(f'clip_eps_low={self.clip_eps_low} must be in [0, 1)')
-    if not 0 <= self.clip_eps_high < math.inf:
-      raise ValueError(f'clip_eps_high={self.clip_eps_high} must be finite and >= 0')
-    if self.normalization not in _NORMALIZATIONS:
-      raise ValueError(f'normalization={self.normalization!r} must be one of {_NORMALIZATIONS}')
-    if not 0 <= self.kl_coef < math.inf:
-      raise ValueError(f'kl_coef={self.kl_coef} must be finite and >= 0')
-    if not 0 <= self.entropy_coef < math.inf:
-      raise ValueError(f'entropy_coef={self.entropy_coef} must be finite and >= 0')
-
-
-def _masked_sum(x_BxT: jax.Array, on_BxT: jax.Array) -> jax.Array:
+def _masked_sum(x_RxT: jax.Array, on_RxT: jax.Array) -> jax.Array:
   # `where`, not a multiply: off-mask positions may hold inf (padding) and 0 * inf = NaN.
-  return jnp.sum(jnp.where(on_BxT, x_BxT, 0.0))
+  return jnp.sum(jnp.where(on_RxT, x_RxT, 0.0))
 
 
-def policy_loss(logp_BxT: jax.Array, entropy_BxT: jax.Array, batch: Mapping[str, jax.Array],
-                config: LossConfig, *, num_samples, num_tokens
+def policy_loss(logp_RxT: jax.Array, entropy_RxT: jax.Array, batch: Mapping[str, jax.Array],
+                config: config_lib.LossConfig, *, num_samples, num_tokens
                 ) -> tuple[jax.Array, dict[str, jax.Array]]:
   """Returns (loss scalar, stats) for one micro-batch.
 
@@ -74,45 +44,45 @@ def policy_loss(logp_BxT: jax.Array, entropy_BxT: jax.Array, batch: Mapping[str,
   summing the per-micro-batch losses gives the full-batch loss exactly. They may be traced.
   stats is a flat dict of sums (keys ending in '_max': maxima) over this micro-batch.
   """
-  on_BxT = batch['loss_mask'] > 0
-  mask_BxT = on_BxT.astype(jnp.float32)
-  adv_BxT = batch['advantages'].astype(jnp.float32)
-  logp_BxT = logp_BxT.astype(jnp.float32)
-  batch_size, seq_len = on_BxT.shape
+  on_RxT = batch['loss_mask'] > 0
+  mask_RxT = on_RxT.astype(jnp.float32)
+  adv_RxT = batch['advantages'].astype(jnp.float32)
+  logp_RxT = logp_RxT.astype(jnp.float32)
+  num_rows, seq_len = on_RxT.shape
 
   denom = num_samples if config.normalization == 'sample' else num_tokens
   denom = jnp.maximum(jnp.asarray(denom, jnp.float32), 1.0)  # an all-empty batch gives loss 0
 
   # Zero the log-ratio off the mask before exp, so neither value nor gradient can overflow there.
-  log_ratio_BxT = jnp.where(on_BxT, logp_BxT - batch['behaviour_logprobs'], 0.0)
-  ratio_BxT = jnp.exp(log_ratio_BxT)
+  log_ratio_RxT = jnp.where(on_RxT, logp_RxT - batch['behaviour_logprobs'], 0.0)
+  ratio_RxT = jnp.exp(log_ratio_RxT)
 
   # Flat sequence id row * T + (segment - 1): at most T segments per row, so B*T ids suffice.
-  seq_BxT = (jnp.arange(batch_size)[:, None] * seq_len
+  seq_RxT = (jnp.arange(num_rows)[:, None] * seq_len
              + jnp.maximum(batch['segment_ids'] - 1, 0))
-  num_seq = batch_size * seq_len
-  seq_sum = lambda x_BxT: jax.ops.segment_sum(
-      jnp.where(on_BxT, x_BxT, 0.0).ravel(), seq_BxT.ravel(), num_segments=num_seq)
-  seq_tokens_S = seq_sum(mask_BxT)
+  num_seq = num_rows * seq_len
+  seq_sum = lambda x_RxT: jax.ops.segment_sum(
+      jnp.where(on_RxT, x_RxT, 0.0).ravel(), seq_RxT.ravel(), num_segments=num_seq)
+  seq_tokens_S = seq_sum(mask_RxT)
   has_tokens_S = seq_tokens_S > 0
 
   low, high = 1.0 - config.clip_eps_low, 1.0 + config.clip_eps_high
   stats = {}
   if config.kind == 'pipelinerl':
-    weight_BxT = jax.lax.stop_gradient(jnp.minimum(ratio_BxT, config.is_cap))
-    pg_sum = -_masked_sum(weight_BxT * adv_BxT * logp_BxT, on_BxT)
-    stats['truncated'] = _masked_sum((ratio_BxT > config.is_cap).astype(jnp.float32), on_BxT)
+    weight_RxT = jax.lax.stop_gradient(jnp.minimum(ratio_RxT, config.is_cap))
+    pg_sum = -_masked_sum(weight_RxT * adv_RxT * logp_RxT, on_RxT)
+    stats['truncated'] = _masked_sum((ratio_RxT > config.is_cap).astype(jnp.float32), on_RxT)
   elif config.kind == 'ppo':
-    unclipped_BxT = ratio_BxT * adv_BxT
-    clipped_BxT = jnp.clip(ratio_BxT, low, high) * adv_BxT
-    pg_sum = -_masked_sum(jnp.minimum(unclipped_BxT, clipped_BxT), on_BxT)
+    unclipped_RxT = ratio_RxT * adv_RxT
+    clipped_RxT = jnp.clip(ratio_RxT, low, high) * adv_RxT
+    pg_sum = -_masked_sum(jnp.minimum(unclipped_RxT, clipped_RxT), on_RxT)
     # The clipped branch is active (zero gradient) where it is strictly the smaller one.
-    stats['clipped'] = _masked_sum((clipped_BxT < unclipped_BxT).astype(jnp.float32), on_BxT)
-    stats['clip_units'] = jnp.sum(mask_BxT)
+    stats['clipped'] = _masked_sum((clipped_RxT < unclipped_RxT).astype(jnp.float32), on_RxT)
+    stats['clip_units'] = jnp.sum(mask_RxT)
   else:  # gspo
     safe_len_S = jnp.maximum(seq_tokens_S, 1.0)
-    seq_ratio_S = jnp.exp(seq_sum(log_ratio_BxT) / safe_len_S)
-    seq_adv_S = seq_sum(adv_BxT) / safe_len_S  # A is constant over a sequence; this recovers it
+    seq_ratio_S = jnp.exp(seq_sum(log_ratio_RxT) / safe_len_S)
+    seq_adv_S = seq_sum(adv_RxT) / safe_len_S  # A is constant over a sequence; this recovers it
     unclipped_S = seq_ratio_S * seq_adv_S
     clipped_S = jnp.clip(seq_ratio_S, low, high) * seq_adv_S
     term_S = -jnp.minimum(unclipped_S, clipped_S)
@@ -123,7 +93,7 @@ def policy_loss(logp_BxT: jax.Array, entropy_BxT: jax.Array, batch: Mapping[str,
     stats['clip_units'] = jnp.sum(has_tokens_S).astype(jnp.float32)
 
   pg_loss = pg_sum / denom
-  entropy_sum = _masked_sum(entropy_BxT.astype(jnp.float32), on_BxT)
+  entropy_sum = _masked_sum(entropy_RxT.astype(jnp.float32), on_RxT)
   entropy_loss = -config.entropy_coef * entropy_sum / denom
   kl_loss = jnp.zeros((), jnp.float32)
   ref_logprobs = batch.get('ref_logprobs')
@@ -131,23 +101,25 @@ def policy_loss(logp_BxT: jax.Array, entropy_BxT: jax.Array, batch: Mapping[str,
     raise ValueError(f'kl_coef={config.kl_coef} needs batch["ref_logprobs"]')
   if ref_logprobs is not None:
     # k3 = exp(d) - d - 1 with d = log ref - log pi: non-negative, unbiased for KL(pi || ref).
-    ref_diff_BxT = jnp.where(on_BxT, ref_logprobs - logp_BxT, 0.0)
-    kl_sum = _masked_sum(jnp.exp(ref_diff_BxT) - ref_diff_BxT - 1.0, on_BxT)
+    # d is clamped before exp: a reference that drifted far would overflow it (and its gradient).
+    clamp = config.kl_log_ratio_clamp
+    ref_diff_RxT = jnp.where(on_RxT, jnp.clip(ref_logprobs - logp_RxT, -clamp, clamp), 0.0)
+    kl_sum = _masked_sum(jnp.exp(ref_diff_RxT) - ref_diff_RxT - 1.0, on_RxT)
     kl_loss = config.kl_coef * kl_sum / denom
     stats['kl_sum'] = kl_sum
   loss = pg_loss + kl_loss + entropy_loss
 
-  truncated_BxT = jnp.minimum(ratio_BxT, config.is_cap)
+  truncated_RxT = jnp.minimum(ratio_RxT, config.is_cap)
   stats.update(
-      tokens=jnp.sum(mask_BxT),
+      tokens=jnp.sum(mask_RxT),
       samples=jnp.sum(has_tokens_S).astype(jnp.float32),
-      ratio_sum=_masked_sum(ratio_BxT, on_BxT),
-      ratio_sq_sum=_masked_sum(ratio_BxT**2, on_BxT),
-      ratio_max=jnp.max(jnp.where(on_BxT, ratio_BxT, 0.0)),  # ratios are > 0, so 0 = none
-      ratio_truncated_sum=_masked_sum(truncated_BxT, on_BxT),
-      ratio_truncated_sq_sum=_masked_sum(truncated_BxT**2, on_BxT),
+      ratio_sum=_masked_sum(ratio_RxT, on_RxT),
+      ratio_sq_sum=_masked_sum(ratio_RxT**2, on_RxT),
+      ratio_max=jnp.max(jnp.where(on_RxT, ratio_RxT, 0.0)),  # ratios are > 0, so 0 = none
+      ratio_truncated_sum=_masked_sum(truncated_RxT, on_RxT),
+      ratio_truncated_sq_sum=_masked_sum(truncated_RxT**2, on_RxT),
       entropy_sum=entropy_sum,
-      abs_logp_diff_sum=_masked_sum(jnp.abs(log_ratio_BxT), on_BxT),
+      abs_logp_diff_sum=_masked_sum(jnp.abs(log_ratio_RxT), on_RxT),
       pg_loss=pg_loss,
       kl_loss=kl_loss,
       entropy_loss=entropy_loss,
@@ -200,32 +172,39 @@ def finalize_metrics(stats: dict) -> dict[str, jax.Array]:
 # Advantages over groups of G samples of the same prompt.
 
 
-def group_advantages(rewards_NxG, *, baseline: str = 'mean', normalize_std: bool = False,
+def group_advantages(rewards_PxG, *, baseline: str = 'mean', normalize_std: bool = False,
                      eps: float = 1e-6) -> jax.Array:
-  """Advantages [N, G] for N groups of G samples of the same prompt.
+  """Advantages [P, G] for P groups of G samples of the same prompt.
 
-  baseline: 'mean' (R - group mean; the paper), 'loo' (R - mean of the other G-1 samples,
-  0 baseline when G = 1), 'none' (R). normalize_std divides by the group's (population)
-  std + eps, as in GRPO.
+  baseline: 'mean' (R - group mean; the paper), 'loo' (R - mean of the other G-1 samples),
+  'none' (R). normalize_std divides by the group's (population) std, as in GRPO.
+
+  A group-relative baseline needs two samples: a group of one ('mean', 'loo'; masking can leave
+  one sample of a group) gets advantage 0, as it carries no comparison. A group whose rewards
+  are all equal has std 0: its advantages are left undivided (0 for 'mean' and 'loo'), never
+  divided by ~0.
   """
   if baseline not in _BASELINES:
     raise ValueError(f'baseline={baseline!r} must be one of {_BASELINES}')
-  rewards_NxG = jnp.asarray(rewards_NxG, jnp.float32)
-  if rewards_NxG.ndim != 2:
-    raise ValueError(f'rewards must be [N, G], got shape {rewards_NxG.shape}')
-  group_size = rewards_NxG.shape[1]
+  rewards_PxG = jnp.asarray(rewards_PxG, jnp.float32)
+  if rewards_PxG.ndim != 2:
+    raise ValueError(f'rewards must be [P, G], got shape {rewards_PxG.shape}')
+  group_size = rewards_PxG.shape[1]
   if baseline == 'mean':
-    adv_NxG = rewards_NxG - jnp.mean(rewards_NxG, axis=1, keepdims=True)
+    adv_PxG = rewards_PxG - jnp.mean(rewards_PxG, axis=1, keepdims=True)
   elif baseline == 'loo':
-    others_NxG = jnp.sum(rewards_NxG, axis=1, keepdims=True) - rewards_NxG
-    adv_NxG = rewards_NxG - others_NxG / max(group_size - 1, 1)  # G = 1: others sum to 0
+    others_PxG = jnp.sum(rewards_PxG, axis=1, keepdims=True) - rewards_PxG
+    adv_PxG = rewards_PxG - others_PxG / max(group_size - 1, 1)
   else:
-    adv_NxG = rewards_NxG
+    adv_PxG = rewards_PxG
+  if baseline != 'none' and group_size < 2:
+    adv_PxG = jnp.zeros_like(adv_PxG)
   if normalize_std:
-    adv_NxG = adv_NxG / (jnp.std(rewards_NxG, axis=1, keepdims=True) + eps)
-  return adv_NxG
+    std_Px1 = jnp.std(rewards_PxG, axis=1, keepdims=True)
+    adv_PxG = adv_PxG / jnp.where(std_Px1 > eps, std_Px1, 1.0)
+  return adv_PxG
 
 
-def nonzero_groups(advantages_NxG, atol: float = 1e-8) -> jax.Array:
+def nonzero_groups(advantages_PxG, atol: float = 1e-8) -> jax.Array:
   """bool[N]: groups with some |advantage| > atol (all-equal rewards carry no signal)."""
-  return jnp.any(jnp.abs(jnp.asarray(advantages_NxG)) > atol, axis=1)
+  return jnp.any(jnp.abs(jnp.asarray(advantages_PxG)) > atol, axis=1)

@@ -11,6 +11,7 @@ from absl import flags
 from absl import logging
 from ml_collections import config_flags
 
+from pipelinerl_jax.pipeline import metrics as metrics_lib
 from pipelinerl_jax.pipeline import run as run_lib
 
 _CONFIG = config_flags.DEFINE_config_file('config', None, 'Experiment config, e.g. '
@@ -37,7 +38,7 @@ def main(argv):
     if summary['checkpoint']:
       print(f"Checkpoint saved in {summary['checkpoint']}: run the same command to resume.")
     sys.exit(130)
-  print(run_lib.summary_text(summary, _WORKDIR.value))
+  print(metrics_lib.summary_text(summary, _WORKDIR.value))
   if summary['checkpoint']:
     print(f"Checkpoints: {summary['checkpoint']} (HF export: python -m pipelinerl_jax.export "
           f"--checkpoint={summary['checkpoint']} --out=DIR)")

@@ -9,7 +9,6 @@ and step unchanged) and is reported in `metrics['skipped']`.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 from typing import Any, Callable
 
@@ -18,6 +17,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from pipelinerl_jax import config as config_lib
 from pipelinerl_jax import losses
 from pipelinerl_jax import sharding as sharding_lib
 from pipelinerl_jax.models import transformer
@@ -33,31 +33,7 @@ class TrainState:
   opt_state: Any
 
 
-@dataclasses.dataclass(frozen=True)
-class OptimizerConfig:
-  lr: float = 1e-6
-  schedule: str = 'constant'     # 'constant' (paper) or 'cosine', both after a linear warmup
-  warmup_steps: int = 0
-  total_steps: int = 1000        # cosine decay horizon
-  min_lr_ratio: float = 0.1      # cosine floor, as a fraction of lr
-  b1: float = 0.9
-  b2: float = 0.999
-  eps: float = 1e-8
-  weight_decay: float = 0.0
-  max_grad_norm: float = 1.0     # global-norm clipping; 0 disables it
-
-  def __post_init__(self):
-    if not self.lr > 0:
-      raise ValueError(f'optimizer.lr must be > 0, got {self.lr}')
-    if self.schedule not in ('constant', 'cosine'):
-      raise ValueError(f"optimizer.schedule must be 'constant' or 'cosine', got {self.schedule!r}")
-    if self.warmup_steps < 0 or self.total_steps < 1:
-      raise ValueError('optimizer.warmup_steps must be >= 0 and optimizer.total_steps >= 1')
-    if self.max_grad_norm < 0:
-      raise ValueError(f'optimizer.max_grad_norm must be >= 0, got {self.max_grad_norm}')
-
-
-def lr_schedule(config: OptimizerConfig) -> optax.Schedule:
+def lr_schedule(config: config_lib.OptimizerConfig) -> optax.Schedule:
   if config.schedule == 'cosine':
     return optax.warmup_cosine_decay_schedule(
         0.0, config.lr, config.warmup_steps, max(config.total_steps, config.warmup_steps + 1),
@@ -66,7 +42,7 @@ def lr_schedule(config: OptimizerConfig) -> optax.Schedule:
   return lambda step: config.lr * jnp.minimum(1.0, (step + 1) / warmup)
 
 
-def make_optimizer(config: OptimizerConfig) -> optax.GradientTransformation:
+def make_optimizer(config: config_lib.OptimizerConfig) -> optax.GradientTransformation:
   # Decay only matrices: norm scales and biases are stacked over layers, so ndim can't tell.
   decay_mask = lambda params: jax.tree_util.tree_map_with_path(
       lambda path, _: sharding_lib.path_str(path).endswith(('kernel', 'embedding')), params)
@@ -89,7 +65,7 @@ def batch_totals(batch) -> tuple[jax.Array, jax.Array]:
   return num_samples, num_tokens
 
 
-def make_train_step(model_config: transformer.ModelConfig, loss_config: losses.LossConfig,
+def make_train_step(model_config: transformer.ModelConfig, loss_config: config_lib.LossConfig,
                     optimizer: optax.GradientTransformation, schedule: optax.Schedule,
                     temperature: float = 1.0) -> Callable:
   """Returns the pure `train_step(state, batch) -> (state, metrics)`."""

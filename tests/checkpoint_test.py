@@ -10,6 +10,7 @@ import jax
 import numpy as np
 import pytest
 
+from pipelinerl_jax import config as config_lib
 from pipelinerl_jax import checkpoint as checkpoint_lib
 from pipelinerl_jax import export as export_lib
 from pipelinerl_jax import sharding as sharding_lib
@@ -18,6 +19,7 @@ from pipelinerl_jax.models import hf_io
 from pipelinerl_jax.pipeline import metrics as metrics_lib
 from pipelinerl_jax.pipeline import run as run_lib
 from pipelinerl_jax.pipeline import stream as stream_lib
+from pipelinerl_jax.pipeline import trainer as trainer_lib
 from pipelinerl_jax.tasks import arithmetic
 from pipelinerl_jax.tasks import base as tasks_base
 
@@ -29,7 +31,7 @@ def varied_rewards(monkeypatch):
   """The untrained model never answers right: all-zero rewards, zero advantages, zero gradients,
   and params that never move would make any resume look exact. A reward that is a fixed
   function of the completion text varies within groups and stays deterministic."""
-  def score(self, problem, text):
+  def score(self, problem, text, truncated=False, num_tokens=None):
     return tasks_base.Score(float(zlib.crc32(text.encode()) % 2), 'wrong')
   monkeypatch.setattr(arithmetic.ArithmeticTask, 'score', score)
 
@@ -38,7 +40,7 @@ def small_state(model_dir, mesh_devices=8):
   config = pipeline_test.small_config()
   model_config = hf_io.load_config(model_dir)
   mesh = sharding_lib.make_mesh(1, mesh_devices, 1)
-  optimizer = train.make_optimizer(train.OptimizerConfig())
+  optimizer = train.make_optimizer(config_lib.OptimizerConfig())
   target, _ = checkpoint_lib.abstract_state(model_config, optimizer, mesh)
   params = hf_io.load_params(model_dir, model_config,
                              shardings=jax.tree.map(lambda x: x.sharding, target.params))
@@ -47,10 +49,13 @@ def small_state(model_dir, mesh_devices=8):
 
 
 def fake_meta(config, model_dir, step):
-  trainer = types.SimpleNamespace(
-      step=step, samples_trained=16 * step, stale_dropped=0, max_lag_seen=1,
-      stream=types.SimpleNamespace(ledger=stream_lib.GroupLedger(4 * step, [4 * step + 2])))
-  return checkpoint_lib.run_meta(config, model_dir, trainer)
+  stream = stream_lib.SampleStream(16, threading.Event(),
+                                   ledger=stream_lib.GroupLedger(4 * step, [4 * step + 2]))
+  trainer = trainer_lib.Trainer(
+      types.SimpleNamespace(step=step), None, None, None, stream, None, None, None, None)
+  trainer.samples_trained, trainer.max_lag_seen = 16 * step, 1
+  return checkpoint_lib.run_meta(config_lib.validate(config), model_dir,
+                                 trainer.checkpoint_meta())
 
 
 def leaves_equal(a, b):

@@ -18,6 +18,7 @@ def model_dir(tmp_path_factory):
   """An untrained demo-format model (random init, real HF dir with the char tokenizer), built once
   per session; tests only read it. A module may define its own `model_dir` to override it."""
   from pipelinerl_jax.demo import warmstart  # imports jax: only after XLA_FLAGS is set above
-  cfg = warmstart.WarmStartConfig(max_steps=0, eval_problems=8)
+  from pipelinerl_jax import config as config_lib
+  demo = config_lib.DemoModelConfig(max_steps=0, eval_problems=8)
   out = tmp_path_factory.mktemp('model') / 'demo'
-  return str(warmstart.build_demo_model(out, cfg, log=lambda *_: None))
+  return str(warmstart.build_demo_model(out, demo, log=lambda *_: None))

@@ -7,6 +7,7 @@ import pytest
 
 from pipelinerl_jax import config as config_lib
 from pipelinerl_jax import evaluate
+from pipelinerl_jax import evaluation
 from pipelinerl_jax.models import hf_io
 from pipelinerl_jax.pipeline import metrics as metrics_lib
 from pipelinerl_jax.pipeline import run as run_lib
@@ -24,36 +25,36 @@ from pipelinerl_jax.tasks.base import Score
     (8, 1, 2, 1 - 21 / 28),              # 1 - C(7,2)/C(8,2) = 1/4
 ])
 def test_pass_at_k_matches_hand_computed_values(n, c, k, expected):
-  assert evaluate.pass_at_k(n, c, k) == pytest.approx(expected, abs=1e-12)
+  assert evaluation.pass_at_k(n, c, k) == pytest.approx(expected, abs=1e-12)
 
 
 def test_pass_at_k_rejects_impossible_counts_and_stays_exact_for_large_n():
   for n, c, k in ((4, 5, 1), (4, 1, 5), (4, 1, 0), (4, -1, 1)):
     with pytest.raises(ValueError, match='pass_at_k needs'):
-      evaluate.pass_at_k(n, c, k)
+      evaluation.pass_at_k(n, c, k)
   # Exact binomials: no overflow, and equal to the product form 1 - prod (1 - k / i).
   product = 1 - math.prod(1 - 10 / i for i in range(1000 - 7 + 1, 1001))
-  assert evaluate.pass_at_k(1000, 7, 10) == pytest.approx(product, rel=1e-12)
+  assert evaluation.pass_at_k(1000, 7, 10) == pytest.approx(product, rel=1e-12)
 
 
 def test_summary_is_per_dataset_and_over_all_problems():
-  result = evaluate.summarize({'a': [[True, False], [False, False]], 'b': [[True, True]]}, k=2)
+  result = evaluation.summarize({'a': [[True, False], [False, False]], 'b': [[True, True]]}, k=2)
   assert result['datasets']['a'] == {'num_problems': 2, 'pass@1': 0.25, 'pass@2': 0.5}
   assert result['datasets']['b'] == {'num_problems': 1, 'pass@1': 1.0, 'pass@2': 1.0}
   assert result['pass@1'] == pytest.approx(0.5) and result['pass@2'] == pytest.approx(2 / 3)
-  record = evaluate.metrics_record(result)
+  record = evaluation.metrics_record(result)
   assert set(record) == {'eval/pass@1', 'eval/pass@2', 'eval/a/pass@1', 'eval/a/pass@2',
                          'eval/b/pass@1', 'eval/b/pass@2'}
-  one = evaluate.summarize({'a': [[True, False]]}, k=2)
-  assert set(evaluate.metrics_record(one)) == {'eval/pass@1', 'eval/pass@2'}
-  greedy = evaluate.summarize({'a': [[True], [False], [True]]}, k=1)  # k = 1: counted once
+  one = evaluation.summarize({'a': [[True, False]]}, k=2)
+  assert set(evaluation.metrics_record(one)) == {'eval/pass@1', 'eval/pass@2'}
+  greedy = evaluation.summarize({'a': [[True], [False], [True]]}, k=1)  # k = 1: counted once
   assert greedy['num_problems'] == 3 and greedy['pass@1'] == pytest.approx(2 / 3)
 
 
 def test_cli_matches_the_in_training_evaluation(model_dir, tmp_path, monkeypatch):
   # An untrained model solves nothing; a rule on the text's length makes about half the samples
   # "correct", so pass@1 / pass@k are informative numbers (the training sees it as its reward).
-  monkeypatch.setattr(arithmetic.ArithmeticTask, 'score', lambda self, problem, text: (
+  monkeypatch.setattr(arithmetic.ArithmeticTask, 'score', lambda self, problem, text, *_: (
       Score(1.0, 'correct') if len(text) % 2 == 0 else Score(0.0, 'wrong')))
   c = config_lib.load_preset()
   c.rl.batch_size, c.rl.group_size, c.generation.num_slots = 16, 4, 16

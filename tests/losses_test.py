@@ -7,6 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from pipelinerl_jax import config as config_lib
 from pipelinerl_jax import losses
 
 CAP = 5.0
@@ -105,7 +106,7 @@ def _loss_and_grads(logp, entropy, batch, config, num_samples, num_tokens):
 @pytest.mark.parametrize('kind', ['pipelinerl', 'ppo', 'gspo'])
 def test_loss_and_gradients_match_numpy(kind, normalization):
   logp, entropy, batch = _make_batch()
-  config = losses.LossConfig(kind=kind, normalization=normalization, is_cap=CAP,
+  config = config_lib.LossConfig(kind=kind, normalization=normalization, is_cap=CAP,
                              kl_coef=KL_COEF, entropy_coef=ENT_COEF)
   num_samples, num_tokens = _totals(batch)
   assert num_samples == 5  # the prompt-only segment is not a sample
@@ -130,7 +131,7 @@ def test_loss_and_gradients_match_numpy(kind, normalization):
 
 def test_gspo_gives_every_token_of_a_sequence_the_same_gradient():
   logp, entropy, batch = _make_batch(seed=1)
-  config = losses.LossConfig(kind='gspo')
+  config = config_lib.LossConfig(kind='gspo')
   _, _, (g_logp, _) = _loss_and_grads(logp, entropy, batch, config, *_totals(batch))
   g_logp = np.asarray(g_logp)
   assert np.any(g_logp != 0)
@@ -148,7 +149,7 @@ def test_gspo_row_packed_with_one_token_samples():
                advantages=np.array([[0.5] * 4, [1.0, -2.0, 0.7, -0.3]], np.float32),
                ref_logprobs=logp)
   batch['behaviour_logprobs'][0, 3] = 0
-  config = losses.LossConfig(kind='gspo', normalization='token')
+  config = config_lib.LossConfig(kind='gspo', normalization='token')
   _, stats, (g_logp, _) = _loss_and_grads(logp, np.zeros_like(logp), batch, config, 5, 6)
   _, want_g_logp, _, _ = _np_loss_and_grads(logp, np.zeros_like(logp), batch, config, 5, 6)
   np.testing.assert_allclose(g_logp, want_g_logp, rtol=1e-5, atol=1e-7)
@@ -158,7 +159,7 @@ def test_gspo_row_packed_with_one_token_samples():
 def test_on_policy_metrics_are_exact():
   logp, entropy, batch = _make_batch()
   batch['behaviour_logprobs'] = np.where(batch['loss_mask'] > 0, logp, 0).astype(np.float32)
-  _, stats, _ = _loss_and_grads(logp, entropy, batch, losses.LossConfig(), *_totals(batch))
+  _, stats, _ = _loss_and_grads(logp, entropy, batch, config_lib.LossConfig(), *_totals(batch))
   m = losses.finalize_metrics(stats)
   for key in ('ess', 'ess_truncated', 'ratio_mean', 'ratio_max'):
     np.testing.assert_allclose(m[key], 1.0, rtol=1e-6)
@@ -169,7 +170,7 @@ def test_off_policy_metrics_match_numpy():
   logp, entropy, batch = _make_batch(noise=1.0)
   on = batch['loss_mask'] > 0
   batch['behaviour_logprobs'][0, 3] = logp[0, 3] - 4.0  # w = e^4 > CAP
-  _, stats, _ = _loss_and_grads(logp, entropy, batch, losses.LossConfig(is_cap=CAP),
+  _, stats, _ = _loss_and_grads(logp, entropy, batch, config_lib.LossConfig(is_cap=CAP),
                                 *_totals(batch))
   m = losses.finalize_metrics(stats)
   w = np.exp(logp[on].astype(np.float64) - batch['behaviour_logprobs'][on])
@@ -193,7 +194,7 @@ def test_truncation_caps_the_gradient_weight(cap):
   logp, entropy, batch = _make_batch()
   batch['behaviour_logprobs'][1, 5] = logp[1, 5] - 6.0  # w = e^6 ~ 403
   num_samples, num_tokens = _totals(batch)
-  config = losses.LossConfig(is_cap=cap)
+  config = config_lib.LossConfig(is_cap=cap)
   _, _, (g_logp, _) = _loss_and_grads(logp, entropy, batch, config, num_samples, num_tokens)
   a = batch['advantages'][1, 5]
   weight = min(math.exp(6.0), cap)
@@ -204,7 +205,7 @@ def test_truncation_caps_the_gradient_weight(cap):
 @pytest.mark.parametrize('kind', ['pipelinerl', 'ppo', 'gspo'])
 def test_micro_batches_sum_to_the_full_batch(kind, normalization):
   logp, entropy, batch = _make_batch()
-  config = losses.LossConfig(kind=kind, normalization=normalization, kl_coef=KL_COEF,
+  config = config_lib.LossConfig(kind=kind, normalization=normalization, kl_coef=KL_COEF,
                              entropy_coef=ENT_COEF)
   totals = _totals(batch)
   full_loss, full_stats, _ = _loss_and_grads(logp, entropy, batch, config, *totals)
@@ -226,7 +227,7 @@ def test_ppo_clip_is_asymmetric():
   logp = np.full((1, 6), -1.0, np.float32)
   batch = dict(segment_ids=np.arange(1, 7, dtype=np.int32)[None], loss_mask=np.ones((1, 6)),
                behaviour_logprobs=(logp - np.log(ratios)).astype(np.float32), advantages=adv[None])
-  config = losses.LossConfig(kind='ppo', clip_eps_low=0.2, clip_eps_high=0.28)
+  config = config_lib.LossConfig(kind='ppo', clip_eps_low=0.2, clip_eps_high=0.28)
   _, stats, (g_logp, _) = _loss_and_grads(logp, np.zeros_like(logp), batch, config, 6, 6)
   # Beyond 1+high with A > 0 and below 1-low with A < 0: clipped, no gradient.
   # The pessimistic min keeps the gradient on the other side (0.5 with A > 0, 1.5 with A < 0).
@@ -240,7 +241,7 @@ def test_ppo_clip_is_asymmetric():
 def test_micro_batch_without_loss_tokens_is_finite(kind):
   logp, entropy, batch = _make_batch()
   batch['loss_mask'] = np.zeros_like(batch['loss_mask'])
-  config = losses.LossConfig(kind=kind, kl_coef=KL_COEF, entropy_coef=ENT_COEF)
+  config = config_lib.LossConfig(kind=kind, kl_coef=KL_COEF, entropy_coef=ENT_COEF)
   loss, stats, (g_logp, g_ent) = _loss_and_grads(logp, entropy, batch, config, 0, 0)
   assert loss == 0
   assert not np.any(g_logp) and not np.any(g_ent)
@@ -252,7 +253,7 @@ def test_micro_batch_without_loss_tokens_is_finite(kind):
 
 def test_jit_with_traced_totals_matches_eager():
   logp, entropy, batch = _make_batch()
-  config = losses.LossConfig(kind='gspo', normalization='token')
+  config = config_lib.LossConfig(kind='gspo', normalization='token')
   num_samples, num_tokens = _totals(batch)
   jitted = jax.jit(losses.policy_loss, static_argnames='config')
   loss, stats = jitted(logp, entropy, batch, config, num_samples=jnp.int32(num_samples),
@@ -268,9 +269,9 @@ def test_kl_coef_needs_ref_logprobs():
   logp, entropy, batch = _make_batch()
   del batch['ref_logprobs']
   with pytest.raises(ValueError, match='ref_logprobs'):
-    losses.policy_loss(logp, entropy, batch, losses.LossConfig(kl_coef=0.1), num_samples=5,
+    losses.policy_loss(logp, entropy, batch, config_lib.LossConfig(kl_coef=0.1), num_samples=5,
                        num_tokens=20)
-  _, stats = losses.policy_loss(logp, entropy, batch, losses.LossConfig(), num_samples=5,
+  _, stats = losses.policy_loss(logp, entropy, batch, config_lib.LossConfig(), num_samples=5,
                                 num_tokens=20)
   assert 'kl' not in losses.finalize_metrics(stats)
 
@@ -290,11 +291,11 @@ def test_combine_stats_sums_and_maxes():
     ('normalization', 'seq'), ('kl_coef', -1.0), ('entropy_coef', math.nan)])
 def test_loss_config_rejects_bad_values(field, value):
   with pytest.raises(ValueError, match=field):
-    losses.LossConfig(**{field: value})
+    config_lib.LossConfig(**{field: value})
 
 
 def test_loss_config_accepts_no_truncation():
-  assert losses.LossConfig(is_cap=math.inf).is_cap == math.inf
+  assert config_lib.LossConfig(is_cap=math.inf).is_cap == math.inf
 
 
 # ---------------------------------------------------------------------------------------------
@@ -307,16 +308,17 @@ def _np_advantages(rewards, baseline, normalize_std, eps=1e-6):
   out = np.zeros(rewards.shape)
   for i, group in enumerate(rewards.astype(np.float64)):
     g = len(group)
+    mean = sum(group) / g
+    std = math.sqrt(sum((x - mean)**2 for x in group) / g)
     for j, r in enumerate(group):
       if baseline == 'mean':
-        out[i, j] = r - sum(group) / g
+        out[i, j] = r - mean
       elif baseline == 'loo':
-        out[i, j] = r - (sum(group) - r) / (g - 1) if g > 1 else r
+        out[i, j] = r - (sum(group) - r) / (g - 1) if g > 1 else 0.0
       else:
         out[i, j] = r
-      if normalize_std:
-        mean = sum(group) / g
-        out[i, j] /= math.sqrt(sum((x - mean)**2 for x in group) / g) + eps
+      if normalize_std and std > eps:
+        out[i, j] /= std
   return out
 
 
@@ -328,10 +330,25 @@ def test_group_advantages_match_numpy(baseline, normalize_std):
   np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
 
 
-def test_group_advantages_single_sample_groups():
+@pytest.mark.parametrize('normalize_std', [False, True])
+def test_a_group_of_one_has_no_advantage(normalize_std):
+  """Masking can leave one sample of a group: a group-relative baseline has nothing to compare
+  it with, so its advantage is 0 (leave-one-out used to give A = R, and R / 1e-6 with std)."""
   rewards = np.array([[1.0], [0.0], [2.5]], np.float32)
-  assert not np.any(losses.group_advantages(rewards, baseline='mean'))
-  np.testing.assert_allclose(losses.group_advantages(rewards, baseline='loo'), rewards)
+  for baseline in ('mean', 'loo'):
+    adv = losses.group_advantages(rewards, baseline=baseline, normalize_std=normalize_std)
+    np.testing.assert_array_equal(adv, np.zeros_like(rewards))
+  np.testing.assert_array_equal(
+      losses.group_advantages(rewards, baseline='none', normalize_std=normalize_std), rewards)
+
+
+def test_a_zero_std_group_is_not_blown_up():
+  rewards = np.array([[1.0, 1.0, 1.0], [0.0, 0.0, 0.0], [0.0, 1.0, 1.0]], np.float32)
+  for baseline in ('mean', 'loo', 'none'):
+    adv = np.asarray(losses.group_advantages(rewards, baseline=baseline, normalize_std=True))
+    assert np.all(np.isfinite(adv)) and np.abs(adv).max() < 10, (baseline, adv)
+  adv = losses.group_advantages(rewards, baseline='mean', normalize_std=True)
+  np.testing.assert_array_equal(adv[:2], 0.0)
 
 
 def test_nonzero_groups_flags_groups_with_signal():
@@ -344,5 +361,23 @@ def test_nonzero_groups_flags_groups_with_signal():
 def test_group_advantages_rejects_bad_input():
   with pytest.raises(ValueError, match='baseline'):
     losses.group_advantages(_REWARDS, baseline='median')
-  with pytest.raises(ValueError, match='N, G'):
+  with pytest.raises(ValueError, match='P, G'):
     losses.group_advantages(_REWARDS[0])
+
+
+def test_k3_kl_log_ratio_is_clamped():
+  """A reference that drifted far (log ref - log pi = 60) would overflow exp in k3; the clamp
+  keeps the loss and its gradient finite and equal to the clamped value's."""
+  logp, entropy, batch = _make_batch()
+  on = batch['loss_mask'] > 0
+  batch = dict(batch, ref_logprobs=np.where(on, logp + 60.0, 0.0).astype(np.float32))
+  config = config_lib.LossConfig(kl_coef=0.1, kl_log_ratio_clamp=5.0)
+  loss, stats, grads = _loss_and_grads(logp, entropy, batch, config, *_totals(batch))
+  assert np.isfinite(loss) and all(np.all(np.isfinite(g)) for g in grads)
+  d = 5.0
+  want = on.sum() * (math.exp(d) - d - 1)
+  np.testing.assert_allclose(float(stats['kl_sum']), want, rtol=1e-5)
+  # Inside the clamp nothing changes: a tiny drift gives the unclamped k3.
+  small = dict(batch, ref_logprobs=np.where(on, logp + 0.3, 0.0).astype(np.float32))
+  _, stats, _ = _loss_and_grads(logp, entropy, small, config, *_totals(small))
+  np.testing.assert_allclose(float(stats['kl_sum']), on.sum() * (math.exp(0.3) - 1.3), rtol=1e-4)

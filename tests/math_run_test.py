@@ -14,8 +14,7 @@ from pipelinerl_jax.pipeline import actor as actor_lib
 from pipelinerl_jax.pipeline import metrics as metrics_lib
 from pipelinerl_jax.pipeline import run as run_lib
 from pipelinerl_jax.pipeline import stream as stream_lib
-from pipelinerl_jax.tasks.base import Problem, Score
-from pipelinerl_jax.tasks.math import MathScore
+from pipelinerl_jax.tasks.base import Problem, Score, Task
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 DATA = ROOT / 'tests' / 'data'
@@ -24,9 +23,9 @@ DATA = ROOT / 'tests' / 'data'
 @pytest.fixture(scope='module')
 def model_dir(tmp_path_factory):
   """An untrained demo-format model whose positions cover ~200-character math prompts."""
-  cfg = warmstart.WarmStartConfig(max_steps=0, eval_problems=8, max_position_embeddings=256)
+  demo = config_lib.DemoModelConfig(max_steps=0, eval_problems=8, max_position_embeddings=256)
   out = tmp_path_factory.mktemp('model') / 'demo'
-  return str(warmstart.build_demo_model(out, cfg, log=lambda *_: None))
+  return str(warmstart.build_demo_model(out, demo, log=lambda *_: None))
 
 
 def small_math_config(model_dir):
@@ -106,34 +105,40 @@ PROBLEM = Problem('p0', 'q', '1')
 
 
 def test_masked_samples_are_out_of_the_baseline():
-  scores = [MathScore(1.0, 'correct'), MathScore(0.0, 'no_answer', mask=True),
-            MathScore(0.0, 'wrong'), MathScore(0.0, 'no_answer', mask=True)]
+  scores = [Score(1.0, 'correct'), Score(0.0, 'no_answer', mask=True),
+            Score(0.0, 'wrong'), Score(0.0, 'no_answer', mask=True)]
   group = actor_lib.make_group(0, PROBLEM, [_completion(j) for j in range(4)], scores, CONFIG)
   # Baseline = mean of the two unmasked rewards (0.5), not of all four (0.25).
   assert [s.advantage for s in group.samples] == [0.5, -0.5]
   assert group.rewards.tolist() == [1.0, 0.0]
   assert group.statuses == ['correct', 'no_answer', 'wrong', 'no_answer']
   assert group.num_masked == 2
-  all_masked = [MathScore(0.0, 'no_answer', mask=True)] * 4
+  all_masked = [Score(0.0, 'no_answer', mask=True)] * 4
   assert actor_lib.make_group(0, PROBLEM, [_completion(j) for j in range(4)], all_masked,
                               CONFIG) is None
 
 
-class _FakeTask:
+class _FakeTask(Task):
   """score_many masks the truncated samples; records what it was told."""
 
   def __init__(self):
     self.calls = []
 
+  def problems(self, seed):
+    raise NotImplementedError
+
+  def score(self, problem, completion_text, truncated=False, num_tokens=None):
+    raise NotImplementedError
+
   def score_many(self, problems, texts, truncated, num_tokens):
     self.calls.append((list(truncated), list(num_tokens)))
-    return [MathScore(0.0, 'no_answer', mask=True) if t else MathScore(1.0, 'correct')
+    return [Score(0.0, 'no_answer', mask=True) if t else Score(1.0, 'correct')
             for t in truncated]
 
 
 def _actor(task, capacity=4):
   stream = stream_lib.SampleStream(capacity, threading.Event())
-  actor = actor_lib.Actor(engine=None, problems=iter(()), score=actor_lib.group_scorer(task),
+  actor = actor_lib.Actor(engine=None, problems=iter(()), task=task,
                           encode=None, decode=lambda t: 'x', stream=stream, config=CONFIG,
                           stop=threading.Event())
   assert stream.try_acquire(4)  # what _admit does for the group
@@ -166,13 +171,16 @@ def test_all_masked_group_is_dropped_and_releases_everything():
 
 
 def test_tasks_without_score_many_are_scored_per_sample():
-  class PerSample:
-    def score(self, problem, text):
-      return Score(float(text == 'a'), 'correct' if text == 'a' else 'wrong')
+  class PerSample(Task):
+    def problems(self, seed):
+      raise NotImplementedError
 
-  scorer = actor_lib.group_scorer(PerSample())
-  scores = scorer(PROBLEM, [_completion(0), _completion(1)], ['a', 'b'])
-  assert [s.status for s in scores] == ['correct', 'wrong']
+    def score(self, problem, completion_text, truncated=False, num_tokens=None):
+      good = completion_text == 'a' and not truncated
+      return Score(float(good), 'correct' if good else 'wrong')
+
+  scores = PerSample().score_many([PROBLEM] * 3, ['a', 'b', 'a'], [False, False, True])
+  assert [s.status for s in scores] == ['correct', 'wrong', 'wrong']
 
 
 # --- config ----------------------------------------------------------------------------------
@@ -196,7 +204,7 @@ def _filled(preset='tiny', **task):
     ('test_fraction', 1.0, 'must be in [0, 1)'),
     ('verify_timeout_s', 0.0, 'must be > 0'),
     ('verify_workers', 0, 'must be >= 1'),
-    ('name', 'chess', "unknown task 'chess'"),
+    ('name', 'chess', "must be one of 'arithmetic', 'math', got 'chess'"),
 ])
 def test_bad_math_fields_name_the_key(key, value, message):
   c = _filled()
@@ -209,7 +217,7 @@ def test_bad_math_fields_name_the_key(key, value, message):
 def test_bad_reward_and_missing_model_and_eval_set():
   c = _filled()
   c.task.reward.truncated = 'drop'
-  with pytest.raises(ValueError, match=r"^config.task.reward: truncated='drop'") as e:
+  with pytest.raises(ValueError, match=r"^config.task.reward.truncated: must be one of") as e:
     config_lib.validate(c)
   assert '\n' not in str(e.value)
   c = _filled()

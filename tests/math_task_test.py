@@ -9,8 +9,9 @@ import time
 
 import pytest
 
+from pipelinerl_jax import config as config_lib
 from pipelinerl_jax.tasks import math as math_task
-from pipelinerl_jax.tasks.base import STATUSES, Problem
+from pipelinerl_jax.tasks.base import STATUSES, Problem, Score
 
 DATA = pathlib.Path(__file__).resolve().parent / 'data'
 TIMEOUT_S = 2.0
@@ -46,7 +47,7 @@ def judge(task, gold, answer, **kw):
     ('20\\%', '\\frac{1}{5}'), ('12.5\\%', '0.125'),
 ])
 def test_equivalent_forms_are_correct(task, gold, answer):
-  assert judge(task, gold, answer) == math_task.MathScore(1.0, 'correct')
+  assert judge(task, gold, answer) == Score(1.0, 'correct')
 
 
 @pytest.mark.parametrize('gold,answer', [
@@ -57,7 +58,7 @@ def test_equivalent_forms_are_correct(task, gold, answer):
     ('5', '\\text{5 cm}'),  # the number inside \text{} reads as the symbol "5cm"
 ])
 def test_wrong_answers_are_wrong(task, gold, answer):
-  assert judge(task, gold, answer) == math_task.MathScore(0.0, 'wrong')
+  assert judge(task, gold, answer) == Score(0.0, 'wrong')
 
 
 def test_only_the_last_box_counts(task):
@@ -70,8 +71,8 @@ def test_only_the_last_box_counts(task):
 def test_no_answer_and_unparsable(task):
   p = Problem('p', 'q', '2')
   before = task.counters
-  assert task.score(p, 'The answer is 2.') == math_task.MathScore(0.0, 'no_answer')
-  assert task.score(p, 'unclosed \\boxed{2') == math_task.MathScore(0.0, 'no_answer')
+  assert task.score(p, 'The answer is 2.') == Score(0.0, 'no_answer')
+  assert task.score(p, 'unclosed \\boxed{2') == Score(0.0, 'no_answer')
   assert task.score(p, '\\boxed{ }').status == 'unparsable'  # pre-check: empty
   assert task.score(p, '\\boxed{?}').status == 'unparsable'  # math-verify reads no math
   assert task.score(Problem('p', 'q', '\\frac{'), '\\boxed{2}').status == 'unparsable'
@@ -177,42 +178,42 @@ def test_soft_overlong_penalty_boundaries():
 
 def test_reward_table_truncation_and_overlong():
   make = math_task.make_score
-  table = math_task.RewardConfig(correct=2.0, wrong=-1.0, no_answer=-0.5, unparsable=-0.25)
+  table = config_lib.RewardConfig(correct=2.0, wrong=-1.0, no_answer=-0.5, unparsable=-0.25)
   assert [make(s, table).reward for s in STATUSES] == [2.0, -1.0, -0.5, -0.25]
-  assert make('correct', table, truncated=True) == math_task.MathScore(2.0, 'correct')  # 'none'
-  mask = math_task.RewardConfig(truncated='mask')
-  assert make('correct', mask, truncated=True) == math_task.MathScore(0.0, 'correct', mask=True)
+  assert make('correct', table, truncated=True) == Score(2.0, 'correct')  # 'none'
+  mask = config_lib.RewardConfig(truncated='mask')
+  assert make('correct', mask, truncated=True) == Score(0.0, 'correct', mask=True)
   assert not make('correct', mask, truncated=False).mask
-  pen = math_task.RewardConfig(truncated='penalize', truncated_reward=-1.0)
+  pen = config_lib.RewardConfig(truncated='penalize', truncated_reward=-1.0)
   assert make('correct', pen, truncated=True).reward == -1.0
-  soft = math_task.RewardConfig(overlong_max_len=100, overlong_buffer=20)
+  soft = config_lib.RewardConfig(overlong_max_len=100, overlong_buffer=20)
   assert make('correct', soft, num_tokens=80).reward == 1.0
   assert make('correct', soft, num_tokens=90).reward == pytest.approx(0.5)
   assert make('wrong', soft, num_tokens=200).reward == -1.0
   assert make('correct', soft).reward == 1.0  # no length given: no penalty
   with pytest.raises(ValueError, match='truncated'):
-    math_task.RewardConfig(truncated='drop')
+    config_lib.RewardConfig(truncated='drop')
   with pytest.raises(ValueError, match='overlong_buffer'):
-    math_task.RewardConfig(overlong_max_len=10, overlong_buffer=20)
+    config_lib.RewardConfig(overlong_max_len=10, overlong_buffer=20)
 
 
 def test_truncated_samples_in_the_task(task):
   p = Problem('p', 'q', '4')
   text = '\\boxed{4} and then it went on and on'
   try:
-    task.rewards = math_task.RewardConfig(truncated='mask')
+    task.rewards = config_lib.RewardConfig(truncated='mask')
     before = task.counters
     masked = task.score(p, text, truncated=True)
     assert masked.mask and masked.reward == 0.0 and masked.status == 'no_answer'
     assert task.counters['masked'] - before['masked'] == 1
     assert task.counters['truncated'] - before['truncated'] == 1
-    task.rewards = math_task.RewardConfig(truncated='penalize', truncated_reward=-0.5)
-    assert task.score(p, text, truncated=True) == math_task.MathScore(-0.5, 'no_answer')
-    task.rewards = math_task.RewardConfig(truncated='none', overlong_max_len=100,
+    task.rewards = config_lib.RewardConfig(truncated='penalize', truncated_reward=-0.5)
+    assert task.score(p, text, truncated=True) == Score(-0.5, 'no_answer')
+    task.rewards = config_lib.RewardConfig(truncated='none', overlong_max_len=100,
                                           overlong_buffer=10)
     assert task.score(p, text, truncated=True, num_tokens=95).reward == pytest.approx(0.5)
   finally:
-    task.rewards = math_task.RewardConfig()
+    task.rewards = config_lib.RewardConfig()
 
 
 # --- prompts ---------------------------------------------------------------------------------

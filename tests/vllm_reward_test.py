@@ -24,7 +24,7 @@ def demo_config(seed):
   c = config_lib.load_preset('tiny')
   c.seed = seed
   c.generation.backend = 'vllm'
-  c.generation.vllm_kv_cache_mb = 64
+  c.generation.vllm.kv_cache_mb = 64
   c.rl.total_steps = STEPS
   c.rl.max_time_s = 0.0
   c.log.tensorboard = False

@@ -1,5 +1,6 @@
 """Character tokenizer, the demo model build (HF dir, cache) and the SFT warm start."""
 
+import dataclasses
 import json
 import time
 
@@ -10,6 +11,7 @@ import pytest
 import torch
 import transformers
 
+from pipelinerl_jax import config as config_lib
 from pipelinerl_jax.demo import warmstart
 from pipelinerl_jax.demo import char_tokenizer
 from pipelinerl_jax.models import hf_io
@@ -18,8 +20,9 @@ from pipelinerl_jax.tasks import ArithmeticTask
 
 # A build small enough for a test: 32 SFT examples seen 150 times (memorized), never stopped
 # early by the accuracy target.
-TINY = warmstart.WarmStartConfig(sft_examples=32, batch_size=32, max_steps=150, eval_every=50,
-                                 eval_problems=16, target_sampled_accuracy=2.0)
+TINY = config_lib.DemoModelConfig(sft_examples=32, batch_size=32, max_steps=150, eval_every=50,
+                                  eval_problems=16, target_sampled_accuracy=2.0)
+TASK = ArithmeticTask()
 
 
 @pytest.fixture(scope='module')
@@ -27,7 +30,7 @@ def built(tmp_path_factory):
   out = tmp_path_factory.mktemp('demo') / 'model'
   logs = []
   start = time.perf_counter()
-  path = warmstart.build_demo_model(out, TINY, log=logs.append)
+  path = warmstart.build_demo_model(out, TINY, TASK, log=logs.append)
   return path, logs, time.perf_counter() - start
 
 
@@ -77,25 +80,27 @@ def test_second_build_is_a_cache_hit(built):
   stamp_mtime = (path / warmstart.STAMP_FILE).stat().st_mtime_ns
   logs = []
   start = time.perf_counter()
-  assert warmstart.build_demo_model(path, TINY, log=logs.append) == path
+  assert warmstart.build_demo_model(path, TINY, TASK, log=logs.append) == path
   assert time.perf_counter() - start < min(1.0, first_seconds / 5)
   assert logs == [] and (path / warmstart.STAMP_FILE).stat().st_mtime_ns == stamp_mtime
   # Other settings would rebuild: the stamp's hash tells them apart.
-  other = warmstart.WarmStartConfig.from_mapping({**TINY.__dict__, 'max_steps': 151})
-  assert warmstart.settings_hash(other) != warmstart.read_stamp(path)['settings_hash']
+  stored = warmstart.read_stamp(path)['settings_hash']
+  other = dataclasses.replace(TINY, max_steps=151)
+  assert warmstart.settings_hash(other, TASK) != stored
+  assert warmstart.settings_hash(TINY, ArithmeticTask(digits=3)) != stored
 
 
 def test_sft_lowers_loss_and_learns_the_sft_set(built):
   path, _, _ = built
   stamp = warmstart.read_stamp(path)
-  assert stamp['settings_hash'] == warmstart.settings_hash(TINY)
+  assert stamp['settings_hash'] == warmstart.settings_hash(TINY, TASK)
   losses = [h['loss'] for h in stamp['history']]
   assert [h['step'] for h in stamp['history']] == [50, 100, 150]
   assert losses[-1] < 0.5 * losses[0] and losses[-1] < 0.5
 
   config = hf_io.load_config(path)
   tok = char_tokenizer.load_tokenizer(path)
-  task = warmstart.make_task(TINY)
+  task = TASK
   sft_set = task.sft_problems(TINY.sft_seed, TINY.sft_examples)
   fresh = transformer.init_params(config, jax.random.PRNGKey(TINY.init_seed))
   before = warmstart.evaluate_accuracy(fresh, config, tok, task, sft_set, 0.0)
@@ -112,7 +117,7 @@ def test_evaluate_accuracy_greedy_is_deterministic_sampling_is_seeded(built):
   config = hf_io.load_config(path)
   params = hf_io.load_params(path, config)
   tok = char_tokenizer.build_char_tokenizer()  # the in-process tokenizer works as well
-  task = warmstart.make_task(TINY)
+  task = TASK
   problems = task.sft_problems(TINY.sft_seed, 16)
   run = lambda temp, seed: warmstart.evaluate_accuracy(params, config, tok, task, problems, temp,
                                                        seed=seed, return_texts=True)['texts']
@@ -122,10 +127,27 @@ def test_evaluate_accuracy_greedy_is_deterministic_sampling_is_seeded(built):
   assert samples[0] != samples[1]
 
 
-def test_config_checks():
+def test_demo_settings_are_checked():
   with pytest.raises(ValueError, match='head_dim'):
-    warmstart.WarmStartConfig(hidden_size=48, head_dim=24)
-  with pytest.raises(TypeError):
-    warmstart.WarmStartConfig.from_mapping({'no_such_field': 1})
-  cfg = warmstart.WarmStartConfig.from_mapping({'ops': ['+', '-'], 'lr': 3e-3})
-  assert cfg.ops == ('+', '-') and warmstart.make_task(cfg).ops == ('+', '-')
+    config_lib.DemoModelConfig(hidden_size=48, head_dim=24)
+  c = config_lib.base_config()
+  c.model.demo.no_such_field = 1
+  with pytest.raises(ValueError, match=r'^config.model.demo.no_such_field: unknown key'):
+    config_lib.validate(c)
+
+
+def test_model_dir_for_a_config_builds_the_demo_model_of_its_task(tmp_path):
+  c = config_lib.base_config()
+  c.model.cache_dir = str(tmp_path)
+  c.model.demo.max_steps = 0
+  c.model.demo.eval_problems = 8
+  c.task.ops = ('+', '-')
+  config = config_lib.validate(c)
+  path = warmstart.model_dir_for(config)
+  stamp = warmstart.read_stamp(path)
+  assert path.startswith(str(tmp_path)) and stamp['task']['ops'] == ['+', '-']
+  assert stamp['settings_hash'] == warmstart.settings_hash(config.model.demo,
+                                                           ArithmeticTask(ops=('+', '-')))
+  c.model.path = str(tmp_path / 'nowhere')
+  with pytest.raises(FileNotFoundError, match='config.model.path: no config.json'):
+    warmstart.model_dir_for(config_lib.validate(c))

@@ -20,7 +20,14 @@ import ml_collections
 import numpy as np
 
 from pipelinerl_jax import config as config_lib
+from pipelinerl_jax.demo import warmstart
+from pipelinerl_jax.generation import api
+from pipelinerl_jax.generation import jax_engine
+from pipelinerl_jax.models import hf_io
+from pipelinerl_jax.models import transformer
 from pipelinerl_jax.pipeline import metrics as metrics_lib
+from pipelinerl_jax.pipeline import run as run_lib
+from pipelinerl_jax.tasks import registry
 
 SMOOTH_WINDOW = 10   # rewards swing +-0.1 step to step: targets are on a 10-step trailing mean
 # ESS and lag of conv<k> repeat every k steps (lag 0..k-1): a window that is a multiple of
@@ -84,10 +91,14 @@ def mode_config(config: ml_collections.ConfigDict, mode: str, conventional_slots
   return c
 
 
+def task_of(config: ml_collections.ConfigDict):
+  """The task a run of this config trains on (arithmetic: no tokenizer needed)."""
+  return registry.make_task(config_lib.validate(config).task)
+
+
 def model_dir_for(config: ml_collections.ConfigDict) -> str:
   """The warm-started demo model of this config (built once into the cache)."""
-  from pipelinerl_jax.pipeline import run as run_lib
-  return run_lib.resolve_model_dir(config)
+  return warmstart.model_dir_for(config_lib.validate(config))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -98,7 +109,6 @@ def run_once(config: ml_collections.ConfigDict, workdir: str, model_dir: str,
              name: str = '') -> dict[str, Any]:
   """One RL run; returns its records and counters (not its final weights), and the host load
   before and after, because a shared machine's load changes how fast a run goes."""
-  from pipelinerl_jax.pipeline import run as run_lib
   load_before = os.getloadavg()[0]
   t0 = time.monotonic()
   summary = run_lib.run(config, workdir, model_dir=model_dir)
@@ -260,7 +270,6 @@ def policy_snapshots(config: ml_collections.ConfigDict, workdir: str, model_dir:
   They are taken where the trainer hands them to the engine (`update_params`), which always
   gets a fresh copy the trainer never donates, so keeping a reference is safe.
   """
-  from pipelinerl_jax.pipeline import run as run_lib
   wanted = set(versions)
   snapshots: dict[int, Any] = {}
 
@@ -287,8 +296,7 @@ def _generate_with_update(model_config, params_old, params_new, engine_config, r
                           update_after: int | None):
   """Runs `requests` (all in slots at once) under params_old; after `update_after` token steps
   the engine switches to params_new (None: never). Completions in request order."""
-  from pipelinerl_jax.generation import jax_engine as engine_lib
-  with engine_lib.JaxEngine(model_config, params_old, engine_config) as engine:
+  with jax_engine.JaxEngine(model_config, params_old, engine_config) as engine:
     for r in requests:
       engine.submit(r)
     done, steps = {}, 0
@@ -303,7 +311,6 @@ def _generate_with_update(model_config, params_old, params_new, engine_config, r
 
 @functools.partial(jax.jit, static_argnames=('config',))
 def _token_logprobs_jit(params, inputs, targets, positions, segment_ids, *, config):
-  from pipelinerl_jax.models import transformer
   return transformer.token_logprobs(params, config, inputs, targets, positions, segment_ids)
 
 
@@ -313,7 +320,6 @@ def _token_logprobs(params, config, *arrays):
 
 def _logprobs_under(params, model_config, completions) -> list[np.ndarray]:
   """log pi(token) of each completion token under `params`, by one full forward (no cache)."""
-  from pipelinerl_jax.models import transformer
   rows = [list(c.prompt_tokens) + [int(t) for t in c.tokens] for c in completions]
   width = max(len(r) for r in rows)
   tokens = np.zeros((len(rows), width), np.int32)
@@ -363,10 +369,6 @@ def stale_kv_experiment(model_dir: str, snapshots: dict[int, Any], task, *,
   sampled after it, where stale and recomputed KV differ.
   """
   from transformers import AutoTokenizer
-  from pipelinerl_jax.generation import api
-  from pipelinerl_jax.generation import jax_engine as engine_lib
-  from pipelinerl_jax.models import hf_io
-  from pipelinerl_jax.demo.warmstart import eos_id
 
   tokenizer = AutoTokenizer.from_pretrained(model_dir)
   model_config = hf_io.load_config(model_dir)
@@ -384,9 +386,9 @@ def stale_kv_experiment(model_dir: str, snapshots: dict[int, Any], task, *,
       row = dict(lag=lag, update_after=m)
       for variant, recompute, switch in (('no_update', False, None), ('stale_kv', False, m),
                                          ('recompute_kv', True, m)):
-        engine_config = engine_lib.EngineConfig(
+        engine_config = jax_engine.EngineConfig(
             num_slots=len(requests), max_seq_len=max_prompt_len + max_new_tokens,
-            eos_token_ids=(eos_id(tokenizer),), recompute_kv=recompute)
+            eos_token_ids=(warmstart.eos_id(tokenizer),), recompute_kv=recompute)
         completions = _generate_with_update(model_config, old, new, engine_config, requests,
                                             switch)
         behaviour = [c.logprobs for c in completions]
@@ -401,5 +403,4 @@ def stale_kv_experiment(model_dir: str, snapshots: dict[int, Any], task, *,
 
 def warm_start_params(model_dir: str):
   """The model's params on the host (policy 0 of `stale_kv_experiment`)."""
-  from pipelinerl_jax.models import hf_io
   return jax.device_get(hf_io.load_params(model_dir, hf_io.load_config(model_dir)))

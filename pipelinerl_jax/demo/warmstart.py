@@ -1,15 +1,14 @@
-"""The CPU demo's starting policy: a tiny Qwen2 model, SFT-warmed on arithmetic, saved as an HF dir.
+"""The CPU demo's starting policy: a tiny Qwen2 model, SFT-warmed on its task, saved as an HF dir.
 
-`build_demo_model(out_dir, cfg)` random-initializes a small Qwen2 `ModelConfig` over the
-character tokenizer, imitates a small fixed set of SFT-pool problems (`tasks.arithmetic`) until
-its sampled accuracy on unseen RL-pool problems reaches `cfg.target_sampled_accuracy` (or the
-step budget ends), and saves config.json + model.safetensors + tokenizer files + warmstart.json.
-The build is cached: warmstart.json carries a hash of the settings, and a dir whose hash matches
-is returned at once. RL then starts from a policy that knows the answer format but gets only a
-minority of unseen problems right, and has to earn the rest.
+`build_demo_model(out_dir, demo, task)` random-initializes a small Qwen2 `ModelConfig` over the
+character tokenizer, imitates a small fixed set of the task's SFT-pool problems until its sampled
+accuracy on unseen RL-pool problems reaches `demo.target_sampled_accuracy` (or the step budget
+ends), and saves config.json + model.safetensors + tokenizer files + warmstart.json. The build is
+cached: warmstart.json carries a hash of the settings, and a dir whose hash matches is returned at
+once. RL then starts from a policy that knows the answer format but gets only a minority of
+unseen problems right, and has to earn the rest.
 
-`evaluate_accuracy` (greedy with temperature 0, sampled otherwise) runs the generation engine;
-the demo and the tests reuse it.
+`model_dir_for(config)` is where a run finds its model: config.model.path, or this build.
 """
 
 from __future__ import annotations
@@ -23,83 +22,62 @@ import os
 import shutil
 import time
 from pathlib import Path
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 
+from pipelinerl_jax import config as config_lib
+from pipelinerl_jax import evaluation
 from pipelinerl_jax import packing
 from pipelinerl_jax import train
-from pipelinerl_jax.generation import api as gen_api
-from pipelinerl_jax.generation import jax_engine as gen_engine
 from pipelinerl_jax.demo import char_tokenizer
+from pipelinerl_jax.generation import api as gen_api
+from pipelinerl_jax.generation import jax_engine
 from pipelinerl_jax.models import hf_io
 from pipelinerl_jax.models import transformer
 from pipelinerl_jax.tasks import arithmetic
 from pipelinerl_jax.tasks import base as tasks_base
+from pipelinerl_jax.tasks import registry
 
 STAMP_FILE = 'warmstart.json'
-BUILD_VERSION = 1  # bump when the build's code changes what a given config produces
+BUILD_VERSION = 2  # bump when the build's code changes what given settings produce
+DEFAULT_CACHE = '~/.cache/pipelinerl_jax'
 
 
-@dataclasses.dataclass(frozen=True)
-class WarmStartConfig:
-  # Model. head_dim must be 32 or 64 for vLLM's CPU attention.
-  hidden_size: int = 64
-  intermediate_size: int = 256
-  num_layers: int = 2
-  num_heads: int = 2
-  num_kv_heads: int = 2
-  head_dim: int = 32
-  max_position_embeddings: int = 128
-  init_seed: int = 0
-  # Task (the RL phase must build the same task: `make_task(cfg)`).
-  ops: tuple[str, ...] = ('+',)
-  digits: int = 2
-  sft_pool_mod: int = 8
-  # SFT.
-  sft_examples: int = 1000       # the fixed supervised set, from the SFT pool
-  sft_seed: int = 0
-  batch_size: int = 128
-  lr: float = 1e-3
-  max_steps: int = 2000
-  eval_every: int = 25
-  eval_problems: int = 128       # unseen RL-pool problems, sampled at temperature 1
-  eval_seed: int = 10_000
-  target_sampled_accuracy: float = 0.3
-
-  def __post_init__(self):
-    object.__setattr__(self, 'ops', tuple(self.ops))
-    if self.head_dim not in (32, 64):
-      raise ValueError(f'head_dim={self.head_dim}: vLLM on CPU supports 32 or 64 for a tiny model')
-    if self.max_steps < 0 or self.eval_every < 1 or self.batch_size < 1:
-      raise ValueError('need max_steps >= 0, eval_every >= 1, batch_size >= 1')
-
-  @classmethod
-  def from_mapping(cls, cfg: Mapping[str, Any] | 'WarmStartConfig') -> 'WarmStartConfig':
-    """Accepts the dataclass, a dict or an ml_collections.ConfigDict (unknown keys raise)."""
-    if isinstance(cfg, cls):
-      return cfg
-    d = cfg.to_dict() if hasattr(cfg, 'to_dict') else dict(cfg)
-    return cls(**d)
+def model_dir_for(config: config_lib.Config) -> str:
+  """config.model.path, or the demo model of config.model.demo and config.task, built once into
+  the cache (keyed by its settings)."""
+  if config.model.path:
+    if not os.path.isfile(os.path.join(config.model.path, hf_io.CONFIG_FILE)):
+      raise FileNotFoundError(f'config.model.path: no {hf_io.CONFIG_FILE} in {config.model.path}')
+    return config.model.path
+  task = registry.make_task(config.task)
+  try:
+    cache = os.path.expanduser(config.model.cache_dir or DEFAULT_CACHE)
+    out = os.path.join(cache, f'demo-{settings_hash(config.model.demo, task)}')
+    return str(build_demo_model(out, config.model.demo, task))
+  finally:
+    task.close()
 
 
-def make_task(cfg: WarmStartConfig) -> arithmetic.ArithmeticTask:
-  return arithmetic.ArithmeticTask(ops=cfg.ops, digits=cfg.digits, sft_pool_mod=cfg.sft_pool_mod)
-
-
-def make_model_config(cfg: WarmStartConfig, vocab_size: int) -> transformer.ModelConfig:
+def make_model_config(demo: config_lib.DemoModelConfig, vocab_size: int
+                      ) -> transformer.ModelConfig:
   return transformer.ModelConfig(
-      vocab_size=vocab_size, hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
-      num_layers=cfg.num_layers, num_heads=cfg.num_heads, num_kv_heads=cfg.num_kv_heads,
-      head_dim=cfg.head_dim, qkv_bias=True, max_position_embeddings=cfg.max_position_embeddings,
+      vocab_size=vocab_size, hidden_size=demo.hidden_size,
+      intermediate_size=demo.intermediate_size, num_layers=demo.num_layers,
+      num_heads=demo.num_heads, num_kv_heads=demo.num_kv_heads, head_dim=demo.head_dim,
+      qkv_bias=True, max_position_embeddings=demo.max_position_embeddings,
       architecture='Qwen2ForCausalLM')
 
 
-def settings_hash(cfg: WarmStartConfig) -> str:
-  blob = json.dumps({'build_version': BUILD_VERSION, **dataclasses.asdict(cfg)}, sort_keys=True)
+def settings_hash(demo: config_lib.DemoModelConfig, task: tasks_base.Task) -> str:
+  """What a build depends on: the demo settings and the task (a dataclass: its fields)."""
+  task_settings = {'task': type(task).__name__, **dataclasses.asdict(task)}
+  blob = json.dumps({'build_version': BUILD_VERSION, 'demo': dataclasses.asdict(demo),
+                     **task_settings}, sort_keys=True)
   return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
@@ -184,36 +162,35 @@ def evaluate_accuracy(params, model_config: transformer.ModelConfig, tokenizer, 
                       problems: Sequence[tasks_base.Problem], temperature: float, *,
                       max_tokens: int | None = None, num_slots: int = 128, seed: int = 0,
                       return_texts: bool = False) -> dict[str, Any]:
-  """Generates one completion per problem (temperature 0 = greedy) and scores it.
+  """One completion per problem (temperature 0 = greedy), scored: `evaluation.evaluate` on a
+  JAX engine sized for these problems.
 
-  Returns {'accuracy': mean reward, 'statuses': {status: count}, 'num': N} (+ 'texts').
-  Request i uses seed `seed + i`, so a sampled evaluation is reproducible.
+  Returns {'accuracy': fraction correct, 'statuses': {status: count}, 'num': N} (+ 'texts').
   """
-  prompts = [encode(tokenizer, p.prompt) for p in problems]
+  prompts = {p.prompt: encode(tokenizer, p.prompt) for p in problems}
   if max_tokens is None:  # room for the answer plus a little slack before 'length'
     max_tokens = max(len(encode(tokenizer, task.target(p))) for p in problems) + 4
-  max_prompt = max(len(p) for p in prompts)
+  max_prompt = max(len(ids) for ids in prompts.values())
   # Powers of two so repeated evaluations (different sets, same sizes) reuse the compiled step.
   max_seq_len = 1 << (max_prompt + max_tokens - 1).bit_length()
   slots = min(num_slots, 1 << (len(problems) - 1).bit_length())
-  engine = gen_engine.JaxEngine(
+  engine = jax_engine.JaxEngine(
       model_config, params,
-      gen_engine.EngineConfig(num_slots=slots, max_seq_len=max_seq_len,
+      jax_engine.EngineConfig(num_slots=slots, max_seq_len=max_seq_len,
                               eos_token_ids=(eos_id(tokenizer),)))
-  sampling = gen_api.SamplingParams(temperature=temperature, max_tokens=max_tokens)
-  requests = [gen_api.Request(request_id=str(i), prompt_tokens=ids, sampling=sampling,
-                              seed=seed + i) for i, ids in enumerate(prompts)]
   try:
-    completions = gen_api.generate(engine, requests)
+    result = evaluation.evaluate(
+        engine, {'warmstart': list(problems)}, task, encode=lambda p: prompts[p.prompt],
+        decode=lambda t: tokenizer.decode(t.tolist(), skip_special_tokens=True),
+        sampling=gen_api.SamplingParams(temperature=temperature, max_tokens=max_tokens),
+        k=1, seed=seed)
   finally:
     engine.close()
-  texts = [tokenizer.decode(c.tokens.tolist(), skip_special_tokens=True) for c in completions]
-  scores = [task.score(p, t) for p, t in zip(problems, texts)]
-  statuses = collections.Counter(s.status for s in scores)
-  out = {'accuracy': float(np.mean([s.reward for s in scores])),
-         'statuses': {k: statuses.get(k, 0) for k in tasks_base.STATUSES}, 'num': len(problems)}
+  statuses = collections.Counter(s['status'] for s in result['samples'])
+  out = {'accuracy': result['pass@1'], 'num': len(problems),
+         'statuses': {k: statuses.get(k, 0) for k in tasks_base.STATUSES}}
   if return_texts:
-    out['texts'] = texts
+    out['texts'] = [s['completion'] for s in result['samples']]
   return out
 
 
@@ -221,25 +198,26 @@ def evaluate_accuracy(params, model_config: transformer.ModelConfig, tokenizer, 
 # The build.
 
 
-def train_sft(params, model_config: transformer.ModelConfig, cfg: WarmStartConfig, tokenizer,
-              task, log: Callable[[str], None] = print) -> tuple[Any, list[dict]]:
+def train_sft(params, model_config: transformer.ModelConfig, demo: config_lib.DemoModelConfig,
+              tokenizer, task: tasks_base.Task, log: Callable[[str], None] = print
+              ) -> tuple[Any, list[dict]]:
   """SFT on the fixed SFT set until sampled accuracy on unseen problems reaches the target or
   max_steps; returns (params, history of evaluations)."""
-  sft_set = task.sft_problems(cfg.sft_seed, cfg.sft_examples)
+  sft_set = task.sft_problems(demo.sft_seed, demo.sft_examples)
   examples = encode_examples(tokenizer, task, sft_set)
-  eval_set = list(_take(task.problems(cfg.eval_seed), cfg.eval_problems))
-  num_rows, seq_len = packed_shape(max(len(p) + len(c) for p, c in examples), cfg.batch_size)
+  eval_set = list(_take(task.problems(demo.eval_seed), demo.eval_problems))
+  num_rows, seq_len = packed_shape(max(len(p) + len(c) for p, c in examples), demo.batch_size)
 
-  optimizer = train.make_optimizer(train.OptimizerConfig(lr=cfg.lr, max_grad_norm=1.0))
+  optimizer = train.make_optimizer(config_lib.OptimizerConfig(lr=demo.lr, max_grad_norm=1.0))
   state = train.init_train_state(params, optimizer)
   step_fn = jax.jit(make_sft_step(model_config, optimizer), donate_argnums=(0,))
-  rng = np.random.default_rng(cfg.sft_seed)
+  rng = np.random.default_rng(demo.sft_seed)
   order, cursor = rng.permutation(len(examples)), 0
   history, start, losses = [], time.perf_counter(), []
 
   def evaluate(step):
     acc = evaluate_accuracy(state.params, model_config, tokenizer, task, eval_set, 1.0,
-                            seed=step * cfg.eval_problems)
+                            seed=step)
     loss = float(np.mean(losses)) if losses else float('nan')
     history.append({'step': step, 'loss': loss, 'sampled_accuracy': acc['accuracy'],
                     'statuses': acc['statuses'], 'seconds': time.perf_counter() - start})
@@ -249,9 +227,9 @@ def train_sft(params, model_config: transformer.ModelConfig, cfg: WarmStartConfi
     return acc['accuracy']
 
   step = 0
-  while step < cfg.max_steps:
+  while step < demo.max_steps:
     picks = []
-    for _ in range(min(cfg.batch_size, len(examples))):  # epochs of a shuffled fixed set
+    for _ in range(min(demo.batch_size, len(examples))):  # epochs of a shuffled fixed set
       if cursor == len(order):
         order, cursor = rng.permutation(len(examples)), 0
       picks.append(examples[order[cursor]])
@@ -259,7 +237,7 @@ def train_sft(params, model_config: transformer.ModelConfig, cfg: WarmStartConfi
     state, metrics = step_fn(state, pack_examples(picks, seq_len, num_rows))
     losses.append(float(metrics['loss']))
     step += 1
-    if step % cfg.eval_every == 0 and evaluate(step) >= cfg.target_sampled_accuracy:
+    if step % demo.eval_every == 0 and evaluate(step) >= demo.target_sampled_accuracy:
       break
   else:
     if not history or history[-1]['step'] != step:
@@ -267,12 +245,15 @@ def train_sft(params, model_config: transformer.ModelConfig, cfg: WarmStartConfi
   return state.params, history
 
 
-def build_demo_model(out_dir: str | os.PathLike, cfg: WarmStartConfig | Mapping[str, Any] = None,
+def build_demo_model(out_dir: str | os.PathLike,
+                     demo: config_lib.DemoModelConfig = config_lib.DemoModelConfig(),
+                     task: tasks_base.Task | None = None,
                      log: Callable[[str], None] = print) -> Path:
-  """Builds (or finds cached) the warm-started demo model in out_dir; returns out_dir."""
-  cfg = WarmStartConfig.from_mapping(cfg if cfg is not None else WarmStartConfig())
+  """Builds (or finds cached) the warm-started demo model in out_dir; returns out_dir. `task`
+  defaults to the default arithmetic task."""
+  task = task or arithmetic.ArithmeticTask()
   out_dir = Path(out_dir)
-  digest = settings_hash(cfg)
+  digest = settings_hash(demo, task)
   if (read_stamp(out_dir).get('settings_hash') == digest and
       (out_dir / hf_io.SINGLE_FILE).exists()):
     return out_dir
@@ -280,12 +261,11 @@ def build_demo_model(out_dir: str | os.PathLike, cfg: WarmStartConfig | Mapping[
   start = time.perf_counter()
   log(f'[warmstart] building the demo model in {out_dir} (settings {digest})')
   tok = char_tokenizer.build_char_tokenizer()
-  task = make_task(cfg)
-  model_config = make_model_config(cfg, tok.get_vocab_size())
-  params = transformer.init_params(model_config, jax.random.PRNGKey(cfg.init_seed))
-  log(f'[warmstart] {model_config.num_params:,} params; SFT on {cfg.sft_examples} examples')
-  params, history = train_sft(params, model_config, cfg, tok, task, log)
-  eval_set = list(_take(task.problems(cfg.eval_seed), cfg.eval_problems))
+  model_config = make_model_config(demo, tok.get_vocab_size())
+  params = transformer.init_params(model_config, jax.random.PRNGKey(demo.init_seed))
+  log(f'[warmstart] {model_config.num_params:,} params; SFT on {demo.sft_examples} examples')
+  params, history = train_sft(params, model_config, demo, tok, task, log)
+  eval_set = list(_take(task.problems(demo.eval_seed), demo.eval_problems))
   greedy = evaluate_accuracy(params, model_config, tok, task, eval_set, 0.0)
   log(f'[warmstart] done in {time.perf_counter() - start:.0f}s: greedy acc '
       f'{greedy["accuracy"]:.3f}, sampled acc {history[-1]["sampled_accuracy"]:.3f}')
@@ -298,9 +278,10 @@ def build_demo_model(out_dir: str | os.PathLike, cfg: WarmStartConfig | Mapping[
   ids = char_tokenizer.special_token_ids(tok)
   hf_io.save_params(params, model_config, tmp, dtype='float32',
                     extra_config={**ids, 'bos_token_id': None})
-  char_tokenizer.save_tokenizer(tok, tmp, model_max_length=cfg.max_position_embeddings)
+  char_tokenizer.save_tokenizer(tok, tmp, model_max_length=demo.max_position_embeddings)
   (tmp / 'generation_config.json').write_text(json.dumps(ids, indent=2) + '\n')
-  stamp = {'settings_hash': digest, 'settings': dataclasses.asdict(cfg),
+  stamp = {'settings_hash': digest, 'settings': dataclasses.asdict(demo),
+           'task': {'name': type(task).__name__, **dataclasses.asdict(task)},
            'sft_steps': history[-1]['step'], 'greedy_accuracy': greedy['accuracy'],
            'sampled_accuracy': history[-1]['sampled_accuracy'], 'history': history,
            'build_seconds': time.perf_counter() - start}

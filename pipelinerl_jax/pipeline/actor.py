@@ -45,31 +45,12 @@ def request_seed(seed: int, group_id: int, index: int) -> int:
   return zlib.crc32(f'{seed}/{group_id}/{index}'.encode()) & 0x7FFFFFFF
 
 
-GroupScorer = Callable[[tasks_base.Problem, list[api.Completion], list[str]],
-                      list[tasks_base.Score]]
-
-
-def group_scorer(task) -> GroupScorer:
-  """(problem, completions, texts) -> scores, one call per finished group: the task's
-  `score_many` when it has one (math: judged in parallel, told which samples hit the length
-  limit and how long they are), else `score` per sample (arithmetic)."""
-  if hasattr(task, 'score_many'):
-    return lambda problem, completions, texts: task.score_many(
-        [problem] * len(texts), texts, [c.finish_reason == 'length' for c in completions],
-        [len(c.tokens) for c in completions])
-  return lambda problem, completions, texts: [task.score(problem, t) for t in texts]
-
-
-def is_masked(score: tasks_base.Score) -> bool:
-  return bool(getattr(score, 'mask', False))
-
-
 def make_group(group_id: int, problem: tasks_base.Problem, completions: list[api.Completion],
                scores: list[tasks_base.Score], config: ActorConfig) -> stream_lib.Group | None:
   """The group of the unmasked samples, advantages computed over them alone; None when every
   sample is masked. `statuses` keeps all G samples' statuses (the metrics count them all)."""
   statuses = [s.status for s in scores]
-  kept = [(c, s) for c, s in zip(completions, scores) if not is_masked(s)]
+  kept = [(c, s) for c, s in zip(completions, scores) if not s.mask]
   if not kept:
     return None
   completions, scores = [c for c, _ in kept], [s for _, s in kept]
@@ -91,13 +72,14 @@ class Actor:
   """Mutable state of the generation side lives here and nowhere else."""
 
   def __init__(self, engine: api.Engine, problems: Iterator[tasks_base.Problem],
-               score: GroupScorer,
+               task: tasks_base.Task,
                encode: Callable[[tasks_base.Problem], list[int]],
                decode: Callable[[np.ndarray], str], stream: stream_lib.SampleStream,
                config: ActorConfig, stop: threading.Event,
                group_ids: Iterator[int] | None = None):
-    """`group_ids` numbers the `problems` (default 0, 1, ...; a resumed run starts later)."""
-    self.engine, self.problems, self.score = engine, problems, score
+    """`group_ids` numbers the `problems` (default 0, 1, ...; a resumed run starts later);
+    `task` scores them."""
+    self.engine, self.problems, self.task = engine, problems, task
     self.encode, self.decode = encode, decode
     self.stream, self.config, self.stop = stream, config, stop
     self.busy_intervals: list[tuple[float, float]] = []   # engine steps that did work
@@ -129,7 +111,11 @@ class Actor:
       return
     del self._open[gid]
     problem, completions = entry['problem'], entry['completions']
-    scores = self.score(problem, completions, [self.decode(c.tokens) for c in completions])
+    # One call per group (math judges its samples in parallel), told which samples hit the
+    # length limit and how long they are.
+    scores = self.task.score_many(
+        [problem] * len(completions), [self.decode(c.tokens) for c in completions],
+        [c.finish_reason == 'length' for c in completions], [len(c.tokens) for c in completions])
     group = make_group(gid, problem, completions, scores, self.config)
     num_masked = len(completions) - (len(group.samples) if group else 0)
     self.samples_masked += num_masked

@@ -1,5 +1,6 @@
 """Where a run's numbers go: DIR/metrics.jsonl (one object per optimizer step), TensorBoard
-event files, a live progress line, and DIR/curves.png at the end."""
+event files, a live progress line, DIR/curves.png and the summary at the end; and the
+generation/training overlap those numbers are judged by."""
 
 from __future__ import annotations
 
@@ -99,3 +100,31 @@ def plot_curves(records: list[dict[str, Any]], path: str, title: str = '') -> No
   fig.tight_layout()
   fig.savefig(path, dpi=110)
   plt.close(fig)
+
+
+def overlap_seconds(a: Sequence[tuple[float, float]], b: Sequence[tuple[float, float]]) -> float:
+  """Total time during which an interval of `a` and one of `b` both ran."""
+  total = 0.0
+  b = sorted(b)
+  for s, e in sorted(a):
+    for bs, be in b:
+      if bs >= e:
+        break
+      total += max(0.0, min(e, be) - max(s, bs))
+  return total
+
+
+def summary_text(summary: dict[str, Any], workdir: str) -> str:
+  """The line a finished run prints."""
+  records = summary['records']
+  if not records:
+    return f'no optimizer step completed; see {workdir}'
+  first, last = records[0], records[-1]
+  tail = records[-10:]
+  reward_tail = sum(r['reward_mean'] for r in tail) / len(tail)
+  return (f"done: {summary['steps']} steps, {summary['samples']} samples in "
+          f"{last['time_s']:.0f} s of RL. reward {first['reward_mean']:.3f} (first step) -> "
+          f"{reward_tail:.3f} (mean of last {len(tail)}); max lag {summary['max_lag_seen']}, "
+          f"stale samples dropped {summary['stale_dropped']}; generation/training overlap "
+          f"{summary['gen_train_overlap_s']:.0f} s. Metrics: {workdir}/metrics.jsonl, "
+          f"curves: {workdir}/curves.png")

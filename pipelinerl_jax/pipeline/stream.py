@@ -2,10 +2,9 @@
 
 Credits are how `max_lag` becomes backpressure on the actor. Every sample the actor admits
 holds a credit until the trainer has trained on it (or dropped it) AND published the weights
-that step made. With (max_lag + 1) * B credits, at most that many samples are in flight or
-queued, so a sample is normally trained within max_lag steps of the version that started it.
-The trainer still checks every sample's lag and drops (and counts) any that exceed max_lag,
-so the bound holds even for a straggler that decoded far longer than its peers.
+that step made; `capacity` says how many credits there are. The trainer still checks every
+sample's lag and drops (and counts) any that exceed max_lag, so the bound holds even for a
+straggler that decoded far longer than its peers.
 """
 
 from __future__ import annotations
@@ -17,7 +16,22 @@ from typing import Any, Iterable
 
 import numpy as np
 
+from pipelinerl_jax import config as config_lib
 from pipelinerl_jax import packing
+
+
+def capacity(rl: config_lib.RLConfig, num_slots: int) -> int:
+  """Admission credits, in samples.
+
+  Conventional: exactly the generated batch of B * G samples that G optimizer steps will use.
+  Pipeline: (max_lag + 1) * B makes max_lag a bound: at most that many samples are in flight or
+  queued, so a sample is normally trained within max_lag steps of the version that started it.
+  H + B keeps no more queued than the trainer's next batch: when generation outpaces training,
+  extra queued samples would only wait and grow stale.
+  """
+  if rl.mode == 'conventional':
+    return rl.batch_size * rl.conventional_steps
+  return min((rl.max_lag + 1) * rl.batch_size, num_slots + rl.batch_size)
 
 
 @dataclasses.dataclass

@@ -10,7 +10,6 @@ import time
 from typing import Any, Callable
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from pipelinerl_jax import packing
@@ -29,6 +28,7 @@ class TrainerConfig:
   total_steps: int = 100
   max_time_s: float = 0.0           # 0 = no limit
   overlong: str = 'error'
+  eval_every_steps: int = 0         # with an `evaluate` function; 0 = never
 
 
 def bucket_rows(num_rows: int, multiple: int) -> int:
@@ -68,14 +68,15 @@ class Trainer:
                stream: stream_lib.SampleStream, config: TrainerConfig, stop: threading.Event,
                log: Callable[[dict], None], gen_stats: Callable[[], dict],
                after_publish: Callable[[], None] = lambda: None,
-               evaluate: Callable[[Any, int], dict] | None = None, eval_every_steps: int = 0):
+               evaluate: Callable[[Any, int], dict] | None = None):
     """`after_publish` runs after every weight publication, when the trained state, the
-    engine's weights and the data position agree: where periodic checkpoints are taken."""
+    engine's weights and the data position agree: where periodic checkpoints are taken.
+    `evaluate(params, step)` -> metrics joins every eval_every_steps-th record."""
     self.state, self.train_step, self.put_batch = state, train_step, put_batch
     self._step = int(state.step)
     self.publish, self.stream, self.config, self.stop = publish, stream, config, stop
     self.log, self.gen_stats, self.after_publish = log, gen_stats, after_publish
-    self.evaluate, self.eval_every_steps = evaluate, eval_every_steps  # (params, step) -> record
+    self.evaluate = evaluate
     self.busy_intervals: list[tuple[float, float]] = []   # train steps
     self.samples_trained = 0
     self.stale_dropped = 0
@@ -88,6 +89,21 @@ class Trainer:
     """The optimizer step as a host int, safe to read from any thread (`state.step` is a device
     array that the train step donates, so another thread may find it deleted)."""
     return self._step
+
+  def checkpoint_meta(self) -> dict[str, Any]:
+    """What a resumed run needs from the trainer besides its TrainState: the policy version,
+    the data position (which groups are finished with) and the counters."""
+    return dict(step=self.step, policy_version=self.step, data=self.stream.ledger.position(),
+                counters=dict(samples_trained=self.samples_trained,
+                              stale_dropped=self.stale_dropped, max_lag_seen=self.max_lag_seen))
+
+  def restore(self, meta: dict[str, Any]) -> None:
+    """The counters of `checkpoint_meta` (the state and the data position are restored by the
+    caller, into the train step's shardings and the stream's ledger)."""
+    counters = meta['counters']
+    self.samples_trained = counters['samples_trained']
+    self.stale_dropped = counters['stale_dropped']
+    self.max_lag_seen = counters['max_lag_seen']
 
   def _take_fresh(self, n: int) -> list[stream_lib.Group]:
     """n samples whose lag at the current step is within max_lag; stale ones are dropped."""
@@ -142,7 +158,7 @@ class Trainer:
 
   def _maybe_evaluate(self, record: dict[str, Any]) -> dict[str, Any]:
     """Every eval_every_steps steps, the evaluation's metrics join that step's record."""
-    every = self.eval_every_steps
+    every = self.config.eval_every_steps
     if self.evaluate is not None and every and self.step % every == 0:
       record = {**record, **self.evaluate(self.state.params, self.step)}
     return record

@@ -15,7 +15,7 @@ import re
 import zlib
 from typing import Iterator
 
-from pipelinerl_jax.tasks.base import Problem, Score, extract_boxed
+from pipelinerl_jax.tasks.base import Problem, Score, Task, extract_boxed
 
 _OPS = {'+': lambda a, b: a + b, '-': lambda a, b: a - b, '*': lambda a, b: a * b}
 _INTEGER = re.compile(r'-?\d{1,32}')  # an answer longer than 32 digits is not a number we asked for
@@ -23,7 +23,7 @@ ALPHABET = '0123456789+-*=\\boxed{}'  # every character a prompt or target can h
 
 
 @dataclasses.dataclass(frozen=True)
-class ArithmeticTask:
+class ArithmeticTask(Task):
   """`a op b`: a has `digits` digits; b too, except for '*' where it has one digit (so products
   stay short). Each problem picks its op uniformly from `ops`."""
   ops: tuple[str, ...] = ('+',)
@@ -45,7 +45,8 @@ class ArithmeticTask:
     """Fresh RL-pool problems, i.i.d. (repeats happen once the stream outgrows the pool)."""
     return self._stream(seed, sft=False, prefix=f'rl{seed}')
 
-  def score(self, problem: Problem, completion_text: str) -> Score:
+  def score(self, problem: Problem, completion_text: str, truncated: bool = False,
+            num_tokens: int | None = None) -> Score:
     try:
       boxed = extract_boxed(completion_text)
       if boxed is None:
@@ -75,8 +76,7 @@ class ArithmeticTask:
                        f'for; the pool holds about {self.space_size() // self.sft_pool_mod}')
     return out
 
-  @staticmethod
-  def target(problem: Problem) -> str:
+  def target(self, problem: Problem) -> str:
     """The completion SFT imitates (the tokenizer's EOS goes after it)."""
     return f'\\boxed{{{problem.answer}}}'
 

@@ -1,4 +1,4 @@
-"""The task interface the actor uses: a stream of problems and a pure scorer for completions.
+"""The task interface: a stream of problems and a pure scorer for completions.
 
 A task hands out `Problem`s (an id, the prompt text the model continues, the reference answer)
 and scores the decoded completion text. Scoring runs on the actor's hot path, once per sample,
@@ -8,9 +8,10 @@ its cost must stay linear in the text length whatever the text holds.
 
 from __future__ import annotations
 
+import abc
 import dataclasses
 import re
-from typing import Iterator, Literal, Protocol
+from typing import Iterator, Literal, Sequence
 
 Status = Literal['correct', 'wrong', 'no_answer', 'unparsable']
 STATUSES: tuple[Status, ...] = ('correct', 'wrong', 'no_answer', 'unparsable')
@@ -27,15 +28,69 @@ class Problem:
 class Score:
   reward: float
   status: Status
+  mask: bool = False  # True: leave the sample out of training (no signal; see the actor)
 
 
-class Task(Protocol):
+class Task(abc.ABC):
+  """What the actor, the evaluation and the demo build use of a task. Subclasses implement
+  `problems` and `score`; the rest has defaults."""
 
+  @abc.abstractmethod
   def problems(self, seed: int) -> Iterator[Problem]:
     """An infinite stream, the same for the same seed."""
 
-  def score(self, problem: Problem, completion_text: str) -> Score:
-    """Pure and fast; never raises."""
+  @abc.abstractmethod
+  def score(self, problem: Problem, completion_text: str, truncated: bool = False,
+            num_tokens: int | None = None) -> Score:
+    """Pure and fast; never raises. `truncated`: the completion was cut at the length limit
+    (no EOS); `num_tokens`: its length (for length-based penalties)."""
+
+  def score_many(self, problems: Sequence[Problem], texts: Sequence[str],
+                 truncated: Sequence[bool] | None = None,
+                 num_tokens: Sequence[int | None] | None = None) -> list[Score]:
+    """`score` for a batch (the actor calls it once per finished group)."""
+    n = len(texts)
+    truncated = [False] * n if truncated is None else truncated
+    num_tokens = [None] * n if num_tokens is None else num_tokens
+    return [self.score(p, t, tr, nt) for p, t, tr, nt in zip(problems, texts, truncated,
+                                                             num_tokens)]
+
+  def held_out(self, num_problems: int, seed: int) -> dict[str, list[Problem]]:
+    """{dataset name: problems} to evaluate on, prompts formatted like training prompts; the
+    first `num_problems` of each set (0 = all of it, for finite sets)."""
+    if num_problems < 1:
+      raise ValueError(f'{type(self).__name__}: an endless problem stream needs a number of '
+                       'held-out problems >= 1')
+    stream, seen, out = self.problems(seed), set(), []
+    while len(out) < num_problems:
+      p = next(stream)
+      if p.prompt not in seen:
+        seen.add(p.prompt)
+        out.append(p)
+    return {self.name: out}
+
+  @property
+  def name(self) -> str:
+    """The task's name in metrics and evaluation output."""
+    return type(self).__name__.removesuffix('Task').lower()
+
+  @property
+  def counters(self) -> dict[str, int]:
+    """Totals since construction, logged every step as task/<name> (e.g. verifier timeouts)."""
+    return {}
+
+  def close(self) -> None:
+    """Releases what the task holds (worker processes); scoring again may restart them."""
+
+  # The supervised warm start of the demo model (demo/warmstart.py) needs these two.
+
+  def sft_problems(self, seed: int, num: int) -> list[Problem]:
+    """`num` distinct problems reserved for SFT, disjoint from `problems()`."""
+    raise NotImplementedError(f'{type(self).__name__} has no SFT pool for a warm start')
+
+  def target(self, problem: Problem) -> str:
+    """The completion SFT imitates (the tokenizer's EOS goes after it)."""
+    raise NotImplementedError(f'{type(self).__name__} has no SFT targets for a warm start')
 
 
 _BOX_OPEN = '\\boxed{'

@@ -10,10 +10,10 @@ Scoring a sample:
      the answer in time, which says nothing about whether it was right, and 'wrong' should stay a
      clean accuracy signal. The default rewards are the same (0), and `counters['timeout']`
      tells the two apart.
-Rewards come from `RewardConfig`; it also holds the options for truncated completions and
+Rewards come from `config.RewardConfig`; it also holds the options for truncated completions and
 DAPO's soft overlong penalty.
 
-How a trainer uses `MathScore.mask` (truncated='mask', DAPO's overlong filtering): a masked
+How a trainer uses `Score.mask` (truncated='mask', DAPO's overlong filtering): a masked
 sample carries no learning signal, neither reward nor penalty. Drop it before computing group
 advantages (it is not in its group's mean or std) and give its tokens zero loss weight; a group
 whose samples are all masked is dropped. Its `status` is still counted in the metrics.
@@ -29,11 +29,11 @@ import re
 import threading
 from typing import Iterator, Sequence
 
-from pipelinerl_jax.tasks.base import STATUSES, Problem, Score, extract_boxed
+from pipelinerl_jax import config as config_lib
+from pipelinerl_jax.tasks.base import STATUSES, Problem, Score, Task, extract_boxed
 from pipelinerl_jax.tasks.verify import VerifyPool
 
 SYSTEM_PROMPT = 'Please reason step by step, and put your final answer within \\boxed{}.'
-TRUNCATED_MODES = ('none', 'mask', 'penalize')
 PROBLEM_FIELDS = ('problem', 'question', 'prompt')
 ANSWER_FIELDS = ('answer', 'final_answer', 'solution')  # tried in this order
 # Pre-check and pool outcomes, counted next to the statuses (a sample can add to several).
@@ -53,31 +53,6 @@ def format_prompt(problem_text: str, tokenizer=None) -> str:
 
 # --- rewards ---------------------------------------------------------------------------------
 
-@dataclasses.dataclass(frozen=True)
-class MathScore(Score):
-  mask: bool = False  # True: exclude from training (see the module docstring)
-
-
-@dataclasses.dataclass(frozen=True)
-class RewardConfig:
-  correct: float = 1.0
-  wrong: float = 0.0
-  no_answer: float = 0.0
-  unparsable: float = 0.0
-  truncated: str = 'none'        # completions cut at the length limit: 'none' (judged as usual)
-                                 # | 'mask' (not trained on) | 'penalize' (truncated_reward)
-  truncated_reward: float = 0.0
-  overlong_max_len: int = 0      # L, in tokens, for soft_overlong_penalty; 0 = off
-  overlong_buffer: int = 0       # Lc
-
-  def __post_init__(self):
-    if self.truncated not in TRUNCATED_MODES:
-      raise ValueError(f'truncated={self.truncated!r} must be one of {TRUNCATED_MODES}')
-    if self.overlong_max_len < 0 or not 0 <= self.overlong_buffer <= self.overlong_max_len:
-      raise ValueError(f'need 0 <= overlong_buffer ({self.overlong_buffer}) <= '
-                       f'overlong_max_len ({self.overlong_max_len})')
-
-
 def soft_overlong_penalty(length: int, max_len: int, buffer: int) -> float:
   """DAPO's soft overlong punishment: 0 up to max_len - buffer, then linear down to -1 at max_len,
   -1 beyond."""
@@ -89,18 +64,18 @@ def soft_overlong_penalty(length: int, max_len: int, buffer: int) -> float:
   return -1.0
 
 
-def make_score(status: str, config: RewardConfig, truncated: bool = False,
-               num_tokens: int | None = None) -> MathScore:
+def make_score(status: str, config: config_lib.RewardConfig, truncated: bool = False,
+               num_tokens: int | None = None) -> Score:
   """The reward for a judged status (pure): table value, truncation rule, overlong penalty."""
   if truncated and config.truncated == 'mask':
-    return MathScore(0.0, status, mask=True)
+    return Score(0.0, status, mask=True)
   if truncated and config.truncated == 'penalize':
     reward = config.truncated_reward
   else:
     reward = getattr(config, status)
   if config.overlong_max_len and num_tokens is not None:
     reward += soft_overlong_penalty(num_tokens, config.overlong_max_len, config.overlong_buffer)
-  return MathScore(float(reward), status)
+  return Score(float(reward), status)
 
 
 # --- datasets --------------------------------------------------------------------------------
@@ -237,19 +212,22 @@ def _check_datasets(datasets):
 
 # --- the task --------------------------------------------------------------------------------
 
-class MathTask:
+class MathTask(Task):
   """The Task protocol over weighted datasets, scored by math-verify in a worker pool.
 
   datasets: [(problems, weight), ...], streamed by `mixed_stream`.
   tokenizer: for `format_prompt` (None: the plain-text prompt).
+  test_sets: {name: problems} held out for evaluation (`held_out`).
   timeout_s: hard per-sample verification limit. The pool (num_workers processes) starts with
     the task; `close()` ends it (a later score starts a new one).
   """
 
   def __init__(self, datasets: Sequence[tuple[Sequence[Problem], float]], tokenizer=None,
-               rewards: RewardConfig = RewardConfig(), *, timeout_s: float = 5.0,
+               rewards: config_lib.RewardConfig = config_lib.RewardConfig(), *,
+               test_sets: dict[str, Sequence[Problem]] | None = None, timeout_s: float = 5.0,
                num_workers: int = 2, max_answer_chars: int = 1000, memory_limit_mb: int = 4096):
     self.datasets = _check_datasets(datasets)
+    self.test_sets = {name: list(problems) for name, problems in (test_sets or {}).items()}
     self.tokenizer, self.rewards = tokenizer, rewards
     self.max_answer_chars = max_answer_chars
     self._pool_args = dict(num_workers=num_workers, timeout_s=timeout_s,
@@ -288,8 +266,19 @@ class MathTask:
   def problems(self, seed: int) -> Iterator[Problem]:
     return mixed_stream(self.datasets, seed, self.tokenizer)
 
+  def held_out(self, num_problems: int, seed: int) -> dict[str, list[Problem]]:
+    """The test sets, the first `num_problems` of each (0 = all), prompts formatted as in
+    training. `seed` is unused: the sets are fixed."""
+    del seed
+    if not any(self.test_sets.values()):
+      raise ValueError('config.task: no held-out problems to evaluate on (set task.test_files '
+                       'or task.test_fraction)')
+    return {name: [dataclasses.replace(p, prompt=format_prompt(p.prompt, self.tokenizer))
+                   for p in (problems[:num_problems] if num_problems else problems)]
+            for name, problems in self.test_sets.items()}
+
   def score(self, problem: Problem, completion_text: str, truncated: bool = False,
-            num_tokens: int | None = None) -> MathScore:
+            num_tokens: int | None = None) -> Score:
     """Never raises; returns within about timeout_s (plus worker start-up on the first call).
 
     truncated: the completion ended without EOS (finish_reason 'length').
@@ -299,7 +288,7 @@ class MathTask:
 
   def score_many(self, problems: Sequence[Problem], texts: Sequence[str],
                  truncated: Sequence[bool] | None = None,
-                 num_tokens: Sequence[int | None] | None = None) -> list[MathScore]:
+                 num_tokens: Sequence[int | None] | None = None) -> list[Score]:
     """`score` for a batch (a group's G samples), judged in parallel by the pool."""
     n = len(texts)
     truncated = [False] * n if truncated is None else list(truncated)
@@ -320,7 +309,7 @@ class MathTask:
                 for s, tr, nt in zip(statuses, truncated, num_tokens)]
     except Exception:  # a scorer bug must never take the actor down
       logging.exception('MathTask.score_many failed; %d samples scored unparsable', n)
-      events, scores = ['worker_error'] * n, [MathScore(0.0, 'unparsable')] * n
+      events, scores = ['worker_error'] * n, [Score(0.0, 'unparsable')] * n
     events += ['masked' for s in scores if s.mask]
     with self._lock:
       for s in scores:

@@ -1,5 +1,5 @@
 """Bucketed NCCL weight transport for CUDA hosts (the counterpart of `shm_weights` there), and
-the same protocol over gloo on CPU (`GlooCommunicator`, generation.weight_transport='gloo').
+the same protocol over gloo on CPU (`GlooCommunicator`, generation.remote.weight_transport='gloo').
 
 UNRUN: written for one trainer rank broadcasting to the generator processes over a vLLM
 `PyNcclCommunicator` on a `StatelessProcessGroup` (no global torch.distributed state); no GPU was

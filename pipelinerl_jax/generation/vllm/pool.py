@@ -9,7 +9,7 @@
 Each child is a `GeneratorProcess`, so restarts are per child: a child that dies is replaced
 and its in-flight requests re-submitted to the replacement; the others keep running.
 
-With generation.weight_transport 'gloo' / 'nccl', each child is its own two-rank group with the
+With generation.remote.weight_transport 'gloo' / 'nccl', each child is its own two-rank group with the
 trainer (so one child's restart never touches the others' groups); an update is broadcast to the
 children one after the other, which costs the trainer N sends where one N+1-rank group would
 cost one (a possible next step on GPU hosts).

@@ -36,7 +36,7 @@ restarted. A restarted child joins a new group (new port) and is sent the latest
 params before it serves (the parent keeps a reference to them: they are the fresh copy the
 trainer published).
 
-Devices: `devices` are this child's CUDA_VISIBLE_DEVICES entries (see `assign_devices`), set in
+Devices: `devices` are this child's CUDA_VISIBLE_DEVICES entries (see `placement.assign_devices`), set in
 the child before vLLM (or CUDA) starts; () leaves the environment as it is.
 """
 
@@ -52,7 +52,7 @@ import threading
 import time
 import traceback
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 from pipelinerl_jax.generation import api
 from pipelinerl_jax.generation.transport import shm
@@ -79,52 +79,6 @@ class ProcessConfig:
 
 
 TRANSPORTS = ('shm', 'gloo', 'nccl')
-DEVICES_KEY = 'config.generation.generator_devices'
-
-
-def assign_devices(visible: Sequence[str], mesh_used: int, num_generators: int,
-                   requested: str = '', per_child_max: int | None = None
-                   ) -> list[tuple[str, ...]]:
-  """Each generator child's CUDA_VISIBLE_DEVICES entries, so that N children do not all land on
-  GPU 0. `visible`: the trainer's GPUs in JAX's order (its CUDA_VISIBLE_DEVICES entries, else
-  '0'..'n-1'); the train mesh holds the first `mesh_used` (sharding.make_mesh). `requested`
-  '' = the GPUs the mesh leaves free, split evenly (a remainder stays unused); '5,6,7' = those.
-  No GPUs: () for every child. `per_child_max`: most GPUs one child can use (1 while the
-  in-process vLLM engine has no tensor parallelism). Raises a one-line ValueError naming
-  generation.generator_devices when no valid assignment exists."""
-  ids = [s.strip() for s in requested.split(',') if s.strip()]
-  if not visible:
-    if ids:
-      raise ValueError(f'{DEVICES_KEY}={requested!r}: this host has no GPUs (leave it empty)')
-    return [()] * num_generators
-  used = list(visible[:mesh_used])
-  if ids:
-    unknown = [i for i in ids if i not in visible]
-    if unknown:
-      raise ValueError(f'{DEVICES_KEY}={requested!r}: GPU(s) {",".join(unknown)} are not '
-                       f'visible (visible: {",".join(visible)})')
-    if len(set(ids)) != len(ids):
-      raise ValueError(f'{DEVICES_KEY}={requested!r} names a GPU twice')
-    clash = [i for i in ids if i in used]
-    if clash:
-      raise ValueError(f'{DEVICES_KEY}={requested!r}: GPU(s) {",".join(clash)} belong to the '
-                       f'train mesh (train.mesh uses {",".join(used)})')
-    if len(ids) % num_generators:
-      raise ValueError(f'{DEVICES_KEY}={requested!r}: {len(ids)} GPUs do not split evenly '
-                       f'among generation.num_generators={num_generators}')
-    free = ids
-  else:
-    free = list(visible[mesh_used:])
-    if len(free) < num_generators:
-      raise ValueError(f'{DEVICES_KEY}: the train mesh uses {min(mesh_used, len(visible))} '
-                       f'of {len(visible)} GPUs, leaving {len(free)} for generation.'
-                       f'num_generators={num_generators}; shrink train.mesh or lower it')
-  k = len(free) // num_generators
-  if per_child_max is not None and k > per_child_max:
-    raise ValueError(f'{DEVICES_KEY}: {k} GPUs per generator would need tensor parallelism, '
-                     'which the in-process vLLM engine does not do; set generation.'
-                     f'num_generators={len(free) if ids else k * num_generators} (one GPU each)')
-  return [tuple(free[i * k:(i + 1) * k]) for i in range(num_generators)]
 
 
 def _plan(model_config, cfg: ProcessConfig):
@@ -173,7 +127,7 @@ class _Receiver:
       except queue.Empty:
         return newest
       if isinstance(got, BaseException):
-        raise RuntimeError(f'generation.weight_transport={self._cfg.weight_transport!r}: '
+        raise RuntimeError(f'generation.remote.weight_transport={self._cfg.weight_transport!r}: '
                            f'{type(got).__name__}: {got}') from got
       newest = got
 
@@ -306,7 +260,7 @@ class GeneratorProcess(api.Engine):
                config: ProcessConfig = ProcessConfig(), name: str = 'vllm_process'):
     from pipelinerl_jax.generation.vllm import engine as vllm_engine  # config type only; vLLM starts in the child
     if config.weight_transport not in TRANSPORTS:
-      raise ValueError(f'config.generation.weight_transport must be one of {TRANSPORTS}, got '
+      raise ValueError(f'config.generation.remote.weight_transport must be one of {TRANSPORTS}, got '
                        f'{config.weight_transport!r}')
     self.config, self.name = config, name
     self._collective = config.weight_transport != 'shm'
@@ -458,9 +412,9 @@ class GeneratorProcess(api.Engine):
     return self._acked if self._collective else self._seg.header()['acked']
 
   def _transport_error(self, what: str, timed_out: bool) -> str:
-    within = (f' within {self.config.transport_timeout_s:.0f}s (generation.transport_timeout_s)'
+    within = (f' within {self.config.transport_timeout_s:.0f}s (generation.remote.transport_timeout_s)'
               if timed_out else '')
-    return (f'{self.name}: {what} over generation.weight_transport='
+    return (f'{self.name}: {what} over generation.remote.weight_transport='
             f'{self.config.weight_transport!r}{within}; the group is unusable, the generator '
             'is restarted')
 
@@ -607,7 +561,7 @@ class GeneratorProcess(api.Engine):
   def _death_message(self, what: str) -> str:
     return (f'{self.name} generator (pid {self._proc.pid}) {what}: '
             f'{describe_exit(self._proc.exitcode)}; restarts used {self.restarts} of '
-            f'generation.max_restarts={self.config.max_restarts}' +
+            f'generation.remote.max_restarts={self.config.max_restarts}' +
             (f'; its last error: {_last_line(self.last_error)}' if self.last_error else
              ' (no error reported: killed?)'))
 

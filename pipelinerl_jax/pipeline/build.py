@@ -1,0 +1,254 @@
+"""Config -> the parts of a run: task, model and tokenizer, generation engine, train state and
+step, the publisher that hands each new policy to the engine, checkpoints, the actor and the
+trainer. Nothing here starts a loop: `run.py` does.
+
+Placement of the generation engine is one function per `generation.placement`
+(`ENGINE_PLACEMENTS`): a new placement of generators plugs in there.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import threading
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from pipelinerl_jax import checkpoint as checkpoint_lib
+from pipelinerl_jax import config as config_lib
+from pipelinerl_jax import evaluation
+from pipelinerl_jax import packing
+from pipelinerl_jax import sharding as sharding_lib
+from pipelinerl_jax import train
+from pipelinerl_jax.generation import api
+from pipelinerl_jax.generation import jax_engine
+from pipelinerl_jax.models import hf_io
+from pipelinerl_jax.models import transformer
+from pipelinerl_jax.pipeline import actor as actor_lib
+from pipelinerl_jax.pipeline import stream as stream_lib
+from pipelinerl_jax.pipeline import trainer as trainer_lib
+from pipelinerl_jax.tasks import base as tasks_base
+from pipelinerl_jax.tasks import registry
+
+
+@dataclasses.dataclass
+class Parts:
+  """Everything a run is made of before its loops start."""
+  config: config_lib.Config
+  model_dir: str
+  model_config: transformer.ModelConfig
+  mesh: jax.sharding.Mesh
+  tokenizer: Any
+  task: tasks_base.Task
+  engine: api.Engine
+  state: train.TrainState              # restored or fresh, in the trainer's shardings
+  train_step: Callable                 # jitted (state, batch) -> (state, metrics), state donated
+  put_batch: Callable                  # packed host batch -> micro-batches on the mesh
+  publish: Callable[[Any, int], None]  # (params, version) -> the engine, as a fresh copy
+  checkpoints: checkpoint_lib.Checkpointer
+  resumed: dict[str, Any] | None       # the restored checkpoint's meta; None for a fresh start
+  evaluate: Callable[[Any, int], dict] | None  # (params, step) -> eval metrics
+
+
+def build(config: config_lib.Config, workdir: str, model_dir: str) -> Parts:
+  """Loads (or restores) everything; the engine starts from the trainer's policy version."""
+  model_config = hf_io.load_config(
+      model_dir, param_dtype=config.model.param_dtype, dtype=config.model.dtype,
+      lm_head_fp32=config.model.lm_head_fp32, remat=config.model.remat)
+  mesh = sharding_lib.make_mesh(*config.train.mesh_sizes)
+  optimizer = train.make_optimizer(config.optimizer)
+  checkpoints = checkpoint_lib.Checkpointer(checkpoint_lib.directory(config, workdir),
+                                            config.checkpoint.keep, config.checkpoint.every_steps)
+  restored = checkpoint_lib.restore_latest(config, checkpoints, model_config, optimizer, mesh)
+  if restored:
+    state, state_sh, resumed = restored
+  else:
+    shapes = jax.eval_shape(lambda k: transformer.init_params(model_config, k),
+                            jax.random.PRNGKey(0))
+    params = hf_io.load_params(model_dir, model_config,
+                               shardings=sharding_lib.param_shardings(shapes, mesh))
+    state, state_sh = train.create_sharded_state(params, optimizer, mesh)
+    resumed = None
+  train_step = train.jit_train_step(
+      train.make_train_step(model_config, config.loss, optimizer,
+                            train.lr_schedule(config.optimizer),
+                            temperature=config.generation.temperature or 1.0),
+      state_sh, mesh)
+
+  from transformers import AutoTokenizer  # heavy import, only when a run starts
+  tokenizer = AutoTokenizer.from_pretrained(model_dir)
+  if tokenizer.eos_token_id is None:
+    raise ValueError(f'{model_dir}: the tokenizer has no eos_token; generation could not stop')
+  version = int(state.step)
+  engine = ENGINE_PLACEMENTS[config.generation.placement](
+      config, model_config, model_dir, mesh=mesh, eos_token_id=tokenizer.eos_token_id,
+      params=state.params, version=version)
+  publish = publisher(config, mesh, engine)
+  if resumed and config.generation.backend != 'jax':  # vLLM loaded model_dir's weights
+    publish(state.params, version)
+  task = registry.make_task(config.task, tokenizer)
+  evaluate = (evaluator(config, workdir, model_config, tokenizer, task, mesh)
+              if config.eval.every_steps else None)
+  return Parts(config=config, model_dir=model_dir, model_config=model_config, mesh=mesh,
+               tokenizer=tokenizer, task=task, engine=engine, state=state,
+               train_step=train_step, put_batch=batch_placer(config.train, mesh),
+               publish=publish, checkpoints=checkpoints, resumed=resumed, evaluate=evaluate)
+
+
+def make_actor(parts: Parts, stream: stream_lib.SampleStream,
+               stop: threading.Event) -> actor_lib.Actor:
+  config = parts.config
+  g, rl, adv = config.generation, config.rl, config.advantage
+  group_ids, problems = checkpoint_lib.data_stream(
+      parts.task.problems(config.seed), parts.resumed['data'] if parts.resumed else None)
+  tokenizer = parts.tokenizer
+  return actor_lib.Actor(
+      parts.engine, problems, parts.task,
+      encode=prompt_encoder(tokenizer, g.max_prompt_len),
+      decode=lambda t: tokenizer.decode(t, skip_special_tokens=True), stream=stream,
+      config=actor_lib.ActorConfig(
+          group_size=rl.group_size, num_slots=g.num_slots,
+          sampling=api.SamplingParams(temperature=g.temperature, top_p=g.top_p, top_k=g.top_k,
+                                      max_tokens=g.max_new_tokens),
+          seed=config.seed, advantage_baseline=adv.baseline,
+          advantage_normalize_std=adv.normalize_std,
+          drop_zero_advantage_groups=adv.drop_zero_groups),
+      stop=stop, group_ids=group_ids)
+
+
+def make_trainer(parts: Parts, stream: stream_lib.SampleStream, stop: threading.Event,
+                 log: Callable[[dict], None], after_publish: Callable[[], None]
+                 ) -> trainer_lib.Trainer:
+  config = parts.config
+  rl, tr = config.rl, config.train
+  trainer = trainer_lib.Trainer(
+      parts.state, parts.train_step, parts.put_batch, publish=parts.publish, stream=stream,
+      config=trainer_lib.TrainerConfig(
+          batch_size=rl.batch_size, seq_len=tr.seq_len, micro_batches=tr.micro_batches,
+          row_multiple=tr.micro_batches * sharding_lib.data_parallel_size(parts.mesh),
+          mode=rl.mode, max_lag=rl.max_lag if rl.mode == 'pipeline' else None,
+          conventional_steps=rl.conventional_steps, total_steps=rl.total_steps,
+          max_time_s=rl.max_time_s, overlong=tr.overlong, eval_every_steps=config.eval.every_steps),
+      stop=stop, log=log, gen_stats=parts.engine.stats, after_publish=after_publish,
+      evaluate=parts.evaluate)
+  if parts.resumed:
+    trainer.restore(parts.resumed)
+  return trainer
+
+
+# --- generation ------------------------------------------------------------------------------
+
+
+def generation_device(mesh) -> jax.Device:
+  """The in-process engine's device: the first one the train mesh leaves free, else the first."""
+  free = [d for d in jax.devices() if d not in set(mesh.devices.flat)]
+  return free[0] if free else jax.devices()[0]
+
+
+def copy_params_fn(device=None) -> Callable:
+  """Params -> a fresh copy (on `device`). The engine must never hold a buffer that the donated
+  train step will reuse (see api.Engine.update_params): `device_put` alone may hand back the very
+  shard that already sits on `device`, so copy first (in the train sharding), then move."""
+  copy = jax.jit(lambda p: jax.tree.map(jnp.copy, p))
+  return copy if device is None else lambda params: jax.device_put(copy(params), device)
+
+
+def publisher(config: config_lib.Config, mesh, engine: api.Engine
+              ) -> Callable[[Any, int], None]:
+  """What the trainer calls after a step: a fresh copy of the params to the engine (for the
+  in-process JAX engine, on its device; vLLM copies into its own tensors)."""
+  device = generation_device(mesh) if config.generation.backend == 'jax' else None
+  copy = copy_params_fn(device)
+  return lambda params, version: engine.update_params(copy(params), version)
+
+
+def _inline_engine(config: config_lib.Config, model_config, model_dir: str, *, mesh,
+                   eos_token_id: int, params, version: int) -> api.Engine:
+  """The engine in the trainer's process: the JAX engine on a device the mesh leaves free, or
+  vLLM (which starts from the checkpoint on disk, what `params` were loaded from)."""
+  g = config.generation
+  if g.backend == 'jax':
+    device = generation_device(mesh)
+    return jax_engine.JaxEngine(
+        model_config, copy_params_fn(device)(params),
+        jax_engine.EngineConfig(num_slots=g.num_slots, max_seq_len=g.max_seq_len,
+                                eos_token_ids=(eos_token_id,), recompute_kv=g.recompute_kv),
+        version=version, device=device)
+  from pipelinerl_jax.generation.vllm import engine as vllm_engine  # imports vLLM
+  return vllm_engine.VllmEngine(model_dir, vllm_engine_config(config, model_dir, eos_token_id))
+
+
+def _process_engine(config: config_lib.Config, model_config, model_dir: str, *, mesh,
+                    eos_token_id: int, params, version: int) -> api.Engine:
+  """vLLM generator processes (one per GPU on GPU hosts), restarted when they die."""
+  del model_config, params, version  # the children start from model_dir's checkpoint
+  from pipelinerl_jax.generation.vllm import placement
+  from pipelinerl_jax.generation.vllm import pool
+  from pipelinerl_jax.generation.vllm import process
+  g = config.generation
+  devices = placement.assign_devices(placement.visible_gpus(), mesh.devices.size,
+                                     g.num_generators, g.remote.devices, per_child_max=1)
+  process_config = process.ProcessConfig(
+      max_restarts=g.remote.max_restarts, weight_transport=g.remote.weight_transport,
+      transport_timeout_s=g.remote.transport_timeout_s)
+  return pool.GeneratorPool(model_dir, vllm_engine_config(config, model_dir, eos_token_id),
+                            num_generators=g.num_generators, devices=devices,
+                            config=process_config)
+
+
+ENGINE_PLACEMENTS = {'inline': _inline_engine, 'process': _process_engine}
+
+
+def vllm_engine_config(config: config_lib.Config, model_dir: str, eos_token_id: int):
+  from pipelinerl_jax.generation.vllm import engine as vllm_engine  # imports vLLM
+  g = config.generation
+  return vllm_engine.VllmEngineConfig(
+      max_num_seqs=g.slots_per_generator, max_model_len=g.max_seq_len,
+      eos_token_ids=(eos_token_id,), kv_cache_bytes=g.vllm.kv_cache_mb << 20,
+      lm_head_fp32=config.model.lm_head_fp32)
+
+
+def prompt_encoder(tokenizer, max_len: int) -> Callable[[tasks_base.Problem], list[int]]:
+  """Problem -> prompt token ids; a prompt that is empty or longer than max_len is an error
+  naming the problem and the config key."""
+  def encode(problem: tasks_base.Problem) -> list[int]:
+    tokens = tokenizer.encode(problem.prompt, add_special_tokens=False)
+    if not tokens or len(tokens) > max_len:
+      raise ValueError(f'problem {problem.id}: prompt has {len(tokens)} tokens, '
+                       f'config.generation.max_prompt_len is {max_len}')
+    return tokens
+  return encode
+
+
+# --- training --------------------------------------------------------------------------------
+
+
+def batch_placer(config: config_lib.TrainConfig, mesh) -> Callable:
+  """Packed host batch -> its micro-batches [M, rows / M, T], rows split over the mesh."""
+  batch_sh = sharding_lib.batch_sharding(mesh, leading_dims=1)
+
+  def put_batch(batch: dict[str, np.ndarray]):
+    micro = packing.split_microbatches({k: batch[k] for k in train.BATCH_KEYS},
+                                       config.micro_batches)
+    return jax.device_put(micro, {k: batch_sh for k in micro})
+  return put_batch
+
+
+def evaluator(config: config_lib.Config, workdir: str, model_config, tokenizer, task, mesh
+              ) -> Callable[[Any, int], dict]:
+  """(params, step) -> eval metrics: the CLI's evaluation on a copy of the current params (the
+  train step donates them), its samples written to workdir/eval/samples-<step>.jsonl."""
+  problems = task.held_out(config.eval.num_problems, config.eval.seed)
+  device = generation_device(mesh)
+  copy = copy_params_fn(device)
+
+  def evaluate(params, step: int) -> dict:
+    result = evaluation.evaluate_params(config, model_config, copy(params), tokenizer, task,
+                                        problems, device=device)
+    evaluation.write_samples(os.path.join(workdir, 'eval', f'samples-{step}.jsonl'),
+                             result['samples'])
+    return {**evaluation.metrics_record(result), 'eval/seconds': result['seconds']}
+  return evaluate

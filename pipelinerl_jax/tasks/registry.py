@@ -1,0 +1,25 @@
+"""The task of a config: `make_task(config.task, tokenizer)`."""
+
+from __future__ import annotations
+
+from pipelinerl_jax import config as config_lib
+from pipelinerl_jax.tasks import arithmetic
+from pipelinerl_jax.tasks import base
+from pipelinerl_jax.tasks import math as math_task
+
+
+def make_task(config: config_lib.TaskConfig, tokenizer=None) -> base.Task:
+  """A math task owns a verify worker pool: `close()` it when done. `tokenizer` gives math
+  prompts the model's chat template (arithmetic prompts are plain text)."""
+  if config.name == 'arithmetic':
+    return arithmetic.ArithmeticTask(ops=config.ops, digits=config.digits,
+                                     sft_pool_mod=config.sft_pool_mod)
+  if config.name == 'math':
+    train_sets, test_sets = math_task.load_splits(
+        config.train_files, config.test_files, config.test_fraction, config.problem_field,
+        config.answer_field)
+    weights = config.train_weights or (1.0,) * len(train_sets)
+    return math_task.MathTask(list(zip(train_sets, weights)), tokenizer, config.reward,
+                              test_sets=test_sets, timeout_s=config.verify_timeout_s,
+                              num_workers=config.verify_workers)
+  raise ValueError(f'config.task.name: unknown task {config.name!r}')
