@@ -159,8 +159,9 @@ def check_fresh_start(config: config_lib.Config, checkpoints: Checkpointer) -> N
 
 def data_stream(problems: Iterator, position: dict[str, Any] | None
                 ) -> tuple[Iterator[int] | None, Iterator]:
-  """(group ids, their problems) from a saved data position (None: a fresh run's 0, 1, ...): problem i goes to group i, and
-  groups at or above `next_group` that were already finished with are skipped."""
+  """(group ids, their problems) from a saved data position (None: a fresh run's 0, 1, ...):
+  problem i goes to group i, and groups at or above `next_group` that were already finished with
+  are skipped."""
   if position is None:
     return None, problems
   start, skip = position['next_group'], set(position['done_above'])

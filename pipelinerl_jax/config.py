@@ -132,7 +132,7 @@ class DemoModelConfig(_Section):
 @dataclasses.dataclass(frozen=True)
 class ModelSettings(_Section):
   path: str = ''                  # HF dir (config.json + safetensors); '' = build the demo model
-  cache_dir: str = ''             # where the demo model is built once ('' = ~/.cache/pipelinerl_jax)
+  cache_dir: str = ''             # the demo model's build cache ('' = ~/.cache/pipelinerl_jax)
   param_dtype: Literal['float32', 'bfloat16', 'float16'] = 'float32'  # master weights
   dtype: Literal['float32', 'bfloat16', 'float16'] = 'float32'  # compute ('bfloat16' on GPUs)
   lm_head_fp32: bool = True       # logits in fp32 (train/generate log-prob agreement)

@@ -151,8 +151,8 @@ def pack_samples(samples: Sequence[Sample], seq_len: int, *, num_rows: int | Non
     missing = [i for i, h in enumerate(has_ref) if not h]
     raise ValueError(f'ref_logprobs given for some samples but missing for samples {missing[:8]}')
 
-  kept_N = _kept_positions(samples, seq_len, overlong)
-  row_N, offset_N, segment_N, used = _first_fit_decreasing(kept_N, seq_len)
+  kept_B = _kept_positions(samples, seq_len, overlong)
+  row_B, offset_B, segment_B, used = _first_fit_decreasing(kept_B, seq_len)
   rows = _num_rows(used, num_rows, row_multiple, seq_len)
 
   shape = (rows, seq_len)
@@ -172,13 +172,13 @@ def pack_samples(samples: Sequence[Sample], seq_len: int, *, num_rows: int | Non
 
   num_loss = 0
   for i, s in enumerate(samples):
-    n, r, o, p = int(kept_N[i]), int(row_N[i]), int(offset_N[i]), s.prompt_tokens.size
+    n, r, o, p = int(kept_B[i]), int(row_B[i]), int(offset_B[i]), s.prompt_tokens.size
     seq = np.concatenate([s.prompt_tokens, s.completion_tokens])[:n + 1]
     span = slice(o, o + n)
     batch['tokens'][r, span] = seq[:-1]
     batch['targets'][r, span] = seq[1:]
     batch['positions'][r, span] = np.arange(n)
-    batch['segment_ids'][r, span] = segment_N[i]
+    batch['segment_ids'][r, span] = segment_B[i]
     batch['sample_index'][r, span] = i
     # Position j predicts token j + 1, a completion token from j = p - 1 on.
     c = n - (p - 1)
@@ -191,16 +191,16 @@ def pack_samples(samples: Sequence[Sample], seq_len: int, *, num_rows: int | Non
       batch['ref_logprobs'][r, loss] = s.ref_logprobs[:c]
     num_loss += c
 
-  full_N = np.array([s.prompt_tokens.size + s.completion_tokens.size - 1 for s in samples],
+  full_B = np.array([s.prompt_tokens.size + s.completion_tokens.size - 1 for s in samples],
                     np.int64)
-  num_tokens = int(kept_N.sum())
+  num_tokens = int(kept_B.sum())
   stats = PackStats(
       num_samples=len(samples),
       num_rows=rows,
       num_tokens=num_tokens,
       num_loss_tokens=num_loss,
-      truncated_samples=int(np.sum(full_N > kept_N)),
-      truncated_tokens=int(np.sum(full_N - kept_N)),
+      truncated_samples=int(np.sum(full_B > kept_B)),
+      truncated_tokens=int(np.sum(full_B - kept_B)),
       fill=num_tokens / (rows * seq_len) if rows else 0.0,
   )
   return batch, stats

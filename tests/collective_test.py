@@ -79,7 +79,7 @@ def test_broadcast_round_trip_to_two_generators(dtype):
     assert [n for n, _ in views] == [n for n, _ in ref]
     base = views[0][1].untyped_storage().data_ptr()
     for (name, v), (_, r) in zip(views, ref):
-      assert v.dtype == collective._DTYPES[dtype]
+      assert v.dtype == hf_tensors.TORCH_DTYPES[dtype]
       torch.testing.assert_close(v, r.to(v.dtype), rtol=0, atol=0, msg=name)
       assert v.untyped_storage().data_ptr() == base  # one staging buffer: whole or nothing
 

@@ -1,4 +1,4 @@
-"""weight_sync: HF-named torch views of the params (zero copy), fusion units, buckets, checks."""
+"""HF-named torch views of the params (zero copy), fusion units, buckets, checks."""
 
 import jax
 import numpy as np
@@ -26,10 +26,10 @@ def test_tensors_alias_the_jax_buffers_and_match_hf_layout(params):
   for (name, t), (_, ref) in zip(ours, reference):
     np.testing.assert_array_equal(t.numpy(), np.asarray(ref), err_msg=name)
 
-  specs = {name: (spec, i) for name, spec, i in hf_tensors.checkpoint_order(CONFIG)}
+  specs = {name: (spec, i) for name, spec, i in hf_io.checkpoint_order(CONFIG)}
   for name, t in ours:
     spec, i = specs[name]
-    leaf = hf_tensors.leaf_at(params, spec.path)
+    leaf = hf_io.leaf_at(params, spec.path)
     # Same bytes: layer i of a stacked leaf starts i layers into the JAX buffer.
     offset = 0 if i is None else i * (leaf.nbytes // leaf.shape[0])
     assert t.data_ptr() == leaf.unsafe_buffer_pointer() + offset, name

@@ -150,11 +150,11 @@ def test_handed_over_tensors_share_memory_with_the_jax_buffers(engine, model):
     publish(engine, p0, 20)
   finally:
     del engine._worker.reload_weights  # back to the class method
-  specs = {name: (spec, i) for name, spec, i in hf_tensors.checkpoint_order(config)}
+  specs = {name: (spec, i) for name, spec, i in hf_io.checkpoint_order(config)}
   assert [n for n, _ in handed] == list(specs)
   for name, ptr in handed:
     spec, i = specs[name]
-    leaf = hf_tensors.leaf_at(p0, spec.path)
+    leaf = hf_io.leaf_at(p0, spec.path)
     offset = 0 if i is None else i * (leaf.nbytes // leaf.shape[0])
     assert ptr == leaf.unsafe_buffer_pointer() + offset, name
 

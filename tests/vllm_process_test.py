@@ -107,6 +107,7 @@ def kill(gen):
 
 @needs_vllm
 def test_generator_process_loads_updates_restarts_once_then_reports_death(demo):
+  from pipelinerl_jax.generation.vllm import child
   from pipelinerl_jax.generation.vllm import process as generator_process
   from pipelinerl_jax.generation.vllm import engine as vllm_engine
   model_dir, config = demo
@@ -116,7 +117,7 @@ def test_generator_process_loads_updates_restarts_once_then_reports_death(demo):
 
   gen = generator_process.GeneratorProcess(model_dir, vllm_engine.VllmEngineConfig(
       max_num_seqs=8, max_model_len=64, kv_cache_bytes=16 << 20),
-      config=generator_process.ProcessConfig(max_restarts=1))
+      config=child.ProcessConfig(max_restarts=1))
   try:
     with pytest.raises(ValueError, match='max_model_len'):  # refused here, child unharmed
       gen.submit(api.Request('long', [1] * 60, api.SamplingParams(max_tokens=8), seed=0))
@@ -164,7 +165,7 @@ def test_generator_process_loads_updates_restarts_once_then_reports_death(demo):
     kill(gen)  # the second death exceeds max_restarts=1
     with pytest.raises(generator_process.GeneratorDied,
                        match=r'^vllm_process generator \(pid \d+\) died: killed by signal '
-                             r'SIGKILL; restarts used 1 of generation.max_restarts=1'):
+                             r'SIGKILL; restarts used 1 of generation.remote.max_restarts=1'):
       gen.step()
     with pytest.raises(generator_process.GeneratorDied):
       gen.update_params(p1, 3)
@@ -208,7 +209,7 @@ def test_pool_keeps_groups_together_and_updates_every_generator(demo):
 
 
 def test_assign_devices_splits_the_gpus_the_mesh_leaves_free():
-  from pipelinerl_jax.generation.vllm.process import assign_devices
+  from pipelinerl_jax.generation.vllm.placement import assign_devices
   gpus = [str(i) for i in range(8)]
   assert assign_devices(gpus, 4, 4) == [('4',), ('5',), ('6',), ('7',)]
   assert assign_devices(gpus, 4, 2) == [('4', '5'), ('6', '7')]
@@ -230,15 +231,16 @@ def test_assign_devices_splits_the_gpus_the_mesh_leaves_free():
 ])
 def test_assign_devices_refuses_impossible_assignments(visible, used, n, requested,
                                                        per_child_max, match):
-  from pipelinerl_jax.generation.vllm.process import assign_devices
+  from pipelinerl_jax.generation.vllm.placement import assign_devices
   with pytest.raises(ValueError, match=match) as e:
     assign_devices(list(visible), used, n, requested, per_child_max)
-  assert str(e.value).startswith('config.generation.generator_devices')
+  assert str(e.value).startswith('config.generation.remote.devices')
   assert '\n' not in str(e.value)
 
 
 @needs_vllm
 def test_gloo_transport_loads_updates_times_out_clearly_and_rejoins_after_restart(demo):
+  from pipelinerl_jax.generation.vllm import child
   from pipelinerl_jax.generation.vllm import process as generator_process
   from pipelinerl_jax.generation.vllm import engine as vllm_engine
   import torch.distributed as dist
@@ -248,7 +250,7 @@ def test_gloo_transport_loads_updates_times_out_clearly_and_rejoins_after_restar
       temperature=1.0, max_tokens=8), seed=i) for i in range(3)]
   gen = generator_process.GeneratorProcess(model_dir, vllm_engine.VllmEngineConfig(
       max_num_seqs=8, max_model_len=64, kv_cache_bytes=16 << 20),
-      config=generator_process.ProcessConfig(max_restarts=1, weight_transport='gloo',
+      config=child.ProcessConfig(max_restarts=1, weight_transport='gloo',
                                              transport_timeout_s=5, bucket_mb=1))
   try:
     gen.update_params(p1, 1)  # broadcast over the gloo group, applied between two steps
@@ -262,7 +264,7 @@ def test_gloo_transport_loads_updates_times_out_clearly_and_rejoins_after_restar
     # the child is killed and its replacement joins a new group and gets version 2 first.
     os.kill(gen._proc.pid, signal.SIGSTOP)
     with pytest.raises(TimeoutError, match=r"^vllm_process: weight update 2 did not complete "
-                       r"over generation.weight_transport='gloo' within 5s") as e:
+                       r"over generation.remote.weight_transport='gloo' within 5s") as e:
       gen.update_params(p2, 2)
     assert '\n' not in str(e.value)
     after = api.generate(gen, reqs('b'))
@@ -276,7 +278,8 @@ def test_gloo_transport_loads_updates_times_out_clearly_and_rejoins_after_restar
     gen._requests.put(('weights', 3))  # announced, never sent
     deadline = time.monotonic() + 60
     with pytest.raises(generator_process.GeneratorDied,
-                       match=r"its last error: RuntimeError: generation.weight_transport='gloo': "
+                       match=r"its last error: RuntimeError: "
+                             r"generation.remote.weight_transport='gloo': "
                              r'TimeoutError: weight update not received within 5s'):
       while time.monotonic() < deadline:
         gen.step()

@@ -31,6 +31,7 @@ import numpy as np
 
 from pipelinerl_jax.generation import api
 from pipelinerl_jax.generation import jax_engine as engine_lib
+from pipelinerl_jax.models import hf_io
 from pipelinerl_jax.models import transformer
 
 MODES = ('none', 'update', 'update+recompute')
@@ -117,8 +118,7 @@ def bench(args) -> list[dict]:
   for backend in args.backends:
     vllm_eng = None
     if backend == 'vllm':
-      from pipelinerl_jax.generation.vllm import engine as vllm_engine
-      from pipelinerl_jax.models import hf_io
+      from pipelinerl_jax.generation.vllm import engine as vllm_engine  # imports torch
       model_dir = pathlib.Path(args.workdir) / f'qwen2_gen_{"quick" if args.quick else "full"}'
       hf_io.save_params(params_a, config, model_dir, dtype='float32')
       vllm_eng = vllm_engine.VllmEngine(model_dir, vllm_engine.VllmEngineConfig(

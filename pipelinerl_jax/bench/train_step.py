@@ -49,6 +49,7 @@ import time  # noqa: E402
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
+from pipelinerl_jax import config as config_lib
 from pipelinerl_jax import losses  # noqa: E402
 from pipelinerl_jax import packing  # noqa: E402
 from pipelinerl_jax import sharding as sharding_lib  # noqa: E402
@@ -209,7 +210,7 @@ def bench_model(name: str, args: argparse.Namespace, mesh) -> dict:
                                            args.micro)
   batch_MxRxT = jax.device_put(batch_MxRxT, sharding_lib.batch_sharding(mesh, leading_dims=1))
 
-  opt_config = train.OptimizerConfig(lr=1e-6)
+  opt_config = config_lib.OptimizerConfig(lr=1e-6)
   optimizer = train.make_optimizer(opt_config)
   params = jax.jit(functools.partial(transformer.init_params, config))(
       jax.random.PRNGKey(args.seed))
@@ -217,7 +218,7 @@ def bench_model(name: str, args: argparse.Namespace, mesh) -> dict:
   state, shardings = train.create_sharded_state(params, optimizer, mesh)
   del params  # the state holds the placed copy; this one would double the memory
   step_fn = train.jit_train_step(
-      train.make_train_step(config, losses.LossConfig(), optimizer,
+      train.make_train_step(config, config_lib.LossConfig(), optimizer,
                             train.lr_schedule(opt_config)),
       shardings, mesh)
 

@@ -10,8 +10,10 @@ params that drew it, which is what the importance weights and the lag metrics ne
 from __future__ import annotations
 
 import abc
+import collections
 import dataclasses
-from typing import Any, Literal, Sequence
+import threading
+from typing import Any, Iterable, Literal, Sequence
 
 import numpy as np
 
@@ -51,7 +53,8 @@ class Request:
 
 @dataclasses.dataclass
 class Completion:
-  """tokens / logprobs / versions are aligned [N] arrays (int32, float32 log mu, int64)."""
+  """tokens / logprobs / versions: one entry per generated token (int32, float32 log mu,
+  int64 policy version)."""
   request_id: str
   prompt_tokens: list[int]
   tokens: np.ndarray
@@ -115,6 +118,72 @@ def check_request(request: Request, *, max_len: int, max_len_field: str,
                      f'exceeds {max_len_field}={max_len}')
   if min(prompt) < 0 or max(prompt) >= vocab_size:
     raise ValueError(f'request {request.request_id!r} has token ids outside the vocab')
+
+
+class RequestQueue:
+  """What every engine keeps of the requests it was given: the pending ones, in order, and the
+  ids of all unfinished ones (pending or decoding), so an id is never unfinished twice. Any
+  thread may `submit`; the stepping thread `take`s and `finish`es."""
+
+  def __init__(self):
+    self._lock = threading.Lock()
+    self._pending: collections.deque[Request] = collections.deque()
+    self._ids: set[str] = set()
+
+  def submit(self, request: Request) -> None:
+    with self._lock:
+      if request.request_id in self._ids:
+        raise ValueError(f'request id {request.request_id!r} is already unfinished')
+      self._ids.add(request.request_id)
+      self._pending.append(request)
+
+  def take(self, n: int | None = None) -> list[Request]:
+    """Up to n pending requests (all of them for None), oldest first; they stay unfinished."""
+    with self._lock:
+      n = len(self._pending) if n is None else min(n, len(self._pending))
+      return [self._pending.popleft() for _ in range(n)]
+
+  def finish(self, request_ids: Iterable[str]) -> None:
+    with self._lock:
+      self._ids.difference_update(request_ids)
+
+  def clear(self) -> None:
+    with self._lock:
+      self._pending.clear()
+      self._ids.clear()
+
+  @property
+  def num_pending(self) -> int:
+    with self._lock:
+      return len(self._pending)
+
+  @property
+  def num_unfinished(self) -> int:
+    with self._lock:
+      return len(self._ids)
+
+
+@dataclasses.dataclass
+class SequenceRecord:
+  """The host record of one request being decoded: its tokens so far, each with log mu and the
+  policy version that drew it."""
+  request: Request
+  tokens: list[int] = dataclasses.field(default_factory=list)
+  logprobs: list[float] = dataclasses.field(default_factory=list)
+  versions: list[int] = dataclasses.field(default_factory=list)
+
+  def append(self, token: int, logprob: float, version: int) -> None:
+    self.tokens.append(token)
+    self.logprobs.append(logprob)
+    self.versions.append(version)
+
+  def completion(self, reason: FinishReason) -> Completion:
+    r = self.request
+    return Completion(request_id=r.request_id, prompt_tokens=[int(t) for t in r.prompt_tokens],
+                      tokens=np.asarray(self.tokens, np.int32),
+                      logprobs=np.asarray(self.logprobs, np.float32),
+                      versions=np.asarray(self.versions, np.int64),
+                      finish_reason=reason, metadata=r.metadata)
 
 
 def generate(engine: Engine, requests: Sequence[Request]) -> list[Completion]:

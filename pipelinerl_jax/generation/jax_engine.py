@@ -1,7 +1,7 @@
 """Embedded JAX generation engine: continuous batching over H slots with in-flight weight updates.
 
 Numerics are two pure jitted functions over an explicit `DecodeState`:
-  * `prefill` loads N sequences into N slots: their context (every token but the last) goes
+  * `prefill` loads R sequences into R slots: their context (every token but the last) goes
     into the KV cache, the last token becomes the slot's next input.
   * `decode_step` runs that input for all H slots at once (free slots are computed and
     ignored), samples, and makes the sampled token the next input.
@@ -66,17 +66,17 @@ class DecodeState(NamedTuple):
 
 
 class Load(NamedTuple):
-  """N sequences to put into slots, context padded to a bucket length T. Padding rows carry
+  """R sequences to put into slots, context padded to a bucket length T. Padding rows carry
   slot id H, so every write they make is dropped."""
-  slot_ids: jax.Array     # [N] int32
-  context: jax.Array      # [N, T] int32, sequence minus its last token
-  lengths: jax.Array      # [N] int32 context length = position of the last token
-  last_tokens: jax.Array  # [N] int32
-  seeds: jax.Array        # [N, 2] uint32 request seed (high, low word)
-  steps: jax.Array        # [N] int32 tokens already generated
-  temperature: jax.Array  # [N] fp32
-  top_k: jax.Array        # [N] int32
-  top_p: jax.Array        # [N] fp32
+  slot_ids: jax.Array     # [R] int32
+  context: jax.Array      # [R, T] int32, sequence minus its last token
+  lengths: jax.Array      # [R] int32 context length = position of the last token
+  last_tokens: jax.Array  # [R] int32
+  seeds: jax.Array        # [R, 2] uint32 request seed (high, low word)
+  steps: jax.Array        # [R] int32 tokens already generated
+  temperature: jax.Array  # [R] fp32
+  top_k: jax.Array        # [R] int32
+  top_p: jax.Array        # [R] fp32
 
 
 def init_state(config: transformer.ModelConfig, num_slots: int, max_len: int) -> DecodeState:
@@ -104,8 +104,8 @@ def prefill(params, state: DecodeState, load: Load, *, config: transformer.Model
   n, t = load.context.shape
   # A fresh T-long cache: the context attends only to itself, so the cost is T^2, not T*S.
   col_T = jnp.arange(t, dtype=jnp.int32)
-  positions_NxT = jnp.where(col_T[None] < load.lengths[:, None], col_T[None], t)
-  _, fresh = transformer.decode(params, config, load.context, positions_NxT,
+  positions_RxT = jnp.where(col_T[None] < load.lengths[:, None], col_T[None], t)
+  _, fresh = transformer.decode(params, config, load.context, positions_RxT,
                                 transformer.init_cache(config, n, t))  # logits are DCE'd
   # Columns past a row's length are zeros here; each is rewritten before any query sees it.
   cache = transformer.KVCache(
@@ -114,7 +114,7 @@ def prefill(params, state: DecodeState, load: Load, *, config: transformer.Model
   rows = Slots(tokens=load.last_tokens, positions=load.lengths,
                rng=jax.vmap(request_key)(load.seeds), steps=load.steps,
                temperature=load.temperature, top_k=load.top_k, top_p=load.top_p)
-  slots = jax.tree.map(lambda all_H, new_N: all_H.at[load.slot_ids].set(new_N, mode='drop'),
+  slots = jax.tree.map(lambda all_H, new_R: all_H.at[load.slot_ids].set(new_R, mode='drop'),
                        state.slots, rows)
   return DecodeState(cache, slots)
 
@@ -158,22 +158,9 @@ def _seed_words(seed: int) -> tuple[int, int]:
 
 
 @dataclasses.dataclass
-class _Sequence:
-  """Host record of one request in a slot."""
-  request: api.Request
-  stop_ids: frozenset[int]
-  tokens: list[int] = dataclasses.field(default_factory=list)
-  logprobs: list[float] = dataclasses.field(default_factory=list)
-  versions: list[int] = dataclasses.field(default_factory=list)
-
-  def completion(self, reason: api.FinishReason) -> api.Completion:
-    r = self.request
-    return api.Completion(request_id=r.request_id,
-                          prompt_tokens=[int(t) for t in r.prompt_tokens],
-                          tokens=np.asarray(self.tokens, np.int32),
-                          logprobs=np.asarray(self.logprobs, np.float32),
-                          versions=np.asarray(self.versions, np.int64),
-                          finish_reason=reason, metadata=r.metadata)
+class _Sequence(api.SequenceRecord):
+  """A request in a slot, with the token ids that end it."""
+  stop_ids: frozenset[int] = frozenset()
 
 
 class JaxEngine(api.Engine):
@@ -195,10 +182,9 @@ class JaxEngine(api.Engine):
     self._version = version
     self._state = self._place(init_state(model_config, config.num_slots, config.max_seq_len))
     self._slots: list[_Sequence | None] = [None] * config.num_slots
-    self._pending: collections.deque[api.Request] = collections.deque()
+    self._requests = api.RequestQueue()
     self._next_params: tuple[Any, int] | None = None
-    self._ids: set[str] = set()  # unfinished request ids
-    self._lock = threading.Lock()
+    self._lock = threading.Lock()  # guards _next_params
     self._closed = False
     self._counts = collections.Counter()
     self._step_seconds = 0.0
@@ -213,11 +199,7 @@ class JaxEngine(api.Engine):
     api.check_request(request, max_len=self.config.max_seq_len,
                       max_len_field='max_seq_len',
                       vocab_size=self.model_config.vocab_size)
-    with self._lock:
-      if request.request_id in self._ids:
-        raise ValueError(f'request id {request.request_id!r} is already unfinished')
-      self._ids.add(request.request_id)
-      self._pending.append(request)
+    self._requests.submit(request)
 
   def update_params(self, params: Any, version: int) -> None:
     self._check_open()
@@ -243,9 +225,7 @@ class JaxEngine(api.Engine):
     for i in busy:
       seq = self._slots[i]
       token = int(tokens_H[i])
-      seq.tokens.append(token)
-      seq.logprobs.append(float(logprobs_H[i]))
-      seq.versions.append(self._version)
+      seq.append(token, float(logprobs_H[i]), self._version)
       if token in seq.stop_ids:
         reason = 'stop'
       elif len(seq.tokens) >= seq.request.sampling.max_tokens:
@@ -254,8 +234,7 @@ class JaxEngine(api.Engine):
         continue
       finished.append(seq.completion(reason))
       self._slots[i] = None
-    with self._lock:
-      self._ids.difference_update(c.request_id for c in finished)
+    self._requests.finish(c.request_id for c in finished)
     self._counts['tokens_generated'] += len(busy)
     self._counts['decode_steps'] += 1
     self._counts['completions'] += len(finished)
@@ -264,8 +243,7 @@ class JaxEngine(api.Engine):
 
   def stats(self) -> dict[str, Any]:
     busy = sum(s is not None for s in self._slots)
-    with self._lock:
-      pending = len(self._pending)
+    pending = self._requests.num_pending
     tokens = self._counts['tokens_generated']
     return dict(self._counts, tokens_generated=tokens,
                 tokens_per_s=tokens / self._step_seconds if self._step_seconds else 0.0,
@@ -274,8 +252,7 @@ class JaxEngine(api.Engine):
 
   @property
   def num_unfinished(self) -> int:
-    with self._lock:
-      return len(self._ids)
+    return self._requests.num_unfinished
 
   @property
   def version(self) -> int:
@@ -285,9 +262,7 @@ class JaxEngine(api.Engine):
     self._closed = True
     self._params = self._state = self._next_params = None
     self._slots = [None] * self.config.num_slots
-    with self._lock:
-      self._pending.clear()
-      self._ids.clear()
+    self._requests.clear()
 
   # --- internals -------------------------------------------------------------------------------
 
@@ -313,12 +288,11 @@ class JaxEngine(api.Engine):
 
   def _admit(self):
     free = [i for i, s in enumerate(self._slots) if s is None]
-    with self._lock:
-      admitted = [self._pending.popleft() for _ in range(min(len(free), len(self._pending)))]
+    admitted = self._requests.take(len(free))
     if not admitted:
       return
     eos = frozenset(self.config.eos_token_ids)
-    seqs = [_Sequence(r, eos | frozenset(r.sampling.stop_token_ids)) for r in admitted]
+    seqs = [_Sequence(r, stop_ids=eos | frozenset(r.sampling.stop_token_ids)) for r in admitted]
     slot_ids = free[:len(seqs)]
     for i, seq in zip(slot_ids, seqs):
       self._slots[i] = seq

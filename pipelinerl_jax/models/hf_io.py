@@ -285,8 +285,10 @@ def name_map(config: ModelConfig) -> list[TensorSpec]:
   return specs
 
 
-def _checkpoint_order(config: ModelConfig) -> Iterator[tuple[str, TensorSpec, int | None]]:
-  """(hf_name, spec, layer) for every HF tensor; per-layer tensors come layer by layer."""
+def checkpoint_order(config: ModelConfig) -> Iterator[tuple[str, TensorSpec, int | None]]:
+  """(hf_name, spec, layer) for every HF tensor: leading globals, then layer by layer (each
+  layer's tensors together, fused parts adjacent), then trailing globals. Loading, saving and
+  every weight transport walk the model in this order."""
   for stacked, group in itertools.groupby(name_map(config), key=lambda s: s.stacked):
     group = list(group)
     for i in (range(config.num_layers) if stacked else [None]):
@@ -294,7 +296,8 @@ def _checkpoint_order(config: ModelConfig) -> Iterator[tuple[str, TensorSpec, in
         yield spec.name(i), spec, i
 
 
-def _leaf(params, path):
+def leaf_at(params, path: tuple[str, ...]):
+  """The leaf of the params pytree at a TensorSpec.path."""
   for key in path:
     params = params[key]
   return params
@@ -307,8 +310,8 @@ def hf_tensors(params, config: ModelConfig, dtype: Any = None) -> Iterator[tuple
   is one layer's slice, transposed to [out, in] where HF uses Linear weights, cast to `dtype`.
   """
   dtype = None if dtype is None else jnp.dtype(dtype)
-  for name, spec, i in _checkpoint_order(config):
-    yield name, _hf_layout(_leaf(params, spec.path), i, spec.transposed, dtype)
+  for name, spec, i in checkpoint_order(config):
+    yield name, _hf_layout(leaf_at(params, spec.path), i, spec.transposed, dtype)
 
 
 @functools.partial(jax.jit, static_argnames=('transposed', 'dtype'))
@@ -429,7 +432,7 @@ def load_params(model_dir: str | os.PathLike, config: ModelConfig, shardings=Non
   located, listing = _locate_tensors(model_dir)
   specs = name_map(config)
   source = {}  # hf_name -> (file, header entry, data start), shapes checked
-  for name, spec, _ in _checkpoint_order(config):
+  for name, spec, _ in checkpoint_order(config):
     if name not in located:
       raise ValueError(f'{listing}: tensor {name!r} is missing (implied by {CONFIG_FILE})')
     file, entry, start = located[name]
@@ -507,7 +510,7 @@ def save_params(params, config: ModelConfig, out_dir: str | os.PathLike,
   out_dir = Path(out_dir)
   out_dir.mkdir(parents=True, exist_ok=True)
   np_dtype = _ST_DTYPES[_SAVE_DTYPES[dtype]]
-  entries = [(name, spec.hf_shape, np_dtype) for name, spec, _ in _checkpoint_order(config)]
+  entries = [(name, spec.hf_shape, np_dtype) for name, spec, _ in checkpoint_order(config)]
   shards = _split_shards(entries, max_shard_bytes)
   arrays = hf_tensors(params, config, dtype=np_dtype)
 

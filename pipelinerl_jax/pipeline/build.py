@@ -185,13 +185,13 @@ def _process_engine(config: config_lib.Config, model_config, model_dir: str, *, 
                     eos_token_id: int, params, version: int) -> api.Engine:
   """vLLM generator processes (one per GPU on GPU hosts), restarted when they die."""
   del model_config, params, version  # the children start from model_dir's checkpoint
+  from pipelinerl_jax.generation.vllm import child  # imports torch
   from pipelinerl_jax.generation.vllm import placement
   from pipelinerl_jax.generation.vllm import pool
-  from pipelinerl_jax.generation.vllm import process
   g = config.generation
   devices = placement.assign_devices(placement.visible_gpus(), mesh.devices.size,
                                      g.num_generators, g.remote.devices, per_child_max=1)
-  process_config = process.ProcessConfig(
+  process_config = child.ProcessConfig(
       max_restarts=g.remote.max_restarts, weight_transport=g.remote.weight_transport,
       transport_timeout_s=g.remote.transport_timeout_s)
   return pool.GeneratorPool(model_dir, vllm_engine_config(config, model_dir, eos_token_id),

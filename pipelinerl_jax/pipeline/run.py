@@ -158,6 +158,8 @@ def supervise(loops: dict[str, Callable[[], None]], stop: threading.Event,
     for t in threads:
       t.join(max(0.0, deadline - time.monotonic()))
   t_end = time.monotonic()
-  return Outcome(interrupted=interrupted, errors=errors,
+  # A copy: a loop that outlived the deadline may still fail later (e.g. on the engine closed
+  # under it); what it did after being abandoned is not the cause.
+  return Outcome(interrupted=interrupted, errors=list(errors),
                  alive=[t.name for t in threads if t.is_alive()],
                  stop_s=t_end - t_interrupt, wall_s=t_end - t_start)

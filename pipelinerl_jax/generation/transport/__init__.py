@@ -1,1 +1,1 @@
-"""Moving weights from the trainer to generators: HF-named tensor views, shared memory, collectives."""
+"""Weights from the trainer to generators: HF-named tensor views, shared memory, collectives."""

@@ -38,7 +38,6 @@ from pipelinerl_jax.generation.transport import hf_tensors
 
 MAGIC = 0x4E43434C574A4158  # 'NCCLWJAX'
 ALIGN = 256
-_DTYPES = {'float32': torch.float32, 'bfloat16': torch.bfloat16, 'float16': torch.float16}
 
 
 class Communicator(Protocol):
@@ -72,23 +71,19 @@ class Plan:
     return sum(self.bucket_nbytes)
 
 
-def _align(n: int) -> int:
-  return -(-n // ALIGN) * ALIGN
-
-
 def make_plan(shapes: dict[str, tuple[int, ...]], dtype: str = 'bfloat16',
               bucket_bytes: int = 256 << 20) -> Plan:
   """The layout of `shapes` (checkpoint order, e.g. `hf_tensors.expected_shapes(config)`) in
   buckets of about `bucket_bytes`; fusion units are never split."""
-  itemsize = _DTYPES[dtype].itemsize
-  meta = [(name, torch.empty(shape, dtype=_DTYPES[dtype], device='meta'))
+  itemsize = hf_tensors.TORCH_DTYPES[dtype].itemsize
+  meta = [(name, torch.empty(shape, dtype=hf_tensors.TORCH_DTYPES[dtype], device='meta'))
           for name, shape in shapes.items()]
   buckets, sizes = [], []
   for bucket in hf_tensors.buckets(meta, bucket_bytes):
     slots, offset = [], 0
     for name, t in bucket.tensors:
       slots.append(Slot(name, tuple(t.shape), offset))
-      offset = _align(offset + t.numel() * itemsize)
+      offset = hf_tensors.align(offset + t.numel() * itemsize, ALIGN)
     buckets.append(tuple(slots))
     sizes.append(offset)
   return Plan(dtype, tuple(buckets), tuple(sizes))
@@ -96,14 +91,11 @@ def make_plan(shapes: dict[str, tuple[int, ...]], dtype: str = 'bfloat16',
 
 def bucket_views(plan: Plan, i: int, flat: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
   """(name, view) of bucket i's tensors inside its flat uint8 buffer (no copy)."""
+  dtype = hf_tensors.TORCH_DTYPES[plan.dtype]
   out = []
   for slot in plan.buckets[i]:
-    n = 1
-    for d in slot.shape:
-      n *= d
-    nbytes = n * _DTYPES[plan.dtype].itemsize
-    out.append((slot.name, flat[slot.offset:slot.offset + nbytes].view(_DTYPES[plan.dtype])
-                .view(slot.shape)))
+    nbytes = hf_tensors.numel(slot.shape) * dtype.itemsize
+    out.append((slot.name, flat[slot.offset:slot.offset + nbytes].view(dtype).view(slot.shape)))
   return out
 
 

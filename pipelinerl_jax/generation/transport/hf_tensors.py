@@ -51,20 +51,9 @@ def module_of(hf_name: str) -> str:
   return hf_name.rsplit('.', 1)[0]
 
 
-def checkpoint_order(config: transformer.ModelConfig
-                     ) -> Iterator[tuple[str, hf_io.TensorSpec, int | None]]:
-  """(hf_name, spec, layer) for every HF tensor: leading globals, then layer by layer (each
-  layer's tensors together, fused parts adjacent), then trailing globals."""
-  for stacked, group in itertools.groupby(hf_io.name_map(config), key=lambda s: s.stacked):
-    group = list(group)
-    for i in (range(config.num_layers) if stacked else [None]):
-      for spec in group:
-        yield spec.name(i), spec, i
-
-
 def expected_shapes(config: transformer.ModelConfig) -> dict[str, tuple[int, ...]]:
   """{hf_name: HF shape} of every tensor a full update carries."""
-  return {name: spec.hf_shape for name, spec, _ in checkpoint_order(config)}
+  return {name: spec.hf_shape for name, spec, _ in hf_io.checkpoint_order(config)}
 
 
 def leaf_to_torch(x: Any) -> torch.Tensor:
@@ -84,13 +73,6 @@ def leaf_to_torch(x: Any) -> torch.Tensor:
     return torch.from_numpy(host)
 
 
-def leaf_at(params, path: Sequence[str]):
-  """The leaf of a nested-dict pytree at `path` (a TensorSpec.path)."""
-  for key in path:
-    params = params[key]
-  return params
-
-
 def hf_torch_tensors(params, config: transformer.ModelConfig
                      ) -> Iterator[tuple[str, torch.Tensor]]:
   """Yields (hf_name, tensor in HF layout) in checkpoint order; see the module docstring.
@@ -99,9 +81,9 @@ def hf_torch_tensors(params, config: transformer.ModelConfig
   early has touched only what it read.
   """
   converted: dict[tuple[str, ...], torch.Tensor] = {}
-  for name, spec, i in checkpoint_order(config):
+  for name, spec, i in hf_io.checkpoint_order(config):
     if spec.path not in converted:
-      converted[spec.path] = leaf_to_torch(leaf_at(params, spec.path))
+      converted[spec.path] = leaf_to_torch(hf_io.leaf_at(params, spec.path))
     t = converted[spec.path]
     if tuple(t.shape) != spec.shape:
       raise ValueError(f'leaf {"/".join(spec.path)} has shape {tuple(t.shape)}, the config '
@@ -121,14 +103,28 @@ def is_zero_copy(tensor: torch.Tensor, leaf: Any) -> bool:
 
 def zero_copy_report(params, config: transformer.ModelConfig) -> dict[str, bool]:
   """{hf_name: aliases the params' buffer}, for every tensor `hf_torch_tensors` yields."""
-  leaves = {spec.path: leaf_at(params, spec.path) for spec in hf_io.name_map(config)}
-  specs = {name: spec for name, spec, _ in checkpoint_order(config)}
+  leaves = {spec.path: hf_io.leaf_at(params, spec.path) for spec in hf_io.name_map(config)}
+  specs = {name: spec for name, spec, _ in hf_io.checkpoint_order(config)}
   return {name: is_zero_copy(t, leaves[specs[name].path])
           for name, t in hf_torch_tensors(params, config)}
 
 
 # ---------------------------------------------------------------------------------------------
-# Grouping for transports.
+# Layout and grouping for transports.
+
+TORCH_DTYPES = {'float32': torch.float32, 'bfloat16': torch.bfloat16, 'float16': torch.float16}
+
+
+def align(n: int, to: int) -> int:
+  """n rounded up to a multiple of `to` (tensor offsets in a transport buffer)."""
+  return -(-n // to) * to
+
+
+def numel(shape: Sequence[int]) -> int:
+  n = 1
+  for d in shape:
+    n *= d
+  return n
 
 
 def tensor_nbytes(t: torch.Tensor) -> int:

@@ -39,7 +39,6 @@ HEADER = struct.Struct('<QqQQQQq')  # see the module docstring
 HEADER_BYTES = 64
 ALIGN = 64
 EMPTY, WRITING, VALID = 0, 1, 2
-_DTYPES = {'float32': torch.float32, 'bfloat16': torch.bfloat16, 'float16': torch.float16}
 
 
 class TransportError(RuntimeError):
@@ -50,27 +49,17 @@ class HolderDied(RuntimeError):
   """The peer process holding the segment lock is dead; the lock will never be released."""
 
 
-def _align(n: int) -> int:
-  return -(-n // ALIGN) * ALIGN
-
-
 def manifest_for(config, dtype: str = 'float32', max_manifest_bytes: int = 1 << 20):
   """[(hf_name, shape, dtype, offset)] and the segment size for a model config."""
   entries, offset = [], 0
   for name, shape in hf_tensors.expected_shapes(config).items():
     entries.append((name, tuple(shape), dtype, offset))
-    offset = _align(offset + _numel(shape) * _DTYPES[dtype].itemsize)
+    offset = hf_tensors.align(
+        offset + hf_tensors.numel(shape) * hf_tensors.TORCH_DTYPES[dtype].itemsize, ALIGN)
   blob = json.dumps(entries).encode()
   if len(blob) > max_manifest_bytes:
     raise ValueError(f'manifest of {len(blob)} bytes exceeds {max_manifest_bytes}')
   return entries, HEADER_BYTES + max_manifest_bytes + offset, max_manifest_bytes
-
-
-def _numel(shape) -> int:
-  n = 1
-  for d in shape:
-    n *= d
-  return n
 
 
 class Segment:
@@ -106,7 +95,8 @@ class Segment:
 
   def view(self, shape, dtype: str, offset: int) -> torch.Tensor:
     """A tensor over the segment's bytes (no copy)."""
-    t = torch.frombuffer(self.shm.buf, dtype=_DTYPES[dtype], count=_numel(shape),
+    t = torch.frombuffer(self.shm.buf, dtype=hf_tensors.TORCH_DTYPES[dtype],
+                         count=hf_tensors.numel(shape),
                          offset=self.data_start + offset)
     return t.view(shape)
 
@@ -171,7 +161,8 @@ def read_update(seg: Segment, *, verify: bool = True) -> tuple[int, list[tuple[s
     raise TransportError(f'segment {seg.name}: no complete update (state {h["state"]}; a writer '
                          'died part-way?)')
   entries = json.loads(bytes(seg.shm.buf[HEADER_BYTES:HEADER_BYTES + h['manifest']]))
-  expected = max((off + _numel(shape) * _DTYPES[dt].itemsize for _, shape, dt, off in entries),
+  expected = max((off + hf_tensors.numel(shape) * hf_tensors.TORCH_DTYPES[dt].itemsize
+                  for _, shape, dt, off in entries),
                  default=0)
   if h['payload'] != expected or seg.data_start + expected > seg.shm.size:
     raise TransportError(f'segment {seg.name}: payload of {h["payload"]} bytes, the manifest '

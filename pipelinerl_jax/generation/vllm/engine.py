@@ -20,8 +20,8 @@ Choices that make the output usable as PipelineRL's behaviour policy mu:
     as in `JaxEngine`); the stop token is kept as the last token.
 
 Weight updates. `update_params(params, version)` checks the pytree's shapes against the model
-and queues it; the next `step()` turns it into HF-named DLPack views (`weight_sync`, no copy) and
-calls the worker's `reload_weights(weights_iterator=...)`, which loads with checkpoint names and
+and queues it; the next `step()` turns it into HF-named DLPack views (`transport.hf_tensors`, no
+copy) and calls the worker's `reload_weights(weights_iterator=...)`, which loads with checkpoint names and
 re-packs the CPU GEMM weights (a plain `model.load_weights` leaves the CPU model broken). Requests
 in flight keep their KV cache, computed under older weights (PipelineRL's stale KV cache). Every
 token records the version that was loaded when its step ran; vLLM's own weight-version spans
@@ -56,7 +56,10 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-import numpy as np
+import jax
+import safetensors
+import torch
+
 
 from pipelinerl_jax.generation import api
 from pipelinerl_jax.generation.transport import hf_tensors
@@ -85,14 +88,6 @@ class VllmEngineConfig:
   # Logits in fp32, like the trainer's `lm_head_fp32`: vLLM's `head_dtype` override (the last
   # matmul in fp32) and, on CPU, an fp32 lm_head weight (see `_Fp32Head`). No-op in fp32.
   lm_head_fp32: bool = False
-
-
-@dataclasses.dataclass
-class _Sequence:
-  request: api.Request
-  tokens: list[int] = dataclasses.field(default_factory=list)
-  logprobs: list[float] = dataclasses.field(default_factory=list)
-  versions: list[int] = dataclasses.field(default_factory=list)
 
 
 def vllm_sampling_params(request: api.Request, eos_token_ids=()):
@@ -183,10 +178,9 @@ class VllmEngine(api.Engine):
     # _NO_ROLLBACK = they came from buffers that may since have been overwritten.
     self._loaded: Callable[[], list] | None | object = None
     self._next_params: tuple[Callable[[], list], int, bool] | None = None
-    self._pending: collections.deque[api.Request] = collections.deque()
-    self._seqs: dict[str, _Sequence] = {}  # handed to vLLM, not finished
-    self._ids: set[str] = set()  # unfinished request ids (pending + in vLLM)
-    self._lock = threading.Lock()
+    self._requests = api.RequestQueue()
+    self._seqs: dict[str, api.SequenceRecord] = {}  # handed to vLLM, not finished
+    self._lock = threading.Lock()  # guards _next_params
     self._closed = False
     self._broken: str | None = None
     self._counts = collections.Counter()
@@ -200,11 +194,7 @@ class VllmEngine(api.Engine):
     api.check_request(request, max_len=self.config.max_model_len,
                       max_len_field='max_model_len',
                       vocab_size=self.model_config.vocab_size)
-    with self._lock:
-      if request.request_id in self._ids:
-        raise ValueError(f'request id {request.request_id!r} is already unfinished')
-      self._ids.add(request.request_id)
-      self._pending.append(request)
+    self._requests.submit(request)
 
   def update_params(self, params: Any, version: int) -> None:
     """Checks shapes now (in the caller's thread, so a wrong pytree fails at its source), loads
@@ -213,7 +203,7 @@ class VllmEngine(api.Engine):
     problems = []
     for spec in hf_io.name_map(self.model_config):
       try:
-        leaf = hf_tensors.leaf_at(params, spec.path)
+        leaf = hf_io.leaf_at(params, spec.path)
       except (KeyError, TypeError):
         problems.append(f'{"/".join(spec.path)} is missing')
         continue
@@ -239,13 +229,10 @@ class VllmEngine(api.Engine):
     self._check_usable()
     start = time.perf_counter()
     self.apply_update()
-    with self._lock:
-      admitted = list(self._pending)
-      self._pending.clear()
-    for r in admitted:
+    for r in self._requests.take():
       self._core.add_request(r.request_id, {'prompt_token_ids': [int(t) for t in r.prompt_tokens]},
                              vllm_sampling_params(r, self.config.eos_token_ids))
-      self._seqs[r.request_id] = _Sequence(r)
+      self._seqs[r.request_id] = api.SequenceRecord(r)
     if not self._core.has_unfinished_requests():
       return []
 
@@ -255,17 +242,14 @@ class VllmEngine(api.Engine):
       c = out.outputs[0]
       # DELTA outputs: the tokens this step produced, with one logprob dict per token.
       for token, lp in zip(c.token_ids, c.logprobs or ()):
-        seq.tokens.append(int(token))
-        seq.logprobs.append(float(lp[token].logprob))
-        seq.versions.append(self._version)
+        seq.append(int(token), float(lp[token].logprob), self._version)
         new_tokens += 1
       if len(seq.logprobs) != len(seq.tokens) or len(c.token_ids) != len(c.logprobs or ()):
         raise RuntimeError(f'vLLM returned {len(c.token_ids)} tokens but '
                            f'{len(c.logprobs or ())} log-probs for {out.request_id!r}')
       if out.finished:
         finished.append(self._finish(seq, c))
-    with self._lock:
-      self._ids.difference_update(f.request_id for f in finished)
+    self._requests.finish(f.request_id for f in finished)
     self._counts['tokens_generated'] += new_tokens
     self._counts['steps'] += 1
     self._counts['completions'] += len(finished)
@@ -274,8 +258,7 @@ class VllmEngine(api.Engine):
 
   def stats(self) -> dict[str, Any]:
     scheduler = getattr(getattr(self._core.engine_core, 'engine_core', None), 'scheduler', None)
-    with self._lock:
-      pending = len(self._pending)
+    pending = self._requests.num_pending
     busy = len(scheduler.running) if scheduler is not None else len(self._seqs)
     waiting = len(scheduler.waiting) if scheduler is not None else 0
     tokens = self._counts['tokens_generated']
@@ -288,8 +271,7 @@ class VllmEngine(api.Engine):
 
   @property
   def num_unfinished(self) -> int:
-    with self._lock:
-      return len(self._ids)
+    return self._requests.num_unfinished
 
   @property
   def version(self) -> int:
@@ -299,9 +281,8 @@ class VllmEngine(api.Engine):
     if self._closed:
       return
     self._closed = True
+    self._requests.clear()
     with self._lock:
-      self._pending.clear()
-      self._ids.clear()
       self._next_params = None
     self._seqs.clear()
     self._loaded = None
@@ -318,7 +299,7 @@ class VllmEngine(api.Engine):
     if self._broken:
       raise RuntimeError(f'engine is broken: {self._broken}')
 
-  def _finish(self, seq: _Sequence, c) -> api.Completion:
+  def _finish(self, seq: api.SequenceRecord, c) -> api.Completion:
     reason = _FINISH_REASONS.get(c.finish_reason)
     if reason is None:
       raise RuntimeError(f'request {seq.request.request_id!r} ended with vLLM finish_reason '
@@ -328,16 +309,10 @@ class VllmEngine(api.Engine):
       raise RuntimeError(f'request {seq.request.request_id!r}: per-token versions {seq.versions} '
                          f'disagree with vLLM\'s weight-version spans {spans}')
     del self._seqs[seq.request.request_id]
-    r = seq.request
-    return api.Completion(request_id=r.request_id, prompt_tokens=[int(t) for t in r.prompt_tokens],
-                          tokens=np.asarray(seq.tokens, np.int32),
-                          logprobs=np.asarray(seq.logprobs, np.float32),
-                          versions=np.asarray(seq.versions, np.int64),
-                          finish_reason=reason, metadata=r.metadata)
+    return seq.completion(reason)
 
   def _weights(self, params) -> list[tuple[str, Any]]:
     """The DLPack views of a full update, checked complete (names and shapes) before loading."""
-    import jax
     deleted = [x for x in jax.tree.leaves(params) if isinstance(x, jax.Array) and x.is_deleted()]
     if deleted:
       raise WeightUpdateError(f'{len(deleted)} params were deleted after being published '
@@ -423,7 +398,6 @@ def _abort_layerwise_reload(worker):
 
 def _checkpoint_tensor(model_dir: Path, name: str):
   """One tensor of an HF checkpoint dir, read alone."""
-  import safetensors
   single = model_dir / hf_io.SINGLE_FILE
   file = single if single.is_file() else model_dir / json.loads(
       (model_dir / hf_io.INDEX_FILE).read_text())['weight_map'][name]
@@ -449,7 +423,6 @@ class _Fp32Head:
 
   @classmethod
   def attach(cls, worker, model_config, dtype: str) -> '_Fp32Head | None':
-    import torch
     from vllm.platforms import current_platform
     model = worker.model_runner.get_model()
     head = getattr(model, 'lm_head', None)
@@ -461,7 +434,6 @@ class _Fp32Head:
 
   def set(self, weight):
     """`weight` [V, D]; vLLM's may have padded rows (sliced off the logits), kept at zero."""
-    import torch
     full = torch.zeros(self.module.weight.shape, dtype=torch.float32)
     full[:weight.shape[0]].copy_(weight)
     self.module.weight.data = full

@@ -9,10 +9,10 @@
 Each child is a `GeneratorProcess`, so restarts are per child: a child that dies is replaced
 and its in-flight requests re-submitted to the replacement; the others keep running.
 
-With generation.remote.weight_transport 'gloo' / 'nccl', each child is its own two-rank group with the
-trainer (so one child's restart never touches the others' groups); an update is broadcast to the
-children one after the other, which costs the trainer N sends where one N+1-rank group would
-cost one (a possible next step on GPU hosts).
+With generation.remote.weight_transport 'gloo' / 'nccl', each child is its own two-rank group
+with the trainer (so one child's restart never touches the others' groups); an update is
+broadcast to the children one after the other, which costs the trainer N sends where one
+N+1-rank group would cost one (a possible next step on GPU hosts).
 
 One copy of the weights per child: a segment shared by all children would need a lock that
 survives a reader dying while holding it (a dead holder would block every other child), which
@@ -29,7 +29,8 @@ import time
 from typing import Any
 
 from pipelinerl_jax.generation import api
-from pipelinerl_jax.generation.vllm import process as generator_process
+from pipelinerl_jax.generation.vllm import child as child_lib
+from pipelinerl_jax.generation.vllm import process
 
 
 def group_key(request: api.Request) -> Any:
@@ -42,21 +43,21 @@ class GeneratorPool(api.Engine):
 
   def __init__(self, model_dir: str | os.PathLike, engine_config=None, *, num_generators: int,
                version: int = 0,
-               config: generator_process.ProcessConfig = generator_process.ProcessConfig(),
+               config: child_lib.ProcessConfig = child_lib.ProcessConfig(),
                name: str = 'vllm_process', devices=None):
-    """`devices`: each child's CUDA_VISIBLE_DEVICES entries (`generator_process.assign_devices`);
+    """`devices`: each child's CUDA_VISIBLE_DEVICES entries (`placement.assign_devices`);
     None = every child inherits the parent's."""
     if num_generators < 1:
       raise ValueError(f'num_generators={num_generators} must be >= 1')
     if devices is not None and len(devices) != num_generators:
       raise ValueError(f'{len(devices)} device shares for {num_generators} generators')
     self.config = config
-    self.children: list[generator_process.GeneratorProcess] = []
+    self.children: list[process.GeneratorProcess] = []
     try:  # started one after the other: vLLM start-up is CPU-bound
       for i in range(num_generators):
         child_config = config if devices is None else dataclasses.replace(
             config, devices=tuple(devices[i]))
-        self.children.append(generator_process.GeneratorProcess(
+        self.children.append(process.GeneratorProcess(
             model_dir, engine_config, version=version, config=child_config, name=f'{name}[{i}]'))
     except BaseException:
       self.close()

@@ -1,8 +1,9 @@
-"""A `VllmEngine` in its own process (multiprocessing spawn), behind the `api.Engine` interface.
+"""A `VllmEngine` in its own process (multiprocessing spawn), behind the `api.Engine` interface:
+the parent's handle. What runs in the child is child.py.
 
   parent (trainer side)                      child (generator)
   submit(request)  -- request queue -------> engine.submit
-  update_params    -- shm_weights segment -> between two steps: lock, check, load, ack
+  update_params    -- shared-memory segment -> between two steps: lock, check, load, ack
   step()           <- result queue --------- completions + stats after each step
 
 The child loops on its own: it drains requests, loads the newest complete update from the
@@ -36,203 +37,34 @@ restarted. A restarted child joins a new group (new port) and is sent the latest
 params before it serves (the parent keeps a reference to them: they are the fresh copy the
 trainer published).
 
-Devices: `devices` are this child's CUDA_VISIBLE_DEVICES entries (see `placement.assign_devices`), set in
-the child before vLLM (or CUDA) starts; () leaves the environment as it is.
+Devices: `devices` are this child's CUDA_VISIBLE_DEVICES entries (see
+`placement.assign_devices`), set in the child before vLLM (or CUDA) starts; () leaves the
+environment as it is.
 """
 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import multiprocessing as mp
 import os
 import queue
 import signal
 import threading
 import time
-import traceback
 from pathlib import Path
 from typing import Any
 
 from pipelinerl_jax.generation import api
-from pipelinerl_jax.generation.transport import shm
+from pipelinerl_jax.generation.transport import collective
 from pipelinerl_jax.generation.transport import hf_tensors
+from pipelinerl_jax.generation.transport import shm
+from pipelinerl_jax.generation.vllm import child
+from pipelinerl_jax.generation.vllm import engine as vllm_engine
 from pipelinerl_jax.models import hf_io
 
 
 class GeneratorDied(RuntimeError):
   """The generator process is gone; its exit code and last error are in the message."""
-
-
-@dataclasses.dataclass(frozen=True)
-class ProcessConfig:
-  transport_dtype: str = 'float32'  # dtype of the tensors in shared memory
-  checksum: bool = True             # crc32 of the payload, checked by the reader before loading
-  lock_timeout_s: float = 60.0
-  start_timeout_s: float = 300.0
-  poll_s: float = 0.05              # how long `step()` waits for results when work is outstanding
-  max_restarts: int = 3             # child deaths survived (in all) before GeneratorDied
-  weight_transport: str = 'shm'     # 'shm' | 'gloo' (CPU) | 'nccl' (CUDA, UNRUN)
-  transport_timeout_s: float = 120.0  # collective transports: joining the group, one update
-  bucket_mb: int = 256              # collective transports: broadcast bucket size
-  devices: tuple[str, ...] = ()     # the child's CUDA_VISIBLE_DEVICES; () = inherit
-
-
-TRANSPORTS = ('shm', 'gloo', 'nccl')
-
-
-def _plan(model_config, cfg: ProcessConfig):
-  from pipelinerl_jax.generation.transport import collective
-  return collective.make_plan(hf_tensors.expected_shapes(model_config), cfg.transport_dtype,
-                                cfg.bucket_mb << 20)
-
-
-class _Receiver:
-  """(child) Receives announced updates in a background thread, one at a time, into a fresh
-  staging buffer each; the loop takes the newest complete one between two engine steps."""
-
-  def __init__(self, endpoint, model_config, cfg: ProcessConfig):
-    from pipelinerl_jax.generation.transport import collective
-    self._collective, self._cfg = collective, cfg
-    device = 'cuda:0' if endpoint.backend == 'nccl' else 'cpu'
-    self._device = device
-    self._comm = collective.join(endpoint, 1, cfg.transport_timeout_s, device)
-    self._plan = _plan(model_config, cfg)
-    self._announced: queue.Queue = queue.Queue()
-    self._staged: queue.Queue = queue.Queue()
-    threading.Thread(target=self._run, name='weights-receiver', daemon=True).start()
-
-  def announce(self, version: int) -> None:
-    self._announced.put(version)
-
-  def _run(self):
-    while True:
-      version = self._announced.get()
-      try:
-        got = self._collective.receive(self._comm, self._plan, device=self._device,
-                                         timeout_s=self._cfg.transport_timeout_s)
-        if got[0] != version:
-          raise ValueError(f'announced version {version}, received {got[0]}')
-        self._staged.put(got)
-      except BaseException as e:  # the group is unusable now: the loop ends the child
-        self._staged.put(e)
-        return
-
-  def newest(self):
-    """(version, views) of the newest complete update, or None; raises the receive error."""
-    newest = None
-    while True:
-      try:
-        got = self._staged.get_nowait()
-      except queue.Empty:
-        return newest
-      if isinstance(got, BaseException):
-        raise RuntimeError(f'generation.remote.weight_transport={self._cfg.weight_transport!r}: '
-                           f'{type(got).__name__}: {got}') from got
-      newest = got
-
-
-def _child_main(model_dir, engine_config, version, seg_name, manifest_capacity, lock,
-                requests: mp.Queue, results: mp.Queue, cfg: ProcessConfig, endpoint=None):
-  """The generator loop (runs in the child)."""
-  os.environ['VLLM_ENABLE_V1_MULTIPROCESSING'] = '0'
-  if cfg.devices:  # before anything starts CUDA in this process
-    os.environ['CUDA_VISIBLE_DEVICES'] = ','.join(cfg.devices)
-  receiver = None
-  try:
-    from pipelinerl_jax.generation.vllm import engine as vllm_engine
-    engine = vllm_engine.VllmEngine(model_dir, engine_config, version=version)
-    seg = shm.Segment.attach(seg_name, lock, manifest_capacity)
-    if endpoint is None:
-      _load_newest(seg, engine, cfg, results)  # a restarted child serves the latest weights
-    results.put(('ready', engine.version))
-    if endpoint is not None:  # the parent joins on 'ready', then sends the latest params
-      receiver = _Receiver(endpoint, engine.model_config, cfg)
-      results.put(('joined', None))
-    closing, last_report = False, 0.0
-    while not closing:
-      try:  # block briefly only when idle, so an idle child does not spin
-        msg = requests.get(timeout=0.01 if engine.num_unfinished == 0 else 0)
-      except queue.Empty:
-        msg = None
-      while msg is not None:
-        if msg[0] == 'submit':
-          engine.submit(msg[1])
-        elif msg[0] == 'weights':
-          receiver.announce(msg[1])
-        elif msg[0] == 'close':
-          closing = True
-        try:
-          msg = requests.get_nowait()
-        except queue.Empty:
-          msg = None
-      if receiver is None:
-        loaded = _load_newest(seg, engine, cfg, results)
-      else:
-        loaded = _apply_staged(receiver, engine, results)
-      done = engine.step() if engine.num_unfinished else []
-      if done or loaded or time.monotonic() - last_report > 0.5:
-        results.put(('step', done, engine.stats()))
-        last_report = time.monotonic()
-    engine.close()
-    seg.close()
-    results.put(('closed', None))
-  except BaseException:
-    results.put(('error', traceback.format_exc()))
-    if receiver is not None:  # a thread may be stuck in the collective: do not wait for it
-      results.close()
-      results.join_thread()
-      os._exit(1)
-    raise
-
-
-def _apply_staged(receiver: _Receiver, engine, results) -> bool:
-  """Loads the newest received update whole; a rejected one is reported, the engine keeps
-  serving (and rolls back, see VllmEngine.apply_update). A receive error ends the child."""
-  from pipelinerl_jax.generation.vllm import engine as vllm_engine
-  got = receiver.newest()
-  if got is None:
-    return False
-  version, views = got
-  if version <= engine.version:
-    return False
-  try:
-    engine.update_hf_tensors(views, version)
-    engine.apply_update()
-    results.put(('loaded', version))
-    return True
-  except vllm_engine.WeightUpdateError as e:
-    results.put(('update_error', version, f'{type(e).__name__}: {e}'))
-    return False
-
-
-def _load_newest(seg: shm.Segment, engine, cfg: ProcessConfig, results) -> bool:
-  """Loads the segment's update if it is newer than the engine's weights. A corrupt segment or
-  a rejected load is reported to the parent; the engine keeps serving its current version."""
-  h = seg.header()
-  if h['state'] != shm.VALID or h['version'] <= max(engine.version, _rejected[0]):
-    return False
-  from pipelinerl_jax.generation.vllm import engine as vllm_engine
-  seg.acquire(cfg.lock_timeout_s, 'trainer (writer)')
-  try:
-    version, views = shm.read_update(seg, verify=cfg.checksum)
-    if version <= engine.version:
-      return False
-    engine.update_hf_tensors(views, version)
-    del views
-    engine.apply_update()  # copies out of the segment before the lock is released
-    seg.write_header(acked=version)
-    return True
-  except (shm.TransportError, vllm_engine.WeightUpdateError) as e:
-    _rejected[0] = seg.header()['version']  # do not retry the same bytes
-    results.put(('update_error', _rejected[0], f'{type(e).__name__}: {e}'))
-    return False
-  finally:
-    views = None
-    seg.lock.release()
-
-
-_rejected = [-1]  # (child process) the last segment version whose load failed
 
 
 def describe_exit(exitcode: int | None) -> str:
@@ -257,11 +89,7 @@ class GeneratorProcess(api.Engine):
   from one. `name` labels errors (the config backend that made it)."""
 
   def __init__(self, model_dir: str | os.PathLike, engine_config=None, *, version: int = 0,
-               config: ProcessConfig = ProcessConfig(), name: str = 'vllm_process'):
-    from pipelinerl_jax.generation.vllm import engine as vllm_engine  # config type only; vLLM starts in the child
-    if config.weight_transport not in TRANSPORTS:
-      raise ValueError(f'config.generation.remote.weight_transport must be one of {TRANSPORTS}, got '
-                       f'{config.weight_transport!r}')
+               config: child.ProcessConfig = child.ProcessConfig(), name: str = 'vllm_process'):
     self.config, self.name = config, name
     self._collective = config.weight_transport != 'shm'
     self.model_dir = str(Path(model_dir))
@@ -274,7 +102,7 @@ class GeneratorProcess(api.Engine):
     self._acked = version      # collective transports: the newest version the child loaded
     self._latest = None        # collective transports: (params, version) last published
     self._comm = None          # collective transports: rank 0's communicator for this child
-    self._plan = _plan(self.model_config, config) if self._collective else None
+    self._plan = child.transport_plan(self.model_config, config) if self._collective else None
     self._ctx = mp.get_context('spawn')
     self._seg = shm.Segment.create(size, self._ctx.Lock(), self._capacity)
     self._state_lock = threading.RLock()  # queues, child handle, in-flight map, inbox, stats
@@ -412,8 +240,8 @@ class GeneratorProcess(api.Engine):
     return self._acked if self._collective else self._seg.header()['acked']
 
   def _transport_error(self, what: str, timed_out: bool) -> str:
-    within = (f' within {self.config.transport_timeout_s:.0f}s (generation.remote.transport_timeout_s)'
-              if timed_out else '')
+    within = (f' within {self.config.transport_timeout_s:.0f}s '
+              '(generation.remote.transport_timeout_s)' if timed_out else '')
     return (f'{self.name}: {what} over generation.remote.weight_transport='
             f'{self.config.weight_transport!r}{within}; the group is unusable, the generator '
             'is restarted')
@@ -452,7 +280,6 @@ class GeneratorProcess(api.Engine):
 
   def _send(self, params, version: int) -> None:
     """(under _write_lock) Announces `version`, then broadcasts it to the child."""
-    from pipelinerl_jax.generation.transport import collective
     comm, device = self._comm, 'cuda:0' if self.config.weight_transport == 'nccl' else 'cpu'
     self._requests.put(('weights', version))
     start = time.perf_counter()
@@ -469,12 +296,11 @@ class GeneratorProcess(api.Engine):
     self._requests, self._results = self._ctx.Queue(), self._ctx.Queue()
     rendezvous = None
     if self._collective:
-      from pipelinerl_jax.generation.transport import collective
       rendezvous = collective.Rendezvous(self.config.weight_transport,
                                            self.config.transport_timeout_s)
       self._comm = None
     self._proc = self._ctx.Process(
-        target=_child_main, name=f'pipelinerl-generator-{self.name}', daemon=True,
+        target=child.child_main, name=f'pipelinerl-generator-{self.name}', daemon=True,
         args=(self.model_dir, self._engine_config, self._initial_version, self._seg.name,
               self._capacity, self._seg.lock, self._requests, self._results, self.config,
               rendezvous and rendezvous.endpoint))
