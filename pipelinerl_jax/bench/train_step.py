@@ -49,8 +49,7 @@ import time  # noqa: E402
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
-from pipelinerl_jax import config as config_lib
-from pipelinerl_jax import losses  # noqa: E402
+from pipelinerl_jax import config as config_lib  # noqa: E402
 from pipelinerl_jax import packing  # noqa: E402
 from pipelinerl_jax import sharding as sharding_lib  # noqa: E402
 from pipelinerl_jax import train  # noqa: E402
