@@ -18,7 +18,12 @@ from pipelinerl_jax import train
 from pipelinerl_jax import warmstart
 from pipelinerl_jax.tasks import math as math_task
 
-MATH_CONFIG = pathlib.Path(__file__).resolve().parent.parent / 'configs' / 'math.py'
+_PACKAGE_DIR = pathlib.Path(__file__).resolve().parent
+# The experiment files: configs/ of a clone (or an editable install), or the copy an installed
+# wheel ships as pipelinerl_jax/configs/ (see pyproject.toml).
+CONFIGS_DIR = next((d for d in (_PACKAGE_DIR / 'configs', _PACKAGE_DIR.parent / 'configs')
+                    if (d / 'math.py').is_file()), _PACKAGE_DIR.parent / 'configs')
+MATH_CONFIG = CONFIGS_DIR / 'math.py'
 TASK_KEYS = ('ops', 'digits', 'sft_pool_mod')  # shared by the arithmetic task and the demo build
 TASKS = ('arithmetic', 'math')
 # Fields whose value is a tuple: the type of their items (a tuple default says nothing when empty).

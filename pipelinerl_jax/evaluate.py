@@ -1,7 +1,7 @@
 """pass@1 and pass@k on held-out problems: one code path for the CLI and for in-training evals.
 
   python -m pipelinerl_jax.evaluate --config=configs/math.py:tiny --checkpoint=DIR [--k=4]
-      [--out=DIR]
+      [--out=DIR]   (installed: pipelinerl-eval ...)
 
 prints pass@1 / pass@k per dataset and writes OUT/results.json and OUT/samples.jsonl (one line
 per sample: dataset, problem id, prompt, completion, status, reward). A run with
@@ -267,7 +267,9 @@ def main(argv):
   print(report(result))
 
 
-if __name__ == '__main__':
+def cli():
+  """The `pipelinerl-eval` console script (and `python -m pipelinerl_jax.evaluate`). The flags are
+  defined here, not at import: run.py imports this module, and `main` defines its own --config."""
   from absl import app, flags  # pylint: disable=g-import-not-at-top,g-multiple-import
   from ml_collections import config_flags  # pylint: disable=g-import-not-at-top
   config_flags.DEFINE_config_file('config', None, 'Experiment config, e.g. configs/math.py:tiny.',
@@ -278,3 +280,7 @@ if __name__ == '__main__':
   flags.DEFINE_string('out', None, 'Writes results.json and samples.jsonl here.')
   flags.mark_flags_as_required(['config', 'checkpoint'])
   app.run(main)
+
+
+if __name__ == '__main__':
+  cli()

@@ -1,6 +1,7 @@
 """Exports a checkpoint's params as a Hugging Face model directory.
 
   python -m pipelinerl_jax.export --checkpoint=WORKDIR/checkpoints --out=DIR [--step=N]
+      (installed: pipelinerl-export ...)
 
 writes config.json + model.safetensors (hf_io.save_params) and the tokenizer files of the run's
 model dir, so transformers, vLLM and `hf_io.load_params` all load DIR. The model dir is the one
@@ -69,7 +70,8 @@ def main(argv):
   print(f'exported {len(written)} files to {f.out}')
 
 
-if __name__ == '__main__':
+def cli():
+  """The `pipelinerl-export` console script (and `python -m pipelinerl_jax.export`)."""
   from absl import app
   from absl import flags
   flags.DEFINE_string('checkpoint', None, "A run's checkpoints dir (latest step) or one step dir.")
@@ -79,3 +81,7 @@ if __name__ == '__main__':
   flags.DEFINE_string('dtype', '', "bfloat16 | float32 | float16 ('' = the run's param dtype).")
   flags.mark_flags_as_required(['checkpoint', 'out'])
   app.run(main)
+
+
+if __name__ == '__main__':
+  cli()
