@@ -7,6 +7,7 @@ either loop, or Ctrl-C, stops both within seconds, and the error names the loop 
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import threading
 import time
@@ -56,6 +57,17 @@ def make_task(config: ml_collections.ConfigDict, tokenizer=None):
                               math_task.RewardConfig(**t.reward.to_dict()),
                               timeout_s=t.verify_timeout_s, num_workers=t.verify_workers)
   raise ValueError(f'config.task.name: unknown task {t.name!r} (known: arithmetic, math)')
+
+
+def check_backend_installed(config: ml_collections.ConfigDict) -> None:
+  """The vLLM backends need vllm and torch, which the light install ([notebooks], or no extra)
+  leaves out: say so in one line before the model is built, not in a traceback at engine start."""
+  backend = config.generation.backend
+  missing = [m for m in ('vllm', 'torch') if importlib.util.find_spec(m) is None]
+  if backend != 'jax' and missing:
+    raise ValueError(f"config.generation.backend: {backend!r} needs {' and '.join(missing)}, "
+                     "not installed here (pip install -e '.[vllm]' on CPU, '.[vllm-gpu]' on "
+                     "CUDA; or use backend 'jax')")
 
 
 def copy_params_fn(device) -> Callable:
@@ -172,6 +184,7 @@ def resolve_model_dir(config: ml_collections.ConfigDict) -> str:
 def run_experiment(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
   """What `main` runs: validate, find or build the model, then RL."""
   config_lib.validate(config)
+  check_backend_installed(config)  # before a demo model is built for nothing
   model_dir = resolve_model_dir(config)
   stamp = warmstart.read_stamp(model_dir)
   if stamp:
@@ -203,6 +216,7 @@ def run(config: ml_collections.ConfigDict, workdir: str, *, model_dir: str | Non
   `on_ready` (tests) gets the live objects once both threads run.
   """
   config_lib.validate(config)
+  check_backend_installed(config)
   os.makedirs(workdir, exist_ok=True)
   model_dir = model_dir or config.model.path
   if not model_dir:
