@@ -24,7 +24,12 @@ from typing import Any, Literal
 
 import ml_collections
 
-MATH_CONFIG = pathlib.Path(__file__).resolve().parent.parent / 'configs' / 'math.py'
+_PACKAGE_DIR = pathlib.Path(__file__).resolve().parent
+# The experiment files: configs/ of a clone (or an editable install), or the copy an installed
+# wheel ships as pipelinerl_jax/configs/ (see pyproject.toml).
+CONFIGS_DIR = next((d for d in (_PACKAGE_DIR / 'configs', _PACKAGE_DIR.parent / 'configs')
+                    if (d / 'math.py').is_file()), _PACKAGE_DIR.parent / 'configs')
+MATH_CONFIG = CONFIGS_DIR / 'math.py'
 
 # Keys that were renamed: an experiment file that still sets one gets the new name in its error.
 RENAMED = {

@@ -85,9 +85,10 @@ def main(argv):
   print(report(result))
 
 
-def run():
-  """The command: flags are defined here, not at import, so that `main`'s module and this one
-  can be imported together (both define --config)."""
+def cli():
+  """The `pipelinerl-eval` console script (and `python -m pipelinerl_jax.evaluate`). Flags are
+  defined here, not at import, so that `main`'s module and this one can be imported together
+  (both define --config)."""
   config_flags.DEFINE_config_file('config', None, 'Experiment config, e.g. configs/math.py:tiny.',
                                   lock_config=True)
   flags.DEFINE_string('checkpoint', None, 'HF model dir (or orbax run checkpoint) to evaluate.')
@@ -99,4 +100,4 @@ def run():
 
 
 if __name__ == '__main__':
-  run()
+  cli()

@@ -71,8 +71,9 @@ def main(argv):
   print(f'exported {len(written)} files to {f.out}')
 
 
-def run():
-  """The command; flags are defined here so that importing this module defines none."""
+def cli():
+  """The `pipelinerl-export` console script (and `python -m pipelinerl_jax.export`); flags are
+  defined here so that importing this module defines none."""
   flags.DEFINE_string('checkpoint', None, "A run's checkpoints dir (latest step) or one step dir.")
   flags.DEFINE_string('out', None, 'Output HF model directory.')
   flags.DEFINE_string('model_dir', '', "The run's model dir ('' = as recorded in the checkpoint).")
@@ -83,4 +84,4 @@ def run():
 
 
 if __name__ == '__main__':
-  run()
+  cli()

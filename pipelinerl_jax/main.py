@@ -1,4 +1,5 @@
-"""Entry point: `python -m pipelinerl_jax.main --config=configs/math.py:tiny --workdir=DIR`.
+"""Entry point: `python -m pipelinerl_jax.main --config=configs/math.py:tiny --workdir=DIR`
+(installed: `pipelinerl-train ...`).
 
 Override any field on the command line, e.g. `--config.rl.mode=conventional`.
 """
@@ -44,5 +45,10 @@ def main(argv):
           f"--checkpoint={summary['checkpoint']} --out=DIR)")
 
 
-if __name__ == '__main__':
+def cli():
+  """The `pipelinerl-train` console script: same flags as `python -m pipelinerl_jax.main`."""
   app.run(main)
+
+
+if __name__ == '__main__':
+  cli()

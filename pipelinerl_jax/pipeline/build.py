@@ -9,6 +9,7 @@ Placement of the generation engine is one function per `generation.placement`
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import os
 import threading
 from typing import Any, Callable
@@ -53,8 +54,20 @@ class Parts:
   evaluate: Callable[[Any, int], dict] | None  # (params, step) -> eval metrics
 
 
+def check_backend_installed(config: config_lib.Config) -> None:
+  """The vLLM backend needs vllm and torch, which the light install ([notebooks], or no extra)
+  leaves out: say so in one line before the model is built, not in a traceback at engine start."""
+  backend = config.generation.backend
+  missing = [m for m in ('vllm', 'torch') if importlib.util.find_spec(m) is None]
+  if backend != 'jax' and missing:
+    raise ValueError(f"config.generation.backend: {backend!r} needs {' and '.join(missing)}, "
+                     "not installed here (pip install -e '.[vllm]' on CPU, '.[vllm-gpu]' on "
+                     "CUDA; or use backend 'jax')")
+
+
 def build(config: config_lib.Config, workdir: str, model_dir: str) -> Parts:
   """Loads (or restores) everything; the engine starts from the trainer's policy version."""
+  check_backend_installed(config)
   model_config = hf_io.load_config(
       model_dir, param_dtype=config.model.param_dtype, dtype=config.model.dtype,
       lm_head_fp32=config.model.lm_head_fp32, remat=config.model.remat)

@@ -34,6 +34,7 @@ def run_experiment(config: ml_collections.ConfigDict | config_lib.Config, workdi
                    ) -> dict[str, Any]:
   """What `main` runs: validate, find or build the model, then RL."""
   config = config_lib.validate(config)
+  build_lib.check_backend_installed(config)  # before the demo model is built
   model_dir = warmstart.model_dir_for(config)
   stamp = warmstart.read_stamp(model_dir)
   if stamp:
