@@ -298,7 +298,7 @@ def test_notebook_imports_need_no_torch_or_vllm(tmp_path):
   assert any('ablations' in i for i in imports), imports
   # What the notebooks call beyond their imports: the model build, the engine, the tokenizer.
   result = run_hidden('\n'.join(imports) + '\n'
-                      'from pipelinerl_jax.generation import engine\n'
+                      'from pipelinerl_jax.generation import jax_engine\n'
                       'from pipelinerl_jax.pipeline import run\n'
                       'from transformers import AutoTokenizer\n', tmp_path)
   assert result.returncode == 0, result.stderr
