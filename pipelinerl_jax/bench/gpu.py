@@ -112,6 +112,31 @@ QUICK = Sizes(train_models=('tiny',), train_rows=4, train_seq_len=64, train_micr
 
 
 # ---------------------------------------------------------------------------------------------
+# JAX version differences, here and nowhere else: the kit runs on the pinned JAX (0.10) and on
+# the GPU image's (0.11); everything else it uses is the same in both.
+
+# The allocator's memory fraction: XLA_CLIENT_MEM_FRACTION is the newer name; set both.
+MEM_FRACTION_VARS = ('XLA_PYTHON_CLIENT_MEM_FRACTION', 'XLA_CLIENT_MEM_FRACTION')
+_COMPILES: list[int] | None = None
+
+
+def compile_count() -> int | None:
+  """XLA compilations in this process so far (None if this JAX has no monitoring events)."""
+  global _COMPILES
+  if _COMPILES is None:
+    import jax
+    _COMPILES = [0]
+    try:
+      def listener(event, _secs, **_):
+        if event == '/jax/core/compile/backend_compile_duration':
+          _COMPILES[0] += 1
+      jax.monitoring.register_event_duration_secs_listener(listener)
+    except AttributeError:
+      _COMPILES = [-1]
+  return None if _COMPILES[0] < 0 else _COMPILES[0]
+
+
+# ---------------------------------------------------------------------------------------------
 # Pure helpers (tested directly).
 
 
@@ -194,8 +219,7 @@ def child_env(section: str, base: dict[str, str]) -> dict[str, str]:
   env = dict(base)
   # Torch and JAX share the GPU in the publish section; each section is alone on the device.
   env.setdefault('XLA_PYTHON_CLIENT_PREALLOCATE', 'false')
-  # Version switch: the variable's newer name is XLA_CLIENT_MEM_FRACTION; set both.
-  for name in ('XLA_PYTHON_CLIENT_MEM_FRACTION', 'XLA_CLIENT_MEM_FRACTION'):
+  for name in MEM_FRACTION_VARS:  # each section is alone on the device
     env.setdefault(name, '0.90')
   env.setdefault('TOKENIZERS_PARALLELISM', 'false')
   env['PYTHONUNBUFFERED'] = '1'
@@ -293,27 +317,6 @@ def wall_times(fn: Callable[[], Any], repeats: int, warmup: int = 1) -> list[flo
     jax.block_until_ready(fn())
     times.append(time.perf_counter() - t0)
   return times
-
-
-# JAX version switches live here and only here (the kit runs on the pinned JAX and on the GPU
-# image's newer one); what both versions share needs none.
-_COMPILES: list[int] | None = None
-
-
-def compile_count() -> int | None:
-  """XLA compilations in this process so far (None if this JAX has no monitoring events)."""
-  global _COMPILES
-  if _COMPILES is None:
-    import jax
-    _COMPILES = [0]
-    try:
-      def listener(event, _secs, **_):
-        if event == '/jax/core/compile/backend_compile_duration':
-          _COMPILES[0] += 1
-      jax.monitoring.register_event_duration_secs_listener(listener)
-    except AttributeError:
-      _COMPILES = [-1]
-  return None if _COMPILES[0] < 0 else _COMPILES[0]
 
 
 def _difference(a: int | None, b: int | None) -> int | None:
