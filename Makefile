@@ -1,11 +1,11 @@
-# Two entry points: `make demo` (the CPU demo) and `make test` (the whole suite).
-# Both create .venv from requirements.txt on first use.
+# Entry points: `make demo` (the CPU demo), `make test` (the whole suite) and `make gpu-check`
+# (the GPU proof kit's quick mode, on CPU). Each creates .venv from requirements.txt on first use.
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 WORKDIR ?= runs/tiny
 
-.PHONY: venv demo test bench clean-venv
+.PHONY: venv demo test bench gpu-check clean-venv
 
 venv: $(VENV)/.installed
 
@@ -23,6 +23,10 @@ demo: venv
 # pytest exits 5 when it collects no test; that is a failure for us, not a pass.
 test: venv
 	$(PY) -m pytest -q tests $(PYTEST_ARGS)
+
+# The GPU proof kit's --quick mode, on CPU: the same code as the full GPU run at toy sizes.
+gpu-check: venv
+	JAX_PLATFORMS=cpu $(PY) -m pipelinerl_jax.bench.gpu --quick --out=runs/gpu_check.json
 
 clean-venv:
 	rm -rf $(VENV)

@@ -53,14 +53,22 @@ def test_quick_run_writes_json_and_prints_table(tmp_path):
 
 
 def test_flop_params_leave_out_only_the_embedding_lookup():
+  tied = []
   for name, config in bench.MODEL_PRESETS.items():
     shapes = jax.eval_shape(functools.partial(transformer.init_params, config),
                             jax.random.PRNGKey(0))
     total = sum(x.size for x in jax.tree.leaves(shapes))
     assert total == config.num_params, name
     embedding = shapes['embed']['embedding'].size
-    assert 'lm_head' in shapes  # untied: the lm_head matmul is counted, the lookup is not
-    assert bench.flop_params(config) == total - embedding, name
+    if config.tie_embeddings:  # the one table is the lm_head's matmul: every param counts
+      assert 'lm_head' not in shapes and bench.flop_params(config) == total, name
+      tied.append(name)
+    else:  # untied: the lm_head matmul is counted, the lookup is not
+      assert 'lm_head' in shapes and bench.flop_params(config) == total - embedding, name
+  assert tied == ['qwen2.5-0.5b', 'qwen2.5-1.5b']
+  # The published sizes: 0.49B and 1.54B parameters.
+  assert round(bench.MODEL_PRESETS['qwen2.5-0.5b'].num_params / 1e7) == 49
+  assert round(bench.MODEL_PRESETS['qwen2.5-1.5b'].num_params / 1e7) == 154
 
 
 def test_train_flops_counts_each_sample_with_its_own_context():

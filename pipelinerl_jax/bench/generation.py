@@ -24,6 +24,7 @@ import json
 import pathlib
 import platform
 import time
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
@@ -63,11 +64,11 @@ def workload(num_requests: int, vocab: int, max_prompt: int, max_new: int, seed:
           for i, (n, m) in enumerate(zip(lengths, budgets))]
 
 
-def run_once(eng: api.Engine, requests, param_sets, update_every: int, max_in_flight: int,
-             version: int) -> dict:
+def run_once(eng: api.Engine, requests, params_for: Callable[[int], Any], update_every: int,
+             max_in_flight: int, version: int) -> dict:
   """Steps until the workload is done, keeping at most `max_in_flight` requests submitted and
-  publishing new params every `update_every` steps (tokens/s counts prefill, updates and host
-  bookkeeping: it is end-to-end). Versions continue from `version`."""
+  publishing `params_for(version)` every `update_every` steps (tokens/s counts prefill, updates
+  and host bookkeeping: it is end-to-end). Versions continue from `version`."""
   queued = list(requests)
   steps = tokens = updates = busy_total = 0
   start = time.perf_counter()
@@ -76,7 +77,7 @@ def run_once(eng: api.Engine, requests, param_sets, update_every: int, max_in_fl
       eng.submit(queued.pop(0))
     if update_every and steps and steps % update_every == 0:
       version += 1
-      eng.update_params(param_sets[version % 2], version)
+      eng.update_params(params_for(version), version)
       updates += 1
     busy_total += min(eng.num_unfinished, max_in_flight)
     for c in eng.step():
@@ -94,12 +95,13 @@ def measure(eng: api.Engine, args, config, h: int, every: int, param_sets) -> di
   load = lambda seed: workload(num_requests, config.vocab_size, args.max_prompt,
                                args.max_new_tokens, seed=seed)
   t0 = time.perf_counter()
-  version = run_once(eng, load(1), param_sets, every, h, getattr(eng, 'version', 0))['version']
+  params_for = lambda version: param_sets[version % 2]
+  version = run_once(eng, load(1), params_for, every, h, getattr(eng, 'version', 0))['version']
   warmup_s = time.perf_counter() - t0
   traces = sum(engine_lib.TRACES.values())
   results = []
   for rep in range(args.repeats):  # a shared host's noise is larger than small effects
-    results.append(run_once(eng, load(2 + rep), param_sets, every, h, version))
+    results.append(run_once(eng, load(2 + rep), params_for, every, h, version))
     version = results[-1]['version']
   result = sorted(results, key=lambda r: r['tokens_per_s'])[len(results) // 2]
   return dict(slots=h, update_every=every, requests=num_requests, warmup_s=warmup_s,

@@ -66,11 +66,23 @@ def _qwen2_like(vocab_size, hidden_size, num_layers, num_heads, num_kv_heads=2, 
       rope_theta=1e6, qkv_bias=True, tie_embeddings=False)
 
 
-# name -> ModelConfig; the name is the total parameter count, embedding and lm_head included.
+def _qwen25(hidden_size, intermediate_size, num_layers, num_heads, head_dim):
+  # The published Qwen2.5 shapes (their config.json): 151,936-token vocab, 2 KV heads, q/k/v
+  # biases, rope theta 1e6, embeddings tied to the lm_head.
+  return transformer.ModelConfig(
+      vocab_size=151936, hidden_size=hidden_size, intermediate_size=intermediate_size,
+      num_layers=num_layers, num_heads=num_heads, num_kv_heads=2, head_dim=head_dim,
+      rope_theta=1e6, qkv_bias=True, tie_embeddings=True)
+
+
+# name -> ModelConfig; the name is the total parameter count, embedding and lm_head included,
+# or the Qwen2.5 model whose shapes it has (random weights all the same).
 MODEL_PRESETS = {
     'tiny': _qwen2_like(512, 64, num_layers=2, num_heads=4, head_dim=16),     # 0.24M
     '50m': _qwen2_like(16384, 512, num_layers=7, num_heads=8),                # 51.7M
     '250m': _qwen2_like(32768, 1024, num_layers=9, num_heads=16),             # 244M
+    'qwen2.5-0.5b': _qwen25(896, 4864, num_layers=24, num_heads=14, head_dim=64),      # 494M
+    'qwen2.5-1.5b': _qwen25(1536, 8960, num_layers=28, num_heads=12, head_dim=128),    # 1.54B
 }
 
 # --quick: every size small enough that one run takes seconds on a laptop CPU.
