@@ -8,6 +8,7 @@ Placement of the generation engine is one function per `generation.placement`
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import importlib.util
 import os
@@ -29,6 +30,7 @@ from pipelinerl_jax.generation import jax_engine
 from pipelinerl_jax.models import hf_io
 from pipelinerl_jax.models import transformer
 from pipelinerl_jax.pipeline import actor as actor_lib
+from pipelinerl_jax.pipeline import signals
 from pipelinerl_jax.pipeline import stream as stream_lib
 from pipelinerl_jax.pipeline import trainer as trainer_lib
 from pipelinerl_jax.tasks import base as tasks_base
@@ -65,9 +67,37 @@ def check_backend_installed(config: config_lib.Config) -> None:
                      "CUDA; or use backend 'jax')")
 
 
-def build(config: config_lib.Config, workdir: str, model_dir: str) -> Parts:
-  """Loads (or restores) everything; the engine starts from the trainer's policy version."""
+def build(config: config_lib.Config, workdir: str, model_dir: str,
+          interrupt: threading.Event | None = None) -> Parts:
+  """Loads (or restores) everything; the engine starts from the trainer's policy version.
+
+  The tokenizer and the task's data come first, so a bad file is reported before the model
+  loads. `interrupt` set (a signal) stops the build at its next phase (signals.Interrupted);
+  whatever fails, the parts already started (the task's worker pool, the engine) are closed.
+  """
+  started = contextlib.ExitStack()
+  try:
+    return _build(config, workdir, model_dir, started, lambda: signals.check(interrupt))
+  except BaseException:
+    started.close()
+    raise
+
+
+def _quietly(close: Callable[[], None]) -> None:
+  """A part closed after another failure: its own error must not replace that one."""
+  try:
+    close()
+  except Exception:
+    pass
+
+
+def _build(config: config_lib.Config, workdir: str, model_dir: str,
+           started: contextlib.ExitStack, check_interrupt: Callable[[], None]) -> Parts:
   check_backend_installed(config)
+  tokenizer = hf_io.load_tokenizer(model_dir)
+  task = registry.make_task(config.task, tokenizer)
+  started.callback(_quietly, task.close)
+  check_interrupt()
   model_config = hf_io.load_config(
       model_dir, param_dtype=config.model.param_dtype, dtype=config.model.dtype,
       lm_head_fp32=config.model.lm_head_fp32, remat=config.model.remat)
@@ -75,6 +105,7 @@ def build(config: config_lib.Config, workdir: str, model_dir: str) -> Parts:
   optimizer = train.make_optimizer(config.optimizer)
   checkpoints = checkpoint_lib.Checkpointer(checkpoint_lib.directory(config, workdir),
                                             config.checkpoint.keep, config.checkpoint.every_steps)
+  started.callback(_quietly, checkpoints.close)
   restored = checkpoint_lib.restore_latest(config, checkpoints, model_config, optimizer, mesh)
   if restored:
     state, state_sh, resumed = restored
@@ -90,19 +121,16 @@ def build(config: config_lib.Config, workdir: str, model_dir: str) -> Parts:
                             train.lr_schedule(config.optimizer),
                             temperature=config.generation.temperature or 1.0),
       state_sh, mesh)
-
-  from transformers import AutoTokenizer  # heavy import, only when a run starts
-  tokenizer = AutoTokenizer.from_pretrained(model_dir)
-  if tokenizer.eos_token_id is None:
-    raise ValueError(f'{model_dir}: the tokenizer has no eos_token; generation could not stop')
+  check_interrupt()
   version = int(state.step)
   engine = ENGINE_PLACEMENTS[config.generation.placement](
       config, model_config, model_dir, mesh=mesh, eos_token_id=tokenizer.eos_token_id,
       params=state.params, version=version)
+  started.callback(_quietly, engine.close)
+  check_interrupt()
   publish = publisher(config, mesh, engine)
   if resumed and config.generation.backend != 'jax':  # vLLM loaded model_dir's weights
     publish(state.params, version)
-  task = registry.make_task(config.task, tokenizer)
   evaluate = (evaluator(config, workdir, model_config, tokenizer, task, mesh)
               if config.eval.every_steps else None)
   return Parts(config=config, model_dir=model_dir, model_config=model_config, mesh=mesh,
