@@ -118,9 +118,14 @@ class Checkpointer:
       self._manager.wait_until_finished()
     except Exception as e:
       removed = self._remove_partial(step)
-      raise OSError(f'{self.path}: could not write the checkpoint of step {step} '
-                    f'({_first_line(e)}); {removed}the latest complete one is step '
-                    f'{self.latest_step()}') from None
+      why = _first_line(e)
+      if 'No space left on device' in str(e):  # orbax's message buries it at its end
+        why = f'no space left on device: {shutil.disk_usage(self.path).free >> 20} MB free'
+      latest = self.latest_step()
+      raise OSError(f'{self.path}: could not write the checkpoint of step {step} ({why}); '
+                    f'{removed}' + (f'the latest complete one is step {latest}'
+                                    if latest is not None else 'no complete one exists yet')
+                    ) from None
     self.last_saved = step
     return True
 

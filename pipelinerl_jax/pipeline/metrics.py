@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import os
+import secrets
 import sys
 import time
 from typing import Any, Sequence
@@ -131,7 +132,7 @@ class _Wandb:
     id_path = os.path.join(workdir, WANDB_ID_FILE)
     run_id = open(id_path).read().strip() if os.path.exists(id_path) else ''
     if not run_id:
-      run_id = wandb.util.generate_id()
+      run_id = secrets.token_hex(4)  # W&B ids: letters, digits, '-', '_'; 8 is its own length
       with open(id_path, 'w') as f:
         f.write(run_id + '\n')
     self._run = wandb.init(project=project, entity=entity or None, id=run_id, resume='allow',
