@@ -439,10 +439,10 @@ def test_a_skipped_update_is_logged_as_such_and_never_saved(model_dir, tmp_path,
   monkeypatch.setattr(train, 'make_train_step', make)
   monkeypatch.setattr(train, 'jit_train_step', jit)
   c = small_config(total_steps=4)
-  c.rl.max_time_s = 90.0
+  c.rl.max_time_s = 60.0
   summary = run_lib.run(c, str(tmp_path), model_dir=model_dir)
   assert summary['steps'] == 4
-  records = metrics_lib.read_metrics(str(tmp_path / 'metrics.jsonl'), events=True)
+  records = [json.loads(line) for line in (tmp_path / 'metrics.jsonl').read_text().splitlines()]
   assert [r.get('step') for r in records] == [1, None, 2, 3, 4]
   skipped = records[1]
   assert skipped['event'] == 'skipped_update' and skipped['update'] == 2
@@ -512,7 +512,7 @@ def model_without_tokenizer(model_dir, tmp_path):
   out = tmp_path / 'no_tokenizer'
   out.mkdir()
   for name in os.listdir(model_dir):
-    if name not in hf_io.TOKENIZER_FILES:
+    if not name.startswith('tokenizer'):  # the demo model's: tokenizer.json, tokenizer_config.json
       shutil.copy(os.path.join(model_dir, name), out / name)
   return str(out)
 
