@@ -37,6 +37,11 @@ def base_config() -> ml_collections.ConfigDict:
   c.model.dtype = 'float32'       # compute dtype ('bfloat16' on GPUs)
   c.model.lm_head_fp32 = True
   c.model.remat = False
+  # Attention over packed training rows: 'blockwise' (flash-style, memory linear in
+  # train.seq_len) or 'dense' (the [T, T] score tensor per head). Generation is unaffected.
+  c.model.attention = 'blockwise'
+  c.model.attention_block_q = 1024
+  c.model.attention_block_kv = 1024
 
   # Settings of the demo model built when model.path is '' (see warmstart.WarmStartConfig);
   # its task settings come from `task` below, so SFT and RL see the same problem family.
@@ -230,6 +235,11 @@ def validate(config: ml_collections.ConfigDict) -> None:
   _check(rl.max_time_s >= 0, 'rl.max_time_s', 'must be >= 0')
   _check(config.advantage.baseline in ('mean', 'loo', 'none'), 'advantage.baseline',
          f"must be 'mean', 'loo' or 'none', got {config.advantage.baseline!r}")
+  m = config.model
+  _check(m.attention in ('dense', 'blockwise'), 'model.attention',
+         f"must be 'dense' or 'blockwise', got {m.attention!r}")
+  for key in ('attention_block_q', 'attention_block_kv'):
+    _check(m[key] >= 1, f'model.{key}', f'must be >= 1, got {m[key]}')
   _check(tr.micro_batches >= 1, 'train.micro_batches', 'must be >= 1')
   _check(tr.overlong in ('error', 'truncate'), 'train.overlong', "must be 'error' or 'truncate'")
   _check(config.checkpoint.every_steps >= 0, 'checkpoint.every_steps',

@@ -212,7 +212,9 @@ def run(config: ml_collections.ConfigDict, workdir: str, *, model_dir: str | Non
   # --- model and placement -----------------------------------------------------------------
   model_config = hf_io.load_config(
       model_dir, param_dtype=config.model.param_dtype, dtype=config.model.dtype,
-      lm_head_fp32=config.model.lm_head_fp32, remat=config.model.remat)
+      lm_head_fp32=config.model.lm_head_fp32, remat=config.model.remat,
+      attention=config.model.attention, attention_block_q=config.model.attention_block_q,
+      attention_block_kv=config.model.attention_block_kv)
   data, fsdp, tensor = (int(s) for s in config.train.mesh.split(','))
   mesh = sharding_lib.make_mesh(data, fsdp, tensor)
   optimizer = train.make_optimizer(train.OptimizerConfig(**config.optimizer.to_dict()))
