@@ -106,7 +106,10 @@ def base_config() -> ml_collections.ConfigDict:
 
   c.train = ml_collections.ConfigDict()
   c.train.seq_len = 256           # packed row length
-  c.train.micro_batches = 1
+  c.train.micro_batches = 1       # gradient-accumulation steps per optimizer step
+  c.train.micro_batch_rows = 0    # > 0: packed rows per micro-batch on each data-parallel shard
+                                  # instead (what bounds activation memory); the number of
+                                  # micro-batches then follows the batch (a power of two)
   c.train.mesh = '1,-1,1'         # data,fsdp,tensor sizes; -1 = the remaining devices
   c.train.overlong = 'error'      # 'error' | 'truncate' (counted) for samples longer than seq_len
 
@@ -241,6 +244,9 @@ def validate(config: ml_collections.ConfigDict) -> None:
   for key in ('attention_block_q', 'attention_block_kv'):
     _check(m[key] >= 1, f'model.{key}', f'must be >= 1, got {m[key]}')
   _check(tr.micro_batches >= 1, 'train.micro_batches', 'must be >= 1')
+  _check(tr.micro_batch_rows >= 0, 'train.micro_batch_rows', 'must be >= 0 (0 = off)')
+  _check(tr.micro_batch_rows == 0 or tr.micro_batches == 1, 'train.micro_batch_rows',
+         f'set it or train.micro_batches (={tr.micro_batches}), not both')
   _check(tr.overlong in ('error', 'truncate'), 'train.overlong', "must be 'error' or 'truncate'")
   _check(config.checkpoint.every_steps >= 0, 'checkpoint.every_steps',
          f'must be >= 0, got {config.checkpoint.every_steps}')

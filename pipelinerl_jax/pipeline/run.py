@@ -238,9 +238,12 @@ def run(config: ml_collections.ConfigDict, workdir: str, *, model_dir: str | Non
       state_sh, mesh)
   batch_sh = sharding_lib.batch_sharding(mesh, leading_dims=1)
 
+  data_parallel = sharding_lib.data_parallel_size(mesh)
+
   def put_batch(batch: dict[str, np.ndarray]):
-    micro = packing.split_microbatches({k: batch[k] for k in train.BATCH_KEYS},
-                                       config.train.micro_batches)
+    num_micro = packing.num_micro_batches(len(batch['tokens']), data_parallel,
+                                          config.train.micro_batches, config.train.micro_batch_rows)
+    micro = packing.split_microbatches({k: batch[k] for k in train.BATCH_KEYS}, num_micro)
     return jax.device_put(micro, {k: batch_sh for k in micro})
 
   # --- generation ----------------------------------------------------------------------------
@@ -310,7 +313,8 @@ def run(config: ml_collections.ConfigDict, workdir: str, *, model_dir: str | Non
       config=trainer_lib.TrainerConfig(
           batch_size=rl.batch_size, seq_len=config.train.seq_len,
           micro_batches=config.train.micro_batches,
-          row_multiple=config.train.micro_batches * sharding_lib.data_parallel_size(mesh),
+          row_multiple=packing.row_multiple(data_parallel, config.train.micro_batches,
+                                            config.train.micro_batch_rows),
           mode=rl.mode, max_lag=rl.max_lag if rl.mode == 'pipeline' else None,
           conventional_steps=rl.conventional_steps, total_steps=rl.total_steps,
           max_time_s=rl.max_time_s, overlong=config.train.overlong),
