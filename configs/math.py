@@ -119,11 +119,12 @@ def _gpu_placement(c):
 
   Appendix A splits N accelerators into I for generation and N - I for training, with
   throughput min(U(H) * I, (N - I) / tau): the paper's run used 48 of 128 (37.5%) to generate.
-  On 8 GPUs that is 3:5, but an fsdp axis of 5 (or 3, 6) divides no Qwen2.5 matrix (their
-  widths are 1536 = 2^9 * 3 and 3584 = 2^9 * 7, vocabularies 151936 = 2^7 * 1187 and 152064),
-  so params and Adam state would sit whole on every trainer GPU (85 GiB for 7B). 4:4 is the
-  nearest split that shards everything; it leans towards generation, which Appendix A's model
-  favours when decoding long completions dominates the step.
+  On 8 GPUs that is 3:5, but an fsdp axis of 5 divides neither model width (1536 = 2^9 * 3,
+  3584 = 2^9 * 7) nor either vocabulary (151936 = 2^7 * 1187, 152064), so the embeddings and
+  attention (for 7B every matrix) would sit whole, with their Adam state, on every trainer GPU;
+  6 fails the same way for 7B. 4:4 is the nearest split that shards everything; it leans towards
+  generation, which Appendix A's model favours when decoding long completions dominates a step.
+  `python -m pipelinerl_jax.memory_plan` checks a layout (README: memory plan).
   """
   c.train.mesh = '1,4,1'
   c.generation.num_generators = 4   # GPUs 4, 5, 6, 7

@@ -10,8 +10,8 @@ largest other free dimension that does takes the 'fsdp' axis (Qwen2.5-7B's vocab
 divides by 6 where its width 3584 does not). `replicated_on_fsdp` names what still stays whole.
 
 Qwen2.5 shapes against these rules (V, D, F; q = H*Dh, kv = K*Dh; L = 28): 1.5B 151936, 1536,
-8960, q 1536, kv 256; 7B 152064, 3584, 18944, q 3584, kv 512. Every matrix shards on fsdp in
-{2, 4, 8} through D; 3, 5 and 6 leave most of them whole (5 divides only the 1.5B's F).
+8960, q 1536, kv 256; 7B 152064, 3584, 18944, q 3584, kv 512. Every matrix shards through D on
+an fsdp axis of 2, 4 or 8 (the 1.5B's also on 3 and 6: 1536 = 2^9 * 3); 5 divides neither D.
 """
 
 from __future__ import annotations
