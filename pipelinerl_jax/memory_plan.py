@@ -13,8 +13,8 @@ trainer device (one of the train mesh; tensor-parallel devices hold the same row
   params, adam        master weights and both moments, as sharded (param_dtype, fp32 here)
   grads               the accumulated gradient and the current micro-batch's (param_dtype)
   update              the optimizer's update before it is applied (param_dtype)
-  gathered            FSDP gathers a layer's weights to use them: two layers in flight plus one
-                      layer's gradient, whole, and the embedding and lm_head whole
+  gathered            fsdp > 1 gathers a layer's weights to use them: two layers in flight plus
+                      one layer's gradient, whole, and the embedding and lm_head whole
   saved               activations kept for the backward pass: each layer's input with remat,
                       every intermediate without
   layer               one layer's recomputed intermediates and their gradients (x2)
@@ -26,7 +26,8 @@ trainer device (one of the train mesh; tensor-parallel devices hold the same row
   batch               the step's packed batch, every micro-batch (7 arrays of 4 bytes a token)
 rows per micro-batch are the worst case: every sample at max_prompt_len + max_new_tokens.
 
-generator device (vLLM, one GPU per generator)
+generator device (vLLM: one GPU per child with backend 'vllm_process'; 'vllm' shares device 0
+with the trainer; the JAX engine's params and KV cache go on the first free device, or device 0)
   weights             the serving copy (the checkpoint's dtype)
   staging             nccl: whole updates being received (transport dtype, `staging_copies`);
                       shm: the largest tensor on its way in (the rest is in host /dev/shm)
@@ -110,7 +111,7 @@ def _sharded_bytes(shapes, shardings) -> int:
              for x, sh in zip(leaves, shards))
 
 
-def mesh_sizes(mesh: str, num_devices: int, num_generators: int) -> tuple[int, int, int]:
+def mesh_sizes(mesh: str, num_devices: int) -> tuple[int, int, int]:
   """train.mesh 'data,fsdp,tensor' with -1 resolved as `sharding.make_mesh` would on a host of
   `num_devices` (-1 takes every device, leaving none to generators)."""
   sizes = [int(s) for s in mesh.split(',')]
@@ -175,7 +176,9 @@ def trainer_memory(m: transformer.ModelConfig, config: ml_collections.ConfigDict
   d, v, l = m.hidden_size, m.vocab_size, m.num_layers
 
   per_layer_params = (m.num_params - v * d * (1 if m.tie_embeddings else 2) - d) // l
-  gathered = 3 * per_layer_params * pb + v * d * pb * (1 if m.tie_embeddings else 2)
+  gathered = 0
+  if mesh.shape['fsdp'] > 1:
+    gathered = 3 * per_layer_params * pb + v * d * pb * (1 if m.tie_embeddings else 2)
   attn_saved, attn_work = _attention_bytes(m, rows_per_micro, t)
   layer = _layer_bytes_per_token(m) * tokens
   if m.remat:
@@ -197,7 +200,10 @@ def trainer_memory(m: transformer.ModelConfig, config: ml_collections.ConfigDict
 
 def generator_memory(m: transformer.ModelConfig, config: ml_collections.ConfigDict,
                      serving_dtype: str, device_bytes: int, kv: str, transport_dtype: str,
-                     staging_copies: int) -> tuple[dict[str, int], dict[str, Any]]:
+                     staging_copies: int, used_by_trainer: int = 0
+                     ) -> tuple[dict[str, int], dict[str, Any]]:
+  """The terms of one generator device; `used_by_trainer`: what the trainer holds on the same
+  device (in-process vLLM shares device 0 with it)."""
   g = config.generation
   sb = _bytes(serving_dtype)
   slots = -(-g.num_slots // g.num_generators)
@@ -216,7 +222,8 @@ def generator_memory(m: transformer.ModelConfig, config: ml_collections.ConfigDi
   request = -(-max_len // VLLM_BLOCK_TOKENS) * VLLM_BLOCK_TOKENS * kv_per_token
   memory = dict(weights=m.num_params * sb, staging=staging, runtime=runtime)
   if kv == 'free':
-    kv_bytes = int(GPU_MEMORY_UTILIZATION * device_bytes) - sum(memory.values())
+    kv_bytes = (int(GPU_MEMORY_UTILIZATION * device_bytes) - sum(memory.values())
+                - used_by_trainer)
   else:
     kv_bytes = g.vllm_kv_cache_mb << 20
   memory['kv'] = max(kv_bytes, 0)
@@ -242,7 +249,7 @@ def plan(config: ml_collections.ConfigDict, hf_config: dict, *, num_devices: int
                            attention_block_kv=mc.attention_block_kv)
   device_bytes = int(device_gib * GIB)
   g = config.generation
-  sizes = mesh_sizes(config.train.mesh, num_devices, g.num_generators)
+  sizes = mesh_sizes(config.train.mesh, num_devices)
   mesh = AbstractMesh(sizes, sharding_lib.MESH_AXES)
   problems = []
   trainer, facts = trainer_memory(m, config, mesh)
@@ -278,14 +285,18 @@ def plan(config: ml_collections.ConfigDict, hf_config: dict, *, num_devices: int
       problems.append(f'device 0 holds the trainer and the JAX engine: '
                       f'{(sum(trainer.values()) + engine) / GIB:.1f} GiB > {device_gib:g} GiB')
   else:
-    generators = g.num_generators if g.backend == 'vllm_process' else 1
+    # 'vllm_process': one GPU per child, beside the mesh; 'vllm': in the trainer's process, on
+    # its device 0.
+    in_process = g.backend == 'vllm'
+    generators = 0 if in_process else g.num_generators
     facts['generator_devices'] = generators
     if mesh.size + generators > num_devices:
       problems.append(f'train.mesh={config.train.mesh} takes {mesh.size} of {num_devices} '
                       f'devices, {generators} generator(s) need one each')
     serving = hf_config.get('torch_dtype') or hf_config.get('dtype') or 'bfloat16'
+    shared = sum(trainer.values()) if in_process else 0
     generator, gen_facts = generator_memory(m, config, serving, device_bytes, kv, transport_dtype,
-                                            staging_copies)
+                                            staging_copies, used_by_trainer=shared)
     facts.update(gen_facts)
     if gen_facts['kv_full_requests'] < 1:
       problems.append(
@@ -293,8 +304,9 @@ def plan(config: ml_collections.ConfigDict, hf_config: dict, *, num_devices: int
           f"{gen_facts['kv_full_requests']:.2f} of one full-length request "
           f"({g.max_prompt_len + g.max_new_tokens} tokens = "
           f"{gen_facts['full_request_bytes'] / 2**20:.0f} MiB)")
-    if sum(generator.values()) > device_bytes:
-      problems.append(f'a generator device needs {sum(generator.values()) / GIB:.1f} GiB > '
+    if sum(generator.values()) + shared > device_bytes:
+      where = 'device 0 (trainer and in-process vLLM)' if in_process else 'a generator device'
+      problems.append(f'{where} needs {(sum(generator.values()) + shared) / GIB:.1f} GiB > '
                       f'{device_gib:g} GiB')
   return Plan(trainer=trainer, generator=generator, facts=facts, problems=tuple(problems))
 

@@ -74,6 +74,18 @@ def test_devices_short_for_mesh_and_generators_are_refused():
   assert 'takes 8 of 8 devices, 4 generator(s) need one each' in p.refusal
 
 
+def test_in_process_vllm_shares_device_zero_with_the_trainer():
+  config = config_lib.load_preset('qwen1p5b_8xh100')
+  config.generation.backend, config.generation.num_generators = 'vllm', 1
+  shared = preset_plan('qwen1p5b_8xh100', config=config, kv='free')
+  alone = preset_plan('qwen1p5b_8xh100', kv='free')
+  assert shared.fits and shared.facts['generator_devices'] == 0
+  # The KV cache gets what the trainer leaves on device 0 (and the sampler's logits differ with
+  # its 768 slots instead of 192).
+  runtime_delta = shared.generator['runtime'] - alone.generator['runtime']
+  assert shared.generator['kv'] == alone.generator['kv'] - shared.trainer_total - runtime_delta
+
+
 def test_unknown_kv_mode_is_a_clear_error():
   with pytest.raises(ValueError, match="kv='all'"):
     preset_plan('paper_7b', kv='all')
