@@ -1,6 +1,7 @@
 """Entry point: `python -m pipelinerl_jax.main --config=configs/math.py:tiny --workdir=DIR`.
 
 Override any field on the command line, e.g. `--config.rl.mode=conventional`.
+JAX's GPU preallocation is already off here: `pipelinerl_jax/__init__.py` runs first.
 """
 
 import signal
