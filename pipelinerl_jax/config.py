@@ -142,7 +142,16 @@ class ModelSettings(_Section):
   dtype: Literal['float32', 'bfloat16', 'float16'] = 'float32'  # compute ('bfloat16' on GPUs)
   lm_head_fp32: bool = True       # logits in fp32 (train/generate log-prob agreement)
   remat: bool = False             # rematerialize layers in the backward pass
+  # Attention over packed training rows: 'blockwise' (flash-style, memory linear in
+  # train.seq_len) or 'dense' (the [T, T] score tensor per head). Generation is unaffected.
+  attention: Literal['blockwise', 'dense'] = 'blockwise'
+  attention_block_q: int = 1024
+  attention_block_kv: int = 1024
   demo: DemoModelConfig = DemoModelConfig()
+
+  def _check_values(self):
+    for name in ('attention_block_q', 'attention_block_kv'):
+      _check(getattr(self, name) >= 1, name, f'must be >= 1, got {getattr(self, name)}')
 
 
 # --- task ------------------------------------------------------------------------------------
@@ -386,13 +395,20 @@ class OptimizerConfig(_Section):
 @dataclasses.dataclass(frozen=True)
 class TrainConfig(_Section):
   seq_len: int = 256              # packed row length
-  micro_batches: int = 1
+  micro_batches: int = 1          # gradient-accumulation steps per optimizer step
+  micro_batch_rows: int = 0       # > 0: packed rows per micro-batch on each data-parallel shard
+                                  # instead (what bounds activation memory); the number of
+                                  # micro-batches then follows the batch (a power of two)
   mesh: str = '1,-1,1'            # data,fsdp,tensor sizes; -1 = the remaining devices
   overlong: Literal['error', 'truncate'] = 'error'  # samples longer than seq_len: 'truncate'
                                                     # cuts and counts them
 
   def _check_values(self):
     _check(self.micro_batches >= 1, 'micro_batches', f'must be >= 1, got {self.micro_batches}')
+    _check(self.micro_batch_rows >= 0, 'micro_batch_rows',
+           f'must be >= 0 (0 = off), got {self.micro_batch_rows}')
+    _check(self.micro_batch_rows == 0 or self.micro_batches == 1, 'micro_batch_rows',
+           f'set it or train.micro_batches (={self.micro_batches}), not both')
     _check(self.seq_len >= 1, 'seq_len', f'must be >= 1, got {self.seq_len}')
     sizes = self.mesh_sizes
     _check(sizes is not None and all(s >= 1 or s == -1 for s in sizes)

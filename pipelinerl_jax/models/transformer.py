@@ -17,7 +17,8 @@ K key/value heads, G = H // K, Dh head dim, F MLP width, V vocab, L layers.
 
 Two entry points share one module:
   * training rows: `token_logprobs` -- packed rows with segment ids; attention never crosses a
-    segment; returns log pi(target) and the entropy of each position's distribution.
+    segment (models/attention.py: dense, or blockwise with memory linear in the row length);
+    returns log pi(target) and the entropy of each position's distribution.
   * generation: `decode` -- writes the new tokens' keys/values into a KV cache at their positions
     and attends to every cache slot at or before each query's position.
 """
@@ -32,7 +33,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-_MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)  # finite, so fully masked rows stay NaN-free
+from pipelinerl_jax.models import attention as attention_lib
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,8 +67,21 @@ class ModelConfig:
   dtype: str = 'float32'          # activations / matmuls
   lm_head_fp32: bool = True       # logits in fp32: keeps trainer and sampler log-probs close
   remat: bool = False             # rematerialize each layer in the backward pass
+  # Training rows only (decode always attends densely to its cache). 'blockwise' keeps one
+  # block_q x block_kv tile of scores at a time, where 'dense' builds [T, T] per head: 30 GB for
+  # one 16k row of a 7B model. Blocks of 1024 keep the loop short on GPUs (each iteration costs
+  # a few kernel launches) while a tile stays ~100 MB; a row shorter than a block is one tile.
+  attention: str = 'blockwise'    # 'dense' | 'blockwise'
+  attention_block_q: int = 1024
+  attention_block_kv: int = 1024
 
   def __post_init__(self):
+    if self.attention not in attention_lib.IMPLEMENTATIONS:
+      raise ValueError(f'attention={self.attention!r} is not one of '
+                       f'{attention_lib.IMPLEMENTATIONS}')
+    if self.attention_block_q < 1 or self.attention_block_kv < 1:
+      raise ValueError(f'attention blocks must be >= 1, got attention_block_q='
+                       f'{self.attention_block_q}, attention_block_kv={self.attention_block_kv}')
     if self.head_dim % 2:
       raise ValueError(f'head_dim={self.head_dim} must be even (RoPE rotates pairs)')
     if self.num_heads % self.num_kv_heads:
@@ -152,7 +166,7 @@ class Attention(nn.Module):
   config: ModelConfig
 
   @nn.compact
-  def __call__(self, x_BxTxD, positions_BxT, mask_BxTxS, layer_cache):
+  def __call__(self, x_BxTxD, positions_BxT, segment_ids_BxT, mask_BxTxS, layer_cache):
     c = self.config
     b, t, _ = x_BxTxD.shape
     q = _dense(c.num_heads * c.head_dim, c.qkv_bias, c, 'q_proj')(x_BxTxD)
@@ -183,11 +197,13 @@ class Attention(nn.Module):
 
     g = c.num_heads // c.num_kv_heads
     q_BxTxKxGxDh = q_BxTxHxDh.reshape(b, t, c.num_kv_heads, g, c.head_dim)
-    scores = jnp.einsum('btkgd,bskd->bkgts', q_BxTxKxGxDh, k_BxSxKxDh.astype(c.dtype),
-                        preferred_element_type=jnp.float32) / math.sqrt(c.head_dim)
-    scores = jnp.where(mask_BxTxS[:, None, None], scores, _MASK_VALUE)
-    probs = jax.nn.softmax(scores, axis=-1).astype(c.dtype)
-    out_BxTxKxGxDh = jnp.einsum('bkgts,bskd->btkgd', probs, v_BxSxKxDh.astype(c.dtype))
+    if layer_cache is None:
+      out_BxTxKxGxDh = attention_lib.packed(
+          q_BxTxKxGxDh, k_BxSxKxDh.astype(c.dtype), v_BxSxKxDh.astype(c.dtype), segment_ids_BxT,
+          implementation=c.attention, block_q=c.attention_block_q, block_kv=c.attention_block_kv)
+    else:
+      out_BxTxKxGxDh = attention_lib.dense(q_BxTxKxGxDh, k_BxSxKxDh, v_BxSxKxDh, mask_BxTxS,
+                                           c.dtype)
     out = out_BxTxKxGxDh.reshape(b, t, c.num_heads * c.head_dim)
     return _dense(c.hidden_size, False, c, 'o_proj')(out), new_cache
 
@@ -204,17 +220,18 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-  """One pre-norm block. `nn.scan` calls it with carry (x, cache) where cache is None (training)
-  or (k, v, layer index) over all layers (generation)."""
+  """One pre-norm block. `nn.scan` calls it with carry (x, cache) where cache is None (training:
+  segment ids say who attends to whom) or (k, v, layer index) over all layers (generation: the
+  cache mask does)."""
   config: ModelConfig
 
   @nn.compact
-  def __call__(self, carry, positions_BxT, mask_BxTxS):
+  def __call__(self, carry, positions_BxT, segment_ids_BxT, mask_BxTxS):
     x_BxTxD, cache = carry
     c = self.config
     norm = lambda name: RMSNorm(c.rms_norm_eps, c.dtype, c.param_dtype, name=name)
-    h, cache = Attention(c, name='attn')(norm('input_norm')(x_BxTxD), positions_BxT, mask_BxTxS,
-                                         cache)
+    h, cache = Attention(c, name='attn')(norm('input_norm')(x_BxTxD), positions_BxT,
+                                         segment_ids_BxT, mask_BxTxS, cache)
     x_BxTxD = x_BxTxD + h
     x_BxTxD = x_BxTxD + MLP(c, name='mlp')(norm('post_attn_norm')(x_BxTxD))
     if cache is not None:
@@ -223,20 +240,26 @@ class DecoderLayer(nn.Module):
 
 
 class Transformer(nn.Module):
-  """Returns final-norm hidden states [B, T, D] and the updated cache (None without one)."""
+  """Returns final-norm hidden states [B, T, D] and the updated cache (None without one).
+
+  Training rows pass `segment_ids_BxT` (and no cache); generation passes the cache and the
+  mask of cache slots each token sees.
+  """
   config: ModelConfig
 
   @nn.compact
-  def __call__(self, tokens_BxT, positions_BxT, mask_BxTxS, cache: KVCache | None = None):
+  def __call__(self, tokens_BxT, positions_BxT, segment_ids_BxT=None, mask_BxTxS=None,
+               cache: KVCache | None = None):
     c = self.config
     embed = nn.Embed(c.vocab_size, c.hidden_size, dtype=c.dtype, param_dtype=c.param_dtype,
                      embedding_init=nn.initializers.normal(0.02), name='embed')
     x_BxTxD = embed(tokens_BxT)
     layer_cls = nn.remat(DecoderLayer, prevent_cse=False) if c.remat else DecoderLayer
     layers = nn.scan(layer_cls, variable_axes={'params': 0}, split_rngs={'params': True},
-                     in_axes=(nn.broadcast, nn.broadcast), length=c.num_layers)(c, name='layers')
+                     in_axes=(nn.broadcast,) * 3, length=c.num_layers)(c, name='layers')
     carry = None if cache is None else (cache.k, cache.v, jnp.zeros((), jnp.int32))
-    (x_BxTxD, new_caches), _ = layers((x_BxTxD, carry), positions_BxT, mask_BxTxS)
+    (x_BxTxD, new_caches), _ = layers((x_BxTxD, carry), positions_BxT, segment_ids_BxT,
+                                      mask_BxTxS)
     x_BxTxD = RMSNorm(c.rms_norm_eps, c.dtype, c.param_dtype, name='final_norm')(x_BxTxD)
     if not c.tie_embeddings and self.is_initializing():
       # Created here so init makes it; applied by `logits`, which may run in fp32 / chunks.
@@ -248,15 +271,6 @@ class Transformer(nn.Module):
 # Pure functions over (params, config, arrays).
 
 
-def segment_mask(segment_ids_BxT: jax.Array) -> jax.Array:
-  """Causal mask within each packed segment; segment 0 is padding (attends only to itself)."""
-  t = segment_ids_BxT.shape[1]
-  causal_TxT = jnp.tril(jnp.ones((t, t), bool))
-  same = segment_ids_BxT[:, :, None] == segment_ids_BxT[:, None, :]
-  real = (segment_ids_BxT != 0)[:, :, None]
-  return (causal_TxT & same & real) | jnp.eye(t, dtype=bool)
-
-
 def cache_mask(positions_BxT: jax.Array, cache_len: int) -> jax.Array:
   """A query at position p sees cache slots 0..p (slot j holds the token at position j)."""
   return jnp.arange(cache_len)[None, None, :] <= positions_BxT[:, :, None]
@@ -265,13 +279,13 @@ def cache_mask(positions_BxT: jax.Array, cache_len: int) -> jax.Array:
 def init_params(config: ModelConfig, rng: jax.Array) -> dict:
   """Random params (normal(0.02) kernels, unit norms). Jitted: eager init is ~4x slower."""
   tokens = jnp.zeros((1, 1), jnp.int32)
-  init = lambda key: Transformer(config).init(key, tokens, tokens, jnp.ones((1, 1, 1), bool))
+  init = lambda key: Transformer(config).init(key, tokens, tokens, jnp.ones((1, 1), jnp.int32))
   return jax.jit(init)(rng)['params']
 
 
 def hidden_states(params, config: ModelConfig, tokens_BxT, positions_BxT, segment_ids_BxT):
   h, _ = Transformer(config).apply({'params': params}, tokens_BxT, positions_BxT,
-                                   segment_mask(segment_ids_BxT))
+                                   segment_ids_BxT)
   return h
 
 
@@ -335,6 +349,6 @@ def decode(params, config: ModelConfig, tokens_BxT, positions_BxT, cache: KVCach
   Prefill is T = prompt length (pad with positions >= cache length); a decode step is T = 1.
   """
   mask = cache_mask(positions_BxT, cache.k.shape[2])
-  h, new_cache = Transformer(config).apply({'params': params}, tokens_BxT, positions_BxT, mask,
-                                           cache)
+  h, new_cache = Transformer(config).apply({'params': params}, tokens_BxT, positions_BxT,
+                                           mask_BxTxS=mask, cache=cache)
   return logits(params, config, h), new_cache
