@@ -491,14 +491,19 @@ class Config(_Section):
            'would not fit')
     _check(self.eval.num_problems >= 1 or t.name == 'math', 'eval.num_problems',
            'must be >= 1 for an endless problem stream (0 = whole test sets is for math)')
+
+  def check_runnable(self) -> None:
+    """What a run needs beyond a consistent config: the GPU presets leave the model and the data
+    as placeholders, which is fine for planning (memory_plan) but not for running."""
+    t = self.task
     if t.name == 'math':
-      _check(bool(self.model.path), 'model.path',
+      _check(bool(self.model.path), 'config.model.path',
              "is empty: task 'math' needs a model directory (the demo model only knows "
              'arithmetic)')
-      _check(len(t.train_files) > 0, 'task.train_files',
+      _check(len(t.train_files) > 0, 'config.task.train_files',
              "task 'math' needs at least one training file (.jsonl, .json or .parquet)")
       _check(self.eval.every_steps == 0 or bool(t.test_files) or t.test_fraction > 0,
-             'eval.every_steps',
+             'config.eval.every_steps',
              "needs held-out problems: set task.test_files or task.test_fraction for task 'math'")
 
 
@@ -542,15 +547,18 @@ def _build(cls, values: Any, path: str):
     raise ValueError(f'config.{path}{e}') from None
 
 
-def validate(config: ml_collections.ConfigDict | Config) -> Config:
-  """The typed Config of a ConfigDict; raises a one-line ValueError naming the first unknown
-  key or bad value. A Config passes through."""
-  if isinstance(config, Config):
-    return config
-  if config.get('generation', {}).get('backend') == 'vllm_process':
-    raise ValueError("config.generation.backend: 'vllm_process' is now backend='vllm' with "
-                     "placement='process'")
-  return _build(Config, config, '')
+def validate(config: ml_collections.ConfigDict | Config, runnable: bool = True) -> Config:
+  """The typed Config of a ConfigDict (a Config passes through); raises a one-line ValueError
+  naming the first unknown key or bad value. `runnable=False` skips `Config.check_runnable`
+  (model and data present), for tools that only need shapes."""
+  if not isinstance(config, Config):
+    if config.get('generation', {}).get('backend') == 'vllm_process':
+      raise ValueError("config.generation.backend: 'vllm_process' is now backend='vllm' with "
+                       "placement='process'")
+    config = _build(Config, config, '')
+  if runnable:
+    config.check_runnable()
+  return config
 
 
 def load_preset(name: str = 'tiny', path: str | pathlib.Path = MATH_CONFIG

@@ -26,14 +26,14 @@ trainer device (one of the train mesh; tensor-parallel devices hold the same row
   batch               the step's packed batch, every micro-batch (7 arrays of 4 bytes a token)
 rows per micro-batch are the worst case: every sample at max_prompt_len + max_new_tokens.
 
-generator device (vLLM: one GPU per child with backend 'vllm_process'; 'vllm' shares device 0
+generator device (vLLM: one GPU per child with placement 'process'; 'inline' shares device 0
 with the trainer; the JAX engine's params and KV cache go on the first free device, or device 0)
   weights             the serving copy (the checkpoint's dtype)
   staging             nccl: whole updates being received (transport dtype, `staging_copies`);
                       shm: the largest tensor on its way in (the rest is in host /dev/shm)
   runtime             CUDA context, vLLM's profiled activations and fp32 sampler logits
   kv                  what is left for the KV cache: `kv='free'` sizes it from free memory
-                      (gpu_memory_utilization); `kv='config'` takes generation.vllm_kv_cache_mb
+                      (gpu_memory_utilization); `kv='config'` takes generation.vllm.kv_cache_mb
 
 A plan refuses (`Plan.problems`, one line each, `Plan.refusal` joins them) when a device holds
 more than it has, when a large parameter stays whole on every fsdp device, when the KV cache
@@ -57,6 +57,7 @@ import ml_collections
 import numpy as np
 from jax.sharding import AbstractMesh
 
+from pipelinerl_jax import config as config_lib
 from pipelinerl_jax import packing
 from pipelinerl_jax import sharding as sharding_lib
 from pipelinerl_jax import train
@@ -121,7 +122,7 @@ def mesh_sizes(mesh: str, num_devices: int) -> tuple[int, int, int]:
   return tuple(sizes)
 
 
-def worst_case_rows(config: ml_collections.ConfigDict, data_parallel: int) -> tuple[int, int]:
+def worst_case_rows(config: config_lib.Config, data_parallel: int) -> tuple[int, int]:
   """(packed rows of a step, rows per micro-batch on one data shard) when every sample has the
   maximum length, as the trainer packs and buckets them (packing, trainer.bucket_rows)."""
   g, tr = config.generation, config.train
@@ -159,9 +160,9 @@ def _attention_bytes(m: transformer.ModelConfig, rows: int, t: int) -> tuple[int
   return lse, tiles + 2 * lse + dq
 
 
-def trainer_memory(m: transformer.ModelConfig, config: ml_collections.ConfigDict,
+def trainer_memory(m: transformer.ModelConfig, config: config_lib.Config,
                    mesh: AbstractMesh) -> tuple[dict[str, int], dict[str, Any]]:
-  optimizer = train.make_optimizer(train.OptimizerConfig(**config.optimizer.to_dict()))
+  optimizer = train.make_optimizer(config.optimizer)
   params = jax.eval_shape(functools.partial(transformer.init_params, m), jax.random.PRNGKey(0))
   state = jax.eval_shape(functools.partial(train.init_train_state, optimizer=optimizer), params)
   shardings = train.state_shardings(state, mesh)
@@ -198,7 +199,7 @@ def trainer_memory(m: transformer.ModelConfig, config: ml_collections.ConfigDict
   return memory, facts
 
 
-def generator_memory(m: transformer.ModelConfig, config: ml_collections.ConfigDict,
+def generator_memory(m: transformer.ModelConfig, config: config_lib.Config,
                      serving_dtype: str, device_bytes: int, kv: str, transport_dtype: str,
                      staging_copies: int, used_by_trainer: int = 0
                      ) -> tuple[dict[str, int], dict[str, Any]]:
@@ -209,7 +210,7 @@ def generator_memory(m: transformer.ModelConfig, config: ml_collections.ConfigDi
   slots = -(-g.num_slots // g.num_generators)
   max_len = g.max_prompt_len + g.max_new_tokens
   update_bytes = m.num_params * _bytes(transport_dtype)
-  if g.weight_transport == 'shm':
+  if g.remote.weight_transport == 'shm':
     largest = m.vocab_size * m.hidden_size
     staging = largest * _bytes(transport_dtype)
   else:
@@ -225,23 +226,25 @@ def generator_memory(m: transformer.ModelConfig, config: ml_collections.ConfigDi
     kv_bytes = (int(GPU_MEMORY_UTILIZATION * device_bytes) - sum(memory.values())
                 - used_by_trainer)
   else:
-    kv_bytes = g.vllm_kv_cache_mb << 20
+    kv_bytes = g.vllm.kv_cache_mb << 20
   memory['kv'] = max(kv_bytes, 0)
   facts = dict(slots_per_generator=slots, kv_bytes_per_token=kv_per_token,
                full_request_bytes=request, kv_full_requests=kv_bytes / request,
-               host_shm_bytes=update_bytes * g.num_generators if g.weight_transport == 'shm'
+               host_shm_bytes=update_bytes * g.num_generators if g.remote.weight_transport == 'shm'
                else 0)
   return memory, facts
 
 
-def plan(config: ml_collections.ConfigDict, hf_config: dict, *, num_devices: int,
+def plan(config: ml_collections.ConfigDict | config_lib.Config, hf_config: dict, *,
+         num_devices: int,
          device_gib: float, kv: str = 'config', transport_dtype: str = 'float32',
          staging_copies: int = 2, source: str = 'config.json') -> Plan:
   """The memory plan of `config` with the architecture `hf_config` (a parsed config.json) on
-  `num_devices` devices of `device_gib` GiB. `kv`: 'config' (generation.vllm_kv_cache_mb, what
+  `num_devices` devices of `device_gib` GiB. `kv`: 'config' (generation.vllm.kv_cache_mb, what
   the vLLM engine is given today) or 'free' (what is left at vLLM's gpu_memory_utilization)."""
   if kv not in ('config', 'free'):
     raise ValueError(f"kv={kv!r}: expected 'config' or 'free'")
+  config = config_lib.validate(config, runnable=False)  # the model comes from hf_config
   mc = config.model
   m = hf_io.config_from_hf(hf_config, source=source, param_dtype=mc.param_dtype, dtype=mc.dtype,
                            lm_head_fp32=mc.lm_head_fp32, remat=mc.remat, attention=mc.attention,
@@ -285,9 +288,9 @@ def plan(config: ml_collections.ConfigDict, hf_config: dict, *, num_devices: int
       problems.append(f'device 0 holds the trainer and the JAX engine: '
                       f'{(sum(trainer.values()) + engine) / GIB:.1f} GiB > {device_gib:g} GiB')
   else:
-    # 'vllm_process': one GPU per child, beside the mesh; 'vllm': in the trainer's process, on
-    # its device 0.
-    in_process = g.backend == 'vllm'
+    # placement 'process': one GPU per child, beside the mesh; 'inline': in the trainer's
+    # process, on its device 0.
+    in_process = g.placement == 'inline'
     generators = 0 if in_process else g.num_generators
     facts['generator_devices'] = generators
     if mesh.size + generators > num_devices:
@@ -383,7 +386,7 @@ def _define_flags():
   flags.DEFINE_integer('devices', 8, 'Accelerators on the host.')
   flags.DEFINE_float('device_gib', 80.0, 'Memory per accelerator, GiB.')
   flags.DEFINE_enum('kv', 'config', ['config', 'free'], "vLLM KV cache: 'config' = "
-                    "generation.vllm_kv_cache_mb; 'free' = what is left at "
+                    "generation.vllm.kv_cache_mb; 'free' = what is left at "
                     'gpu_memory_utilization 0.9.')
   flags.DEFINE_string('transport_dtype', 'float32', 'dtype of weight updates sent to generators.')
   flags.DEFINE_integer('staging_copies', 2, 'nccl: whole updates a generator may hold at once.')

@@ -48,7 +48,7 @@ def test_gpu_presets_fit_eight_80gb_gpus(preset):
 
 
 def test_paper_7b_kv_budget_of_today_is_refused():
-  """generation.vllm_kv_cache_mb (256 MiB) is below one 9216-token request of the 7B model."""
+  """generation.vllm.kv_cache_mb (256 MiB) is below one 9216-token request of the 7B model."""
   p = preset_plan('paper_7b', kv='config')
   assert not p.fits and len(p.problems) == 1
   assert 'KV cache (256 MiB' in p.refusal and '504 MiB' in p.refusal
@@ -76,7 +76,7 @@ def test_devices_short_for_mesh_and_generators_are_refused():
 
 def test_in_process_vllm_shares_device_zero_with_the_trainer():
   config = config_lib.load_preset('qwen1p5b_8xh100')
-  config.generation.backend, config.generation.num_generators = 'vllm', 1
+  config.generation.placement, config.generation.num_generators = 'inline', 1
   shared = preset_plan('qwen1p5b_8xh100', config=config, kv='free')
   alone = preset_plan('qwen1p5b_8xh100', kv='free')
   assert shared.fits and shared.facts['generator_devices'] == 0
