@@ -1,17 +1,18 @@
 """Attention over packed training rows: dense (the reference) and blockwise (memory linear in T).
 
-Shape letters as in transformer.py: B rows, T query tokens, S key slots, K key/value heads,
-G = H // K query heads per key head, Dh head dim. Queries come grouped, q_BxTxKxGxDh, so
-grouped-query attention never repeats keys.
+Shape letters as in transformer.py (the README's table): R rows, T query tokens, S key
+positions, K key/value heads, Q = N // K query heads per key head, Dh head dim; J blocks of Tb
+queries in the blockwise loop. Queries come grouped, q_RxTxKxQxDh, so grouped-query attention
+never repeats keys.
 
-Who may attend to whom in a packed row (`segment_ids_BxT`: 1..k per sample, 0 = padding):
+Who may attend to whom in a packed row (`segment_ids_RxT`: 1..k per sample, 0 = padding):
 query i sees key j when j <= i (by index) and both are in the same sample; a padding token sees
 only itself, so no row is ever fully masked.
 
-`dense` builds the [B, K, G, T, S] score tensor in fp32: 30 GB for one 16k-token row of a 7B
+`dense` builds the [R, K, Q, T, S] score tensor in fp32: 30 GB for one 16k-token row of a 7B
 model. `blockwise` is flash attention (Dao et al., FlashAttention-2) written with lax loops:
 queries in blocks of `block_q`, keys in blocks of `block_kv`, a running max and sum per query
-(online softmax), so only one [B, K, G, block_q, block_kv] tile of scores exists at a time. Its
+(online softmax), so only one [R, K, Q, block_q, block_kv] tile of scores exists at a time. Its
 backward pass is hand-written (`jax.custom_vjp`): it keeps the output and the per-query
 log-sum-exp from the forward pass and recomputes the tiles, as autodiff through the loops would
 otherwise store every tile. Key blocks wholly after a query block (causally masked) are never
@@ -38,33 +39,33 @@ MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)  # finite, so masked tiles
 IMPLEMENTATIONS = ('dense', 'blockwise')
 
 
-def segment_mask(segment_ids_BxT: jax.Array) -> jax.Array:
-  """[B, T, T] bool: causal within each packed segment; segment 0 (padding) sees only itself."""
-  t = segment_ids_BxT.shape[1]
+def segment_mask(segment_ids_RxT: jax.Array) -> jax.Array:
+  """[R, T, T] bool: causal within each packed segment; segment 0 (padding) sees only itself."""
+  t = segment_ids_RxT.shape[1]
   causal_TxT = jnp.tril(jnp.ones((t, t), bool))
-  same = segment_ids_BxT[:, :, None] == segment_ids_BxT[:, None, :]
-  real = (segment_ids_BxT != 0)[:, :, None]
+  same = segment_ids_RxT[:, :, None] == segment_ids_RxT[:, None, :]
+  real = (segment_ids_RxT != 0)[:, :, None]
   return (causal_TxT & same & real) | jnp.eye(t, dtype=bool)
 
 
-def dense(q_BxTxKxGxDh, k_BxSxKxDh, v_BxSxKxDh, mask_BxTxS, dtype) -> jax.Array:
+def dense(q_RxTxKxQxDh, k_RxSxKxDh, v_RxSxKxDh, mask_RxTxS, dtype) -> jax.Array:
   """Softmax attention with an explicit mask; scores and softmax in fp32, the rest in `dtype`."""
-  dh = q_BxTxKxGxDh.shape[-1]
-  scores = jnp.einsum('btkgd,bskd->bkgts', q_BxTxKxGxDh, k_BxSxKxDh.astype(dtype),
+  dh = q_RxTxKxQxDh.shape[-1]
+  scores = jnp.einsum('btkgd,bskd->bkgts', q_RxTxKxQxDh, k_RxSxKxDh.astype(dtype),
                       preferred_element_type=jnp.float32) / math.sqrt(dh)
-  scores = jnp.where(mask_BxTxS[:, None, None], scores, MASK_VALUE)
+  scores = jnp.where(mask_RxTxS[:, None, None], scores, MASK_VALUE)
   probs = jax.nn.softmax(scores, axis=-1).astype(dtype)
-  return jnp.einsum('bkgts,bskd->btkgd', probs, v_BxSxKxDh.astype(dtype))
+  return jnp.einsum('bkgts,bskd->btkgd', probs, v_RxSxKxDh.astype(dtype))
 
 
-def packed(q_BxTxKxGxDh, k_BxTxKxDh, v_BxTxKxDh, segment_ids_BxT, *, implementation: str,
+def packed(q_RxTxKxQxDh, k_RxTxKxDh, v_RxTxKxDh, segment_ids_RxT, *, implementation: str,
            block_q: int, block_kv: int) -> jax.Array:
   """Self-attention of packed rows by `implementation` ('dense' | 'blockwise')."""
   if implementation == 'dense':
-    return dense(q_BxTxKxGxDh, k_BxTxKxDh, v_BxTxKxDh, segment_mask(segment_ids_BxT),
-                 q_BxTxKxGxDh.dtype)
+    return dense(q_RxTxKxQxDh, k_RxTxKxDh, v_RxTxKxDh, segment_mask(segment_ids_RxT),
+                 q_RxTxKxQxDh.dtype)
   if implementation == 'blockwise':
-    return blockwise(q_BxTxKxGxDh, k_BxTxKxDh, v_BxTxKxDh, segment_ids_BxT, block_q=block_q,
+    return blockwise(q_RxTxKxQxDh, k_RxTxKxDh, v_RxTxKxDh, segment_ids_RxT, block_q=block_q,
                      block_kv=block_kv)
   raise ValueError(f'attention={implementation!r} is not one of {IMPLEMENTATIONS}')
 
@@ -73,21 +74,21 @@ def packed(q_BxTxKxGxDh, k_BxTxKxDh, v_BxTxKxDh, segment_ids_BxT, *, implementat
 # Blockwise (flash) attention.
 
 
-def blockwise(q_BxTxKxGxDh, k_BxTxKxDh, v_BxTxKxDh, segment_ids_BxT, *, block_q: int = 1024,
+def blockwise(q_RxTxKxQxDh, k_RxTxKxDh, v_RxTxKxDh, segment_ids_RxT, *, block_q: int = 1024,
               block_kv: int = 1024) -> jax.Array:
   """Equal to `dense(q, k, v, segment_mask(segment_ids))` within rounding; memory O(T)."""
   if block_q < 1 or block_kv < 1:
     raise ValueError(f'attention blocks must be >= 1, got block_q={block_q}, block_kv={block_kv}')
-  t = q_BxTxKxGxDh.shape[1]
+  t = q_RxTxKxQxDh.shape[1]
   bq, bk = min(block_q, t), min(block_kv, t)
   nq, nk = -(-t // bq), -(-t // bk)
   # Queries and keys padded to whole blocks; padded keys get segment -1 (nobody's segment) and
   # lie after every real query, so the causal rule already hides them.
   pad = lambda x, n, value=0: jnp.pad(x, [(0, 0), (0, n - t)] + [(0, 0)] * (x.ndim - 2),
                                       constant_values=value)
-  q = pad(q_BxTxKxGxDh, nq * bq)
-  k, v = pad(k_BxTxKxDh, nk * bk), pad(v_BxTxKxDh, nk * bk)
-  seg_q, seg_k = pad(segment_ids_BxT, nq * bq), pad(segment_ids_BxT, nk * bk, -1)
+  q = pad(q_RxTxKxQxDh, nq * bq)
+  k, v = pad(k_RxTxKxDh, nk * bk), pad(v_RxTxKxDh, nk * bk)
+  seg_q, seg_k = pad(segment_ids_RxT, nq * bq), pad(segment_ids_RxT, nk * bk, -1)
   out = _flash(q, k, v, seg_q, seg_k, _Blocks(t, bq, bk, nq, nk))
   return out[:, :t]
 
@@ -110,20 +111,20 @@ class _Blocks(NamedTuple):
     return (np.arange(self.nk) * self.bk // self.bq).astype(np.int32)
 
 
-def _tile_mask(i, j, seg_q_BxQ, seg_k_BxS, blocks: _Blocks):
-  """[B, bq, bk] bool: which (query, key) pairs of tile (i, j) may attend."""
+def _tile_mask(i, j, seg_q_RxTb, seg_k_RxS, blocks: _Blocks):
+  """[R, bq, bk] bool: which (query, key) pairs of tile (i, j) may attend."""
   qi = i * blocks.bq + jnp.arange(blocks.bq)
   kj = j * blocks.bk + jnp.arange(blocks.bk)
   causal = kj[None, :] <= qi[:, None]
-  same = (seg_q_BxQ[:, :, None] == seg_k_BxS[:, None, :]) & (seg_q_BxQ != 0)[:, :, None]
+  same = (seg_q_RxTb[:, :, None] == seg_k_RxS[:, None, :]) & (seg_q_RxTb != 0)[:, :, None]
   return (causal & same) | (qi[:, None] == kj[None, :])
 
 
-def _tile_scores(q_BxQxKxGxDh, k_BxSxKxDh, mask_BxQxS):
-  scale = 1.0 / math.sqrt(q_BxQxKxGxDh.shape[-1])
-  s = jnp.einsum('bqkgd,bskd->bkgqs', q_BxQxKxGxDh, k_BxSxKxDh,
+def _tile_scores(q_RxTbxKxQxDh, k_RxSxKxDh, mask_RxTbxS):
+  scale = 1.0 / math.sqrt(q_RxTbxKxQxDh.shape[-1])
+  s = jnp.einsum('bqkgd,bskd->bkgqs', q_RxTbxKxQxDh, k_RxSxKxDh,
                  preferred_element_type=jnp.float32) * scale
-  return jnp.where(mask_BxQxS[:, None, None], s, MASK_VALUE)
+  return jnp.where(mask_RxTbxS[:, None, None], s, MASK_VALUE)
 
 
 def _slice(x, index, size):
@@ -131,7 +132,7 @@ def _slice(x, index, size):
 
 
 def _forward(q, k, v, seg_q, seg_k, blocks: _Blocks):
-  """(out [B, Tq, K, G, Dh] in q's dtype, log-sum-exp [B, K, G, Tq] fp32)."""
+  """(out [R, Tb, K, Q, Dh] in q's dtype, log-sum-exp [R, K, Q, Tb] fp32)."""
   b, _, kh, g, dh = q.shape
   kv_blocks = jnp.asarray(blocks.kv_blocks_for())
 
@@ -159,9 +160,9 @@ def _forward(q, k, v, seg_q, seg_k, blocks: _Blocks):
     out = (acc / l[..., None]).astype(q.dtype)
     return None, (jnp.einsum('bkgqd->bqkgd', out), m + jnp.log(l))
 
-  _, (out_NxBxQxKxGxDh, lse_NxBxKxGxQ) = jax.lax.scan(q_block, None, jnp.arange(blocks.nq))
-  out = jnp.moveaxis(out_NxBxQxKxGxDh, 0, 1).reshape(b, blocks.nq * blocks.bq, kh, g, dh)
-  lse = jnp.moveaxis(lse_NxBxKxGxQ, 0, 3).reshape(b, kh, g, blocks.nq * blocks.bq)
+  _, (out_JxRxTbxKxQxDh, lse_JxRxKxQxTb) = jax.lax.scan(q_block, None, jnp.arange(blocks.nq))
+  out = jnp.moveaxis(out_JxRxTbxKxQxDh, 0, 1).reshape(b, blocks.nq * blocks.bq, kh, g, dh)
+  lse = jnp.moveaxis(lse_JxRxKxQxTb, 0, 3).reshape(b, kh, g, blocks.nq * blocks.bq)
   return out, lse
 
 
