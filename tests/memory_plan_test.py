@@ -12,7 +12,6 @@ import pytest
 from jax.sharding import AbstractMesh
 
 from pipelinerl_jax import config as config_lib
-from pipelinerl_jax import losses
 from pipelinerl_jax import memory_plan
 from pipelinerl_jax import sharding as sharding_lib
 from pipelinerl_jax import train
@@ -98,14 +97,14 @@ TINY_HF = dict(architectures=['Qwen2ForCausalLM'], hidden_size=128, intermediate
 
 def compiled_peak_bytes(model_config, rows, t, num_micro):
   """Arguments + outputs + temporaries - donated, as XLA assigns them for the real train step."""
-  opt_config = train.OptimizerConfig()
+  opt_config = config_lib.OptimizerConfig()
   optimizer = train.make_optimizer(opt_config)
   params = jax.eval_shape(functools.partial(transformer.init_params, model_config),
                           jax.random.PRNGKey(0))
   state = jax.eval_shape(functools.partial(train.init_train_state, optimizer=optimizer), params)
   mesh = sharding_lib.make_mesh(1, 1, 1, devices=jax.devices()[:1])
   step = train.jit_train_step(
-      train.make_train_step(model_config, losses.LossConfig(), optimizer,
+      train.make_train_step(model_config, config_lib.LossConfig(), optimizer,
                             train.lr_schedule(opt_config)),
       train.state_shardings(state, mesh), mesh)
   ints = ('tokens', 'targets', 'positions', 'segment_ids')
