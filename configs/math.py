@@ -44,16 +44,11 @@ def get_config(arg=None):
   elif preset == 'qwen1p5b_8xh100':
     _math_task(c)
     _gpu_model(c)
-    # 5 GPUs train (FSDP), the 3 the mesh leaves free are for generation: the paper's 80:48
-    # split. (Placing vLLM children on those GPUs is the vLLM backend's job.)
-    c.train.mesh = '1,5,1'
-    c.generation.backend = 'vllm'
-    c.generation.placement = 'process'
-    c.generation.num_generators = 3   # one vLLM child per free GPU (5, 6, 7)
+    _gpu_placement(c)
     # Qwen2.5-Math's context is 4096 tokens: prompt + completion must fit in it.
     c.generation.max_prompt_len = 512
     c.generation.max_new_tokens = 3072
-    c.generation.num_slots = 768      # H: ~256 sequences per generation GPU keeps decode busy
+    c.generation.num_slots = 768      # H: ~192 sequences per generation GPU keeps decode busy
     c.rl.batch_size = 512             # 64 prompts x 8 samples per step (half the paper's B:
     c.rl.group_size = 8               # one host generates ~16x fewer tokens/s than 48 GPUs)
     # Appendix A: g_max ~ H * L / (mean length * B) = 768 * 3072 / (~700 * 512) ~ 7.
@@ -61,28 +56,30 @@ def get_config(arg=None):
     c.rl.total_steps = 1000
     c.optimizer.lr = 1e-6             # the paper's Adam lr, constant
     c.train.seq_len = 8192            # packed rows: 2+ full-length samples each
-    c.train.micro_batches = 8         # ~500 samples x ~1k tokens -> ~64 rows, 8 per micro-batch
+    # 2 rows of 8k per GPU per micro-batch bound the activations (README: memory plan);
+    # ~500 samples x ~1k tokens -> ~64 rows -> 8 micro-batches.
+    c.train.micro_batch_rows = 2
     c.task.reward.overlong_max_len = 3072  # soft penalty in the last 512 tokens (DAPO-style)
     c.task.reward.overlong_buffer = 512
   elif preset == 'paper_7b':
     # Section 5: Qwen2.5-7B base on Open-Reasoner-Zero problems, 128 H100 (48 generate at
     # H = 64 each, 80 train). Our runs are single-host: the RL settings are the paper's, the
-    # placement is one 8-GPU host's, 5 train and 3 generate (set train.mesh and
+    # placement is one 8-GPU host's, 4 train and 4 generate (set train.mesh and
     # generation.num_generators for yours).
     _math_task(c)
     _gpu_model(c)
-    c.train.mesh = '1,5,1'
-    c.generation.backend = 'vllm'
-    c.generation.placement = 'process'
-    c.generation.num_generators = 3
+    _gpu_placement(c)
     c.generation.max_prompt_len = 1024
     c.generation.max_new_tokens = 8192
     c.generation.temperature = 1.0
-    c.generation.num_slots = 64 * 48  # H = 64 per generation GPU, 48 of them
+    # The paper's H = 64 per generation GPU. (Its 3072 in flight over 48 GPUs would be 768 per
+    # GPU here: at ~3k tokens each, 126 GiB of KV cache, more than an 80 GB GPU holds.)
+    c.generation.num_slots = 64 * c.generation.num_generators
     c.rl.batch_size = 1024
     c.rl.group_size = 8
     # Not stated as a setting in our notes; Appendix A's bound g_max ~ H*I*L / (mean len * B)
-    # = 3072 * 8192 / (~3000 * 1024) ~ 8 is what this pipeline would reach unconstrained.
+    # is 3072 * 8192 / (~3000 * 1024) ~ 8 on the paper's 48 generation GPUs (256 * 8192 /
+    # (~3000 * 1024) ~ 1 on this host's 4): 8 never binds here and keeps the paper's setting.
     c.rl.max_lag = 8
     c.rl.total_steps = 1000
     c.optimizer.lr = 1e-6             # Adam, constant
@@ -90,7 +87,10 @@ def get_config(arg=None):
     c.loss.is_cap = 5.0               # c = 5
     c.advantage.baseline = 'mean'     # A = R - group mean, no std normalization
     c.train.seq_len = 16384
-    c.train.micro_batches = 64        # ~1024 x ~3k tokens -> ~200 rows of 16k
+    # One 16k row per GPU per micro-batch: params, Adam and gradients leave room for little
+    # more (README: memory plan). ~1024 x ~3k tokens -> ~200 rows -> 64 micro-batches; 1024
+    # full-length samples -> 256.
+    c.train.micro_batch_rows = 1
     c.task.reward.overlong_max_len = 8192  # "a soft penalty near max length"
     c.task.reward.overlong_buffer = 1024
   return c
@@ -109,6 +109,25 @@ def _math_task(c):
   c.eval.every_steps = 0
   c.eval.num_problems = 0             # whole test sets
   c.eval.k = 8
+
+
+def _gpu_placement(c):
+  """One 8-GPU host: 4 GPUs train (FSDP), the 4 the mesh leaves free generate, one vLLM child
+  each.
+
+  Appendix A splits N accelerators into I for generation and N - I for training, with
+  throughput min(U(H) * I, (N - I) / tau): the paper's run used 48 of 128 (37.5%) to generate.
+  On 8 GPUs that is 3:5, but an fsdp axis of 5 divides neither model width (1536 = 2^9 * 3,
+  3584 = 2^9 * 7) nor either vocabulary (151936 = 2^7 * 1187, 152064), so the embeddings and
+  attention (for 7B every matrix) would sit whole, with their Adam state, on every trainer GPU;
+  6 fails the same way for 7B. 4:4 is the nearest split that shards everything; it leans towards
+  generation, which Appendix A's model favours when decoding long completions dominates a step.
+  `python -m pipelinerl_jax.memory_plan` checks a layout (README: memory plan).
+  """
+  c.train.mesh = '1,4,1'
+  c.generation.backend = 'vllm'
+  c.generation.placement = 'process'
+  c.generation.num_generators = 4   # GPUs 4, 5, 6, 7
 
 
 def _gpu_model(c):

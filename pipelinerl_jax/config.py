@@ -142,7 +142,16 @@ class ModelSettings(_Section):
   dtype: Literal['float32', 'bfloat16', 'float16'] = 'float32'  # compute ('bfloat16' on GPUs)
   lm_head_fp32: bool = True       # logits in fp32 (train/generate log-prob agreement)
   remat: bool = False             # rematerialize layers in the backward pass
+  # Attention over packed training rows: 'blockwise' (flash-style, memory linear in
+  # train.seq_len) or 'dense' (the [T, T] score tensor per head). Generation is unaffected.
+  attention: Literal['blockwise', 'dense'] = 'blockwise'
+  attention_block_q: int = 1024
+  attention_block_kv: int = 1024
   demo: DemoModelConfig = DemoModelConfig()
+
+  def _check_values(self):
+    for name in ('attention_block_q', 'attention_block_kv'):
+      _check(getattr(self, name) >= 1, name, f'must be >= 1, got {getattr(self, name)}')
 
 
 # --- task ------------------------------------------------------------------------------------
@@ -386,13 +395,20 @@ class OptimizerConfig(_Section):
 @dataclasses.dataclass(frozen=True)
 class TrainConfig(_Section):
   seq_len: int = 256              # packed row length
-  micro_batches: int = 1
+  micro_batches: int = 1          # gradient-accumulation steps per optimizer step
+  micro_batch_rows: int = 0       # > 0: packed rows per micro-batch on each data-parallel shard
+                                  # instead (what bounds activation memory); the number of
+                                  # micro-batches then follows the batch (a power of two)
   mesh: str = '1,-1,1'            # data,fsdp,tensor sizes; -1 = the remaining devices
   overlong: Literal['error', 'truncate'] = 'error'  # samples longer than seq_len: 'truncate'
                                                     # cuts and counts them
 
   def _check_values(self):
     _check(self.micro_batches >= 1, 'micro_batches', f'must be >= 1, got {self.micro_batches}')
+    _check(self.micro_batch_rows >= 0, 'micro_batch_rows',
+           f'must be >= 0 (0 = off), got {self.micro_batch_rows}')
+    _check(self.micro_batch_rows == 0 or self.micro_batches == 1, 'micro_batch_rows',
+           f'set it or train.micro_batches (={self.micro_batches}), not both')
     _check(self.seq_len >= 1, 'seq_len', f'must be >= 1, got {self.seq_len}')
     sizes = self.mesh_sizes
     _check(sizes is not None and all(s >= 1 or s == -1 for s in sizes)
@@ -480,14 +496,19 @@ class Config(_Section):
            'would not fit')
     _check(self.eval.num_problems >= 1 or t.name == 'math', 'eval.num_problems',
            'must be >= 1 for an endless problem stream (0 = whole test sets is for math)')
+
+  def check_runnable(self) -> None:
+    """What a run needs beyond a consistent config: the GPU presets leave the model and the data
+    as placeholders, which is fine for planning (memory_plan) but not for running."""
+    t = self.task
     if t.name == 'math':
-      _check(bool(self.model.path), 'model.path',
+      _check(bool(self.model.path), 'config.model.path',
              "is empty: task 'math' needs a model directory (the demo model only knows "
              'arithmetic)')
-      _check(len(t.train_files) > 0, 'task.train_files',
+      _check(len(t.train_files) > 0, 'config.task.train_files',
              "task 'math' needs at least one training file (.jsonl, .json or .parquet)")
       _check(self.eval.every_steps == 0 or bool(t.test_files) or t.test_fraction > 0,
-             'eval.every_steps',
+             'config.eval.every_steps',
              "needs held-out problems: set task.test_files or task.test_fraction for task 'math'")
 
 
@@ -531,15 +552,18 @@ def _build(cls, values: Any, path: str):
     raise ValueError(f'config.{path}{e}') from None
 
 
-def validate(config: ml_collections.ConfigDict | Config) -> Config:
-  """The typed Config of a ConfigDict; raises a one-line ValueError naming the first unknown
-  key or bad value. A Config passes through."""
-  if isinstance(config, Config):
-    return config
-  if config.get('generation', {}).get('backend') == 'vllm_process':
-    raise ValueError("config.generation.backend: 'vllm_process' is now backend='vllm' with "
-                     "placement='process'")
-  return _build(Config, config, '')
+def validate(config: ml_collections.ConfigDict | Config, runnable: bool = True) -> Config:
+  """The typed Config of a ConfigDict (a Config passes through); raises a one-line ValueError
+  naming the first unknown key or bad value. `runnable=False` skips `Config.check_runnable`
+  (model and data present), for tools that only need shapes."""
+  if not isinstance(config, Config):
+    if config.get('generation', {}).get('backend') == 'vllm_process':
+      raise ValueError("config.generation.backend: 'vllm_process' is now backend='vllm' with "
+                       "placement='process'")
+    config = _build(Config, config, '')
+  if runnable:
+    config.check_runnable()
+  return config
 
 
 def load_preset(name: str = 'tiny', path: str | pathlib.Path = MATH_CONFIG

@@ -2,6 +2,7 @@
 (installed: `pipelinerl-train ...`).
 
 Override any field on the command line, e.g. `--config.rl.mode=conventional`.
+JAX's GPU preallocation is already off here: `pipelinerl_jax/__init__.py` runs first.
 
 Exit status: 0 done; 1 an error (one line on stderr); 130 / 143 stopped by SIGINT / SIGTERM
 (after saving what was trained; see pipeline/signals.py).

@@ -206,6 +206,26 @@ def pack_samples(samples: Sequence[Sample], seq_len: int, *, num_rows: int | Non
   return batch, stats
 
 
+def row_multiple(data_parallel: int, micro_batches: int, micro_batch_rows: int = 0) -> int:
+  """Packed rows must be a multiple of this so that every micro-batch splits evenly over the
+  data-parallel shards. `micro_batch_rows` > 0 fixes the rows each shard gets per micro-batch
+  (the memory a step needs) and lets the number of micro-batches follow the batch; 0 fixes the
+  number of micro-batches instead."""
+  return (micro_batch_rows or micro_batches) * data_parallel
+
+
+def num_micro_batches(num_rows: int, data_parallel: int, micro_batches: int,
+                      micro_batch_rows: int = 0) -> int:
+  """How many micro-batches `num_rows` packed rows (a multiple of `row_multiple`) make."""
+  if not micro_batch_rows:
+    return micro_batches
+  per_micro = micro_batch_rows * data_parallel
+  if num_rows % per_micro:
+    raise ValueError(f'{num_rows} rows are not a multiple of micro_batch_rows x data shards = '
+                     f'{per_micro}')
+  return num_rows // per_micro
+
+
 def split_microbatches(batch: dict[str, np.ndarray], num_micro: int) -> dict[str, np.ndarray]:
   """[R, ...] -> [M, R/M, ...]: micro-batch m holds rows m*R/M .. (m+1)*R/M - 1."""
   if num_micro < 1:

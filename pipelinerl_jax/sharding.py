@@ -4,7 +4,14 @@ Mesh axes: 'data' (pure data parallel: params replicated), 'fsdp' (data parallel
 gradients and optimizer state sharded), 'tensor' (Megatron-style split of heads / MLP width).
 Params are placed by regex rules over their '/'-joined pytree path; a rule names a mesh axis for
 each dimension. A dimension that the axis size does not divide is left unsplit rather than
-failing, so tiny test models run on any mesh.
+failing, so tiny test models run on any mesh. FSDP only stores a slice of each parameter and
+gathers it for use, so any dimension serves: when the rule's dimension does not divide, the
+largest other free dimension that does takes the 'fsdp' axis (Qwen2.5-7B's vocabulary 152064
+divides by 6 where its width 3584 does not). `replicated_on_fsdp` names what still stays whole.
+
+Qwen2.5 shapes against these rules (V, D, F; q = H*Dh, kv = K*Dh; L = 28): 1.5B 151936, 1536,
+8960, q 1536, kv 256; 7B 152064, 3584, 18944, q 3584, kv 512. Every matrix shards through D on
+an fsdp axis of 2, 4 or 8 (the 1.5B's also on 3 and 6: 1536 = 2^9 * 3); 5 divides neither D.
 """
 
 from __future__ import annotations
@@ -70,6 +77,14 @@ def spec_for(path: str, shape: tuple[int, ...], mesh: Mesh, rules=PARAM_RULES) -
   if len(axes) != len(shape):
     raise ValueError(f'partition rule {pattern!r} has {len(axes)} axes for {path} of shape {shape}')
   kept = [a if a is not None and dim % mesh.shape[a] == 0 else None for a, dim in zip(axes, shape)]
+  fsdp = mesh.shape['fsdp']
+  if 'fsdp' in axes and 'fsdp' not in kept and fsdp > 1:
+    # A dimension held by an axis of size 1 is as good as free.
+    free = sorted((i for i, a in enumerate(kept) if a is None or mesh.shape[a] == 1),
+                  key=lambda i: -shape[i])
+    fits = [i for i in free if shape[i] % fsdp == 0]
+    if fits:
+      kept[fits[0]] = 'fsdp'
   return P(*kept)
 
 
@@ -77,6 +92,23 @@ def param_shardings(params, mesh: Mesh, rules=PARAM_RULES):
   """NamedSharding for every leaf of a params pytree (arrays or ShapeDtypeStructs)."""
   return jax.tree_util.tree_map_with_path(
       lambda path, x: NamedSharding(mesh, spec_for(path_str(path), x.shape, mesh, rules)), params)
+
+
+def replicated_on_fsdp(params, mesh: Mesh, min_fraction: float = 0.01,
+                       rules=PARAM_RULES) -> list[tuple[str, tuple[int, ...]]]:
+  """(path, shape) of every parameter holding >= `min_fraction` of all parameters that the
+  'fsdp' axis does not split (each fsdp device holds it whole); [] when fsdp is 1."""
+  if mesh.shape['fsdp'] == 1:
+    return []
+  leaves = jax.tree_util.tree_leaves_with_path(params)
+  total = sum(int(np.prod(x.shape)) for _, x in leaves)
+  found = []
+  for path, x in leaves:
+    name = path_str(path)
+    if (np.prod(x.shape) >= min_fraction * total
+        and 'fsdp' not in spec_for(name, x.shape, mesh, rules)):
+      found.append((name, tuple(x.shape)))
+  return found
 
 
 def batch_sharding(mesh: Mesh, leading_dims: int = 0) -> NamedSharding:

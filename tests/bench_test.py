@@ -150,3 +150,20 @@ def test_learning_speed_smoke_writes_json_and_png(tmp_path):
   assert len(report['curves']['conv2']['step']) == 3
   assert pathlib.Path(report['png']).stat().st_size > 10_000
   assert 'speedup_vs_best_conventional' in proc.stdout
+
+
+def test_attention_bench_quick_compares_memory_of_both_implementations(tmp_path):
+  out = tmp_path / 'attention.json'
+  proc = subprocess.run(
+      [sys.executable, '-m', 'pipelinerl_jax.bench.attention', '--quick', '--seq_lens=512',
+       f'--out={out}'], cwd=ROOT, capture_output=True, text=True, timeout=300)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  from pipelinerl_jax.bench import attention as attention_bench
+  report = json.loads(out.read_text())
+  by_impl = {r['attention']: r for r in report['results']}
+  assert set(by_impl) == {'dense', 'blockwise'}
+  for r in by_impl.values():
+    assert set(attention_bench.RESULT_KEYS) <= r.keys()
+    assert r['timed'] and r['step_s_median'] > 0 and r['segments'] >= 2
+  assert by_impl['blockwise']['peak_bytes'] < by_impl['dense']['peak_bytes']
+  assert proc.stdout.splitlines()[0].split()[:3] == ['attention', 'T', 'segments']

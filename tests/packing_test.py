@@ -264,6 +264,28 @@ def test_split_microbatches():
     packing.split_microbatches(odd, 2)
 
 
+@pytest.mark.parametrize('full_rows', [1, 3, 5, 9, 17])
+def test_micro_batch_rows_fix_each_shard_rows_and_let_the_count_follow(full_rows):
+  """With micro_batch_rows = 2 on 4 data shards, every micro-batch is [8, T] (2 rows per shard)
+  however many rows the batch needs; their number is a power of two."""
+  from pipelinerl_jax.pipeline import trainer as trainer_lib
+  samples = [packing.Sample(np.arange(1, 9), np.arange(1, 25), np.zeros(24), np.zeros(24, int),
+                            advantage=1.0) for _ in range(full_rows)]  # 31 positions: one a row
+  multiple = packing.row_multiple(data_parallel=4, micro_batches=1, micro_batch_rows=2)
+  batch, stats = packing.pack_samples(samples, 32, row_multiple=multiple)
+  rows = trainer_lib.bucket_rows(stats.num_rows, multiple)
+  assert rows >= full_rows
+  num_micro = packing.num_micro_batches(rows, 4, micro_batches=1, micro_batch_rows=2)
+  assert rows == num_micro * 8 and num_micro & (num_micro - 1) == 0
+  batch, _ = packing.pack_samples(samples, 32, num_rows=rows, row_multiple=multiple)
+  assert packing.split_microbatches(batch, num_micro)['tokens'].shape == (num_micro, 8, 32)
+  # Without micro_batch_rows the count is fixed and the rows per micro-batch grow instead.
+  assert packing.row_multiple(4, micro_batches=8) == 32
+  assert packing.num_micro_batches(64, 4, micro_batches=8) == 8
+  with pytest.raises(ValueError, match='not a multiple of micro_batch_rows'):
+    packing.num_micro_batches(12, 4, micro_batches=1, micro_batch_rows=2)
+
+
 def test_packed_logprobs_match_per_sample_forward():
   config = transformer.ModelConfig(vocab_size=50, hidden_size=32, intermediate_size=64,
                                    num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8,

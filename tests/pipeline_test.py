@@ -64,6 +64,24 @@ def test_conventional_mode_never_overlaps(model_dir, tmp_path):
   assert [r['lag_min'] for r in records] == [0, 1, 0, 1]
 
 
+def test_micro_batch_rows_fix_rows_per_shard_in_a_run(model_dir, tmp_path, monkeypatch):
+  shapes = []
+  real_split = packing.split_microbatches
+
+  def recording_split(batch, num_micro):
+    out = real_split(batch, num_micro)
+    shapes.append(out['tokens'].shape)
+    return out
+
+  monkeypatch.setattr(packing, 'split_microbatches', recording_split)
+  c = small_config(mode='conventional', total_steps=2)
+  c.train.mesh, c.train.micro_batch_rows = '1,2,1', 1
+  run_lib.run(c, str(tmp_path), model_dir=model_dir)
+  assert len(shapes) == 2
+  for m, r, _ in shapes:
+    assert r == 2 and m & (m - 1) == 0  # 1 row on each of the 2 shards; 2^k micro-batches
+
+
 def test_loop_failure_stops_everything_with_a_named_error(model_dir, tmp_path, monkeypatch):
   calls = []
   real_step = engine_lib.JaxEngine.step
@@ -189,6 +207,9 @@ def test_stream_credits_order_and_stop():
     ('generation.remote.devices', '4,4', 'must be distinct GPU ids'),
     ('generation.remote.devices', '4', "set placement='process'"),
     ('generation.vllm.kv_cache_mb', 0, 'must be >= 1'),
+    ('train.micro_batch_rows', -1, 'must be >= 0'),
+    ('model.attention', 'flash', "must be one of 'blockwise', 'dense'"),
+    ('model.attention_block_kv', 0, 'must be >= 1'),
 ])
 def test_invalid_config_values_name_the_key(key, value, message):
   # Through a plain dict: ConfigDict's own type check only guards single-field writes.
@@ -219,6 +240,14 @@ def test_base_config_round_trips_to_the_typed_config():
   typed = config_lib.validate(config_lib.base_config())
   assert typed == config_lib.Config()
   assert config_lib.validate(config_lib.to_config_dict(typed)) == typed
+
+
+def test_micro_batch_rows_and_micro_batches_are_not_both_set():
+  c = config_lib.load_preset()
+  c.train.micro_batches, c.train.micro_batch_rows = 4, 2
+  with pytest.raises(ValueError, match=r'config.train.micro_batch_rows: set it or '
+                                       r'train.micro_batches \(=4\), not both'):
+    config_lib.validate(c)
 
 
 def test_unknown_config_key_is_an_error():

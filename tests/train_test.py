@@ -122,9 +122,9 @@ def test_positive_advantage_raises_logprob(kind):
   batch = random_batch(6)
   batch['advantages'] = batch['loss_mask'].copy()
   params0 = transformer.init_params(CONFIG, jax.random.PRNGKey(0))
-  logp = functools.partial(transformer.token_logprobs, config=CONFIG, tokens_BxT=batch['tokens'],
-                           targets_BxT=batch['targets'], positions_BxT=batch['positions'],
-                           segment_ids_BxT=batch['segment_ids'])
+  logp = functools.partial(transformer.token_logprobs, config=CONFIG, tokens_RxT=batch['tokens'],
+                           targets_RxT=batch['targets'], positions_RxT=batch['positions'],
+                           segment_ids_RxT=batch['segment_ids'])
   mask = batch['loss_mask']
   before = float(jnp.sum(logp(params0)[0] * mask))
   # On-policy behaviour log-probs, as the sampler would have reported them.

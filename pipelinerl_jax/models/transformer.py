@@ -4,20 +4,22 @@ Parameter pytree (layers stacked on a leading axis L by `nn.scan`; kernels are [
 
   embed/embedding                      [V, D]
   layers/input_norm/scale              [L, D]
-  layers/attn/{q,k,v}_proj/kernel      [L, D, H*Dh | K*Dh]    (+ /bias [L, ...] when qkv_bias)
-  layers/attn/o_proj/kernel            [L, H*Dh, D]
+  layers/attn/{q,k,v}_proj/kernel      [L, D, N*Dh | K*Dh]    (+ /bias [L, ...] when qkv_bias)
+  layers/attn/o_proj/kernel            [L, N*Dh, D]
   layers/post_attn_norm/scale          [L, D]
   layers/mlp/{gate,up}_proj/kernel     [L, D, F]
   layers/mlp/down_proj/kernel          [L, F, D]
   final_norm/scale                     [D]
   lm_head/kernel                       [D, V]                 (absent when embeddings are tied)
 
-Shape letters: B batch, T query tokens, S key/cache slots, D model width, H query heads,
-K key/value heads, G = H // K, Dh head dim, F MLP width, V vocab, L layers.
+Shape letters (the README's table): R rows, T query tokens, S key/cache positions, D model
+width, N query heads, K key/value heads, Q = N // K, Dh head dim, E rotary frequencies (Dh / 2),
+F MLP width, V vocab, L layers; J chunks of Tb positions (logits are made a chunk at a time).
 
 Two entry points share one module:
   * training rows: `token_logprobs` -- packed rows with segment ids; attention never crosses a
-    segment; returns log pi(target) and the entropy of each position's distribution.
+    segment (models/attention.py: dense, or blockwise with memory linear in the row length);
+    returns log pi(target) and the entropy of each position's distribution.
   * generation: `decode` -- writes the new tokens' keys/values into a KV cache at their positions
     and attends to every cache slot at or before each query's position.
 """
@@ -32,7 +34,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-_MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)  # finite, so fully masked rows stay NaN-free
+from pipelinerl_jax.models import attention as attention_lib
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,8 +68,21 @@ class ModelConfig:
   dtype: str = 'float32'          # activations / matmuls
   lm_head_fp32: bool = True       # logits in fp32: keeps trainer and sampler log-probs close
   remat: bool = False             # rematerialize each layer in the backward pass
+  # Training rows only (decode always attends densely to its cache). 'blockwise' keeps one
+  # block_q x block_kv tile of scores at a time, where 'dense' builds [T, T] per head: 30 GB for
+  # one 16k row of a 7B model. Blocks of 1024 keep the loop short on GPUs (each iteration costs
+  # a few kernel launches) while a tile stays ~100 MB; a row shorter than a block is one tile.
+  attention: str = 'blockwise'    # 'dense' | 'blockwise'
+  attention_block_q: int = 1024
+  attention_block_kv: int = 1024
 
   def __post_init__(self):
+    if self.attention not in attention_lib.IMPLEMENTATIONS:
+      raise ValueError(f'attention={self.attention!r} is not one of '
+                       f'{attention_lib.IMPLEMENTATIONS}')
+    if self.attention_block_q < 1 or self.attention_block_kv < 1:
+      raise ValueError(f'attention blocks must be >= 1, got attention_block_q='
+                       f'{self.attention_block_q}, attention_block_kv={self.attention_block_kv}')
     if self.head_dim % 2:
       raise ValueError(f'head_dim={self.head_dim} must be even (RoPE rotates pairs)')
     if self.num_heads % self.num_kv_heads:
@@ -85,7 +100,7 @@ class ModelConfig:
 
 
 class KVCache(NamedTuple):
-  """Keys and values of every layer: [L, B, S, K, Dh] each."""
+  """Keys and values of every layer: [L, R, S, K, Dh] each."""
   k: jax.Array
   v: jax.Array
 
@@ -118,15 +133,15 @@ def rope_inv_freq(config: ModelConfig) -> jax.Array:
   raise ValueError(f'rope_scaling.rope_type={s.kind!r} is not supported (default, linear, llama3)')
 
 
-def apply_rope(x_BxTxNxDh: jax.Array, positions_BxT: jax.Array, inv_freq: jax.Array) -> jax.Array:
+def apply_rope(x_RxTxNxDh: jax.Array, positions_RxT: jax.Array, inv_freq: jax.Array) -> jax.Array:
   """HF's non-interleaved rotary embedding (the two halves of Dh are the pairs)."""
-  angles_BxTxF = positions_BxT[..., None].astype(jnp.float32) * inv_freq
-  cos = jnp.cos(angles_BxTxF)[:, :, None, :]
-  sin = jnp.sin(angles_BxTxF)[:, :, None, :]
-  x = x_BxTxNxDh.astype(jnp.float32)
+  angles_RxTxE = positions_RxT[..., None].astype(jnp.float32) * inv_freq
+  cos = jnp.cos(angles_RxTxE)[:, :, None, :]
+  sin = jnp.sin(angles_RxTxE)[:, :, None, :]
+  x = x_RxTxNxDh.astype(jnp.float32)
   x1, x2 = jnp.split(x, 2, axis=-1)
   out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
-  return out.astype(x_BxTxNxDh.dtype)
+  return out.astype(x_RxTxNxDh.dtype)
 
 
 class RMSNorm(nn.Module):
@@ -152,43 +167,45 @@ class Attention(nn.Module):
   config: ModelConfig
 
   @nn.compact
-  def __call__(self, x_BxTxD, positions_BxT, mask_BxTxS, layer_cache):
+  def __call__(self, x_RxTxD, positions_RxT, segment_ids_RxT, mask_RxTxS, layer_cache):
     c = self.config
-    b, t, _ = x_BxTxD.shape
-    q = _dense(c.num_heads * c.head_dim, c.qkv_bias, c, 'q_proj')(x_BxTxD)
-    k = _dense(c.num_kv_heads * c.head_dim, c.qkv_bias, c, 'k_proj')(x_BxTxD)
-    v = _dense(c.num_kv_heads * c.head_dim, c.qkv_bias, c, 'v_proj')(x_BxTxD)
+    b, t, _ = x_RxTxD.shape
+    q = _dense(c.num_heads * c.head_dim, c.qkv_bias, c, 'q_proj')(x_RxTxD)
+    k = _dense(c.num_kv_heads * c.head_dim, c.qkv_bias, c, 'k_proj')(x_RxTxD)
+    v = _dense(c.num_kv_heads * c.head_dim, c.qkv_bias, c, 'v_proj')(x_RxTxD)
     inv_freq = rope_inv_freq(c)
-    q_BxTxHxDh = apply_rope(q.reshape(b, t, c.num_heads, c.head_dim), positions_BxT, inv_freq)
-    k_BxTxKxDh = apply_rope(k.reshape(b, t, c.num_kv_heads, c.head_dim), positions_BxT, inv_freq)
-    v_BxTxKxDh = v.reshape(b, t, c.num_kv_heads, c.head_dim)
+    q_RxTxNxDh = apply_rope(q.reshape(b, t, c.num_heads, c.head_dim), positions_RxT, inv_freq)
+    k_RxTxKxDh = apply_rope(k.reshape(b, t, c.num_kv_heads, c.head_dim), positions_RxT, inv_freq)
+    v_RxTxKxDh = v.reshape(b, t, c.num_kv_heads, c.head_dim)
 
     if layer_cache is None:  # training rows: keys are the row's own tokens
-      k_BxSxKxDh, v_BxSxKxDh = k_BxTxKxDh, v_BxTxKxDh
+      k_RxSxKxDh, v_RxSxKxDh = k_RxTxKxDh, v_RxTxKxDh
       new_cache = None
     else:  # generation: write at each token's position, then read this layer's cache
-      # The whole [L, B, S, K, Dh] cache rides in the layer scan's carry and only the T new
+      # The whole [L, R, S, K, Dh] cache rides in the layer scan's carry and only the T new
       # tokens are scattered into it, so a decode step updates the cache in place instead of
       # rebuilding it (as scanning over per-layer slices would).
       cache_k, cache_v, layer = layer_cache
       rows = jnp.arange(b)[:, None]
       # Positions >= S (padding) are dropped, so padded prompt tokens write nowhere.
-      cache_k = cache_k.at[layer, rows, positions_BxT].set(k_BxTxKxDh.astype(cache_k.dtype),
+      cache_k = cache_k.at[layer, rows, positions_RxT].set(k_RxTxKxDh.astype(cache_k.dtype),
                                                            mode='drop')
-      cache_v = cache_v.at[layer, rows, positions_BxT].set(v_BxTxKxDh.astype(cache_v.dtype),
+      cache_v = cache_v.at[layer, rows, positions_RxT].set(v_RxTxKxDh.astype(cache_v.dtype),
                                                            mode='drop')
-      k_BxSxKxDh = jax.lax.dynamic_index_in_dim(cache_k, layer, 0, keepdims=False)
-      v_BxSxKxDh = jax.lax.dynamic_index_in_dim(cache_v, layer, 0, keepdims=False)
+      k_RxSxKxDh = jax.lax.dynamic_index_in_dim(cache_k, layer, 0, keepdims=False)
+      v_RxSxKxDh = jax.lax.dynamic_index_in_dim(cache_v, layer, 0, keepdims=False)
       new_cache = (cache_k, cache_v, layer)
 
     g = c.num_heads // c.num_kv_heads
-    q_BxTxKxGxDh = q_BxTxHxDh.reshape(b, t, c.num_kv_heads, g, c.head_dim)
-    scores = jnp.einsum('btkgd,bskd->bkgts', q_BxTxKxGxDh, k_BxSxKxDh.astype(c.dtype),
-                        preferred_element_type=jnp.float32) / math.sqrt(c.head_dim)
-    scores = jnp.where(mask_BxTxS[:, None, None], scores, _MASK_VALUE)
-    probs = jax.nn.softmax(scores, axis=-1).astype(c.dtype)
-    out_BxTxKxGxDh = jnp.einsum('bkgts,bskd->btkgd', probs, v_BxSxKxDh.astype(c.dtype))
-    out = out_BxTxKxGxDh.reshape(b, t, c.num_heads * c.head_dim)
+    q_RxTxKxQxDh = q_RxTxNxDh.reshape(b, t, c.num_kv_heads, g, c.head_dim)
+    if layer_cache is None:
+      out_RxTxKxQxDh = attention_lib.packed(
+          q_RxTxKxQxDh, k_RxSxKxDh.astype(c.dtype), v_RxSxKxDh.astype(c.dtype), segment_ids_RxT,
+          implementation=c.attention, block_q=c.attention_block_q, block_kv=c.attention_block_kv)
+    else:
+      out_RxTxKxQxDh = attention_lib.dense(q_RxTxKxQxDh, k_RxSxKxDh, v_RxSxKxDh, mask_RxTxS,
+                                           c.dtype)
+    out = out_RxTxKxQxDh.reshape(b, t, c.num_heads * c.head_dim)
     return _dense(c.hidden_size, False, c, 'o_proj')(out), new_cache
 
 
@@ -204,137 +221,135 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-  """One pre-norm block. `nn.scan` calls it with carry (x, cache) where cache is None (training)
-  or (k, v, layer index) over all layers (generation)."""
+  """One pre-norm block. `nn.scan` calls it with carry (x, cache) where cache is None (training:
+  segment ids say who attends to whom) or (k, v, layer index) over all layers (generation: the
+  cache mask does)."""
   config: ModelConfig
 
   @nn.compact
-  def __call__(self, carry, positions_BxT, mask_BxTxS):
-    x_BxTxD, cache = carry
+  def __call__(self, carry, positions_RxT, segment_ids_RxT, mask_RxTxS):
+    x_RxTxD, cache = carry
     c = self.config
     norm = lambda name: RMSNorm(c.rms_norm_eps, c.dtype, c.param_dtype, name=name)
-    h, cache = Attention(c, name='attn')(norm('input_norm')(x_BxTxD), positions_BxT, mask_BxTxS,
-                                         cache)
-    x_BxTxD = x_BxTxD + h
-    x_BxTxD = x_BxTxD + MLP(c, name='mlp')(norm('post_attn_norm')(x_BxTxD))
+    h, cache = Attention(c, name='attn')(norm('input_norm')(x_RxTxD), positions_RxT,
+                                         segment_ids_RxT, mask_RxTxS, cache)
+    x_RxTxD = x_RxTxD + h
+    x_RxTxD = x_RxTxD + MLP(c, name='mlp')(norm('post_attn_norm')(x_RxTxD))
     if cache is not None:
       cache = (cache[0], cache[1], cache[2] + 1)  # the next layer's index
-    return (x_BxTxD, cache), None
+    return (x_RxTxD, cache), None
 
 
 class Transformer(nn.Module):
-  """Returns final-norm hidden states [B, T, D] and the updated cache (None without one)."""
+  """Returns final-norm hidden states [R, T, D] and the updated cache (None without one).
+
+  Training rows pass `segment_ids_RxT` (and no cache); generation passes the cache and the
+  mask of cache slots each token sees.
+  """
   config: ModelConfig
 
   @nn.compact
-  def __call__(self, tokens_BxT, positions_BxT, mask_BxTxS, cache: KVCache | None = None):
+  def __call__(self, tokens_RxT, positions_RxT, segment_ids_RxT=None, mask_RxTxS=None,
+               cache: KVCache | None = None):
     c = self.config
     embed = nn.Embed(c.vocab_size, c.hidden_size, dtype=c.dtype, param_dtype=c.param_dtype,
                      embedding_init=nn.initializers.normal(0.02), name='embed')
-    x_BxTxD = embed(tokens_BxT)
+    x_RxTxD = embed(tokens_RxT)
     layer_cls = nn.remat(DecoderLayer, prevent_cse=False) if c.remat else DecoderLayer
     layers = nn.scan(layer_cls, variable_axes={'params': 0}, split_rngs={'params': True},
-                     in_axes=(nn.broadcast, nn.broadcast), length=c.num_layers)(c, name='layers')
+                     in_axes=(nn.broadcast,) * 3, length=c.num_layers)(c, name='layers')
     carry = None if cache is None else (cache.k, cache.v, jnp.zeros((), jnp.int32))
-    (x_BxTxD, new_caches), _ = layers((x_BxTxD, carry), positions_BxT, mask_BxTxS)
-    x_BxTxD = RMSNorm(c.rms_norm_eps, c.dtype, c.param_dtype, name='final_norm')(x_BxTxD)
+    (x_RxTxD, new_caches), _ = layers((x_RxTxD, carry), positions_RxT, segment_ids_RxT,
+                                      mask_RxTxS)
+    x_RxTxD = RMSNorm(c.rms_norm_eps, c.dtype, c.param_dtype, name='final_norm')(x_RxTxD)
     if not c.tie_embeddings and self.is_initializing():
       # Created here so init makes it; applied by `logits`, which may run in fp32 / chunks.
-      _dense(c.vocab_size, False, c, 'lm_head')(x_BxTxD)
-    return x_BxTxD, (None if cache is None else KVCache(new_caches[0], new_caches[1]))
+      _dense(c.vocab_size, False, c, 'lm_head')(x_RxTxD)
+    return x_RxTxD, (None if cache is None else KVCache(new_caches[0], new_caches[1]))
 
 
 # ---------------------------------------------------------------------------------------------
 # Pure functions over (params, config, arrays).
 
 
-def segment_mask(segment_ids_BxT: jax.Array) -> jax.Array:
-  """Causal mask within each packed segment; segment 0 is padding (attends only to itself)."""
-  t = segment_ids_BxT.shape[1]
-  causal_TxT = jnp.tril(jnp.ones((t, t), bool))
-  same = segment_ids_BxT[:, :, None] == segment_ids_BxT[:, None, :]
-  real = (segment_ids_BxT != 0)[:, :, None]
-  return (causal_TxT & same & real) | jnp.eye(t, dtype=bool)
-
-
-def cache_mask(positions_BxT: jax.Array, cache_len: int) -> jax.Array:
+def cache_mask(positions_RxT: jax.Array, cache_len: int) -> jax.Array:
   """A query at position p sees cache slots 0..p (slot j holds the token at position j)."""
-  return jnp.arange(cache_len)[None, None, :] <= positions_BxT[:, :, None]
+  return jnp.arange(cache_len)[None, None, :] <= positions_RxT[:, :, None]
 
 
 def init_params(config: ModelConfig, rng: jax.Array) -> dict:
   """Random params (normal(0.02) kernels, unit norms). Jitted: eager init is ~4x slower."""
   tokens = jnp.zeros((1, 1), jnp.int32)
-  init = lambda key: Transformer(config).init(key, tokens, tokens, jnp.ones((1, 1, 1), bool))
+  init = lambda key: Transformer(config).init(key, tokens, tokens, jnp.ones((1, 1), jnp.int32))
   return jax.jit(init)(rng)['params']
 
 
-def hidden_states(params, config: ModelConfig, tokens_BxT, positions_BxT, segment_ids_BxT):
-  h, _ = Transformer(config).apply({'params': params}, tokens_BxT, positions_BxT,
-                                   segment_mask(segment_ids_BxT))
+def hidden_states(params, config: ModelConfig, tokens_RxT, positions_RxT, segment_ids_RxT):
+  h, _ = Transformer(config).apply({'params': params}, tokens_RxT, positions_RxT,
+                                   segment_ids_RxT)
   return h
 
 
-def logits(params, config: ModelConfig, h_BxTxD: jax.Array) -> jax.Array:
-  """Logits [B, T, V]; fp32 when config.lm_head_fp32."""
+def logits(params, config: ModelConfig, h_RxTxD: jax.Array) -> jax.Array:
+  """Logits [R, T, V]; fp32 when config.lm_head_fp32."""
   if config.tie_embeddings:
     w_DxV = params['embed']['embedding'].T
   else:
     w_DxV = params['lm_head']['kernel']
   dtype = jnp.float32 if config.lm_head_fp32 else config.dtype
-  return jnp.einsum('btd,dv->btv', h_BxTxD.astype(dtype), w_DxV.astype(dtype),
+  return jnp.einsum('btd,dv->btv', h_RxTxD.astype(dtype), w_DxV.astype(dtype),
                     preferred_element_type=jnp.float32)
 
 
-def forward_logits(params, config: ModelConfig, tokens_BxT, positions_BxT=None,
-                   segment_ids_BxT=None):
+def forward_logits(params, config: ModelConfig, tokens_RxT, positions_RxT=None,
+                   segment_ids_RxT=None):
   """Full-sequence logits; defaults: positions 0..T-1, a single segment per row."""
-  b, t = tokens_BxT.shape
-  if positions_BxT is None:
-    positions_BxT = jnp.broadcast_to(jnp.arange(t), (b, t))
-  if segment_ids_BxT is None:
-    segment_ids_BxT = jnp.ones((b, t), jnp.int32)
-  return logits(params, config, hidden_states(params, config, tokens_BxT, positions_BxT,
-                                              segment_ids_BxT))
+  b, t = tokens_RxT.shape
+  if positions_RxT is None:
+    positions_RxT = jnp.broadcast_to(jnp.arange(t), (b, t))
+  if segment_ids_RxT is None:
+    segment_ids_RxT = jnp.ones((b, t), jnp.int32)
+  return logits(params, config, hidden_states(params, config, tokens_RxT, positions_RxT,
+                                              segment_ids_RxT))
 
 
-def token_logprobs(params, config: ModelConfig, tokens_BxT, targets_BxT, positions_BxT,
-                   segment_ids_BxT, temperature: float = 1.0, chunk_size: int = 1024):
-  """log pi(target_t | tokens_<=t) and the entropy of that distribution, both [B, T] fp32.
+def token_logprobs(params, config: ModelConfig, tokens_RxT, targets_RxT, positions_RxT,
+                   segment_ids_RxT, temperature: float = 1.0, chunk_size: int = 1024):
+  """log pi(target_t | tokens_<=t) and the entropy of that distribution, both [R, T] fp32.
 
-  Logits are made `chunk_size` positions at a time so a [B, T, V] array never exists at once
+  Logits are made `chunk_size` positions at a time so a [R, T, V] array never exists at once
   (V is 152k for Qwen2.5); rematerialized in the backward pass for the same reason.
   """
-  h_BxTxD = hidden_states(params, config, tokens_BxT, positions_BxT, segment_ids_BxT)
-  b, t, d = h_BxTxD.shape
+  h_RxTxD = hidden_states(params, config, tokens_RxT, positions_RxT, segment_ids_RxT)
+  b, t, d = h_RxTxD.shape
   chunk = min(chunk_size, t)
   pad = (-t) % chunk
-  h_BxTxD = jnp.pad(h_BxTxD, ((0, 0), (0, pad), (0, 0)))
-  targets_BxT = jnp.pad(targets_BxT, ((0, 0), (0, pad)))
+  h_RxTxD = jnp.pad(h_RxTxD, ((0, 0), (0, pad), (0, 0)))
+  targets_RxT = jnp.pad(targets_RxT, ((0, 0), (0, pad)))
   n = (t + pad) // chunk
-  h_NxBxCxD = h_BxTxD.reshape(b, n, chunk, d).swapaxes(0, 1)
-  tg_NxBxC = targets_BxT.reshape(b, n, chunk).swapaxes(0, 1)
+  h_JxRxTbxD = h_RxTxD.reshape(b, n, chunk, d).swapaxes(0, 1)
+  tg_JxRxTb = targets_RxT.reshape(b, n, chunk).swapaxes(0, 1)
 
   @jax.checkpoint
-  def one_chunk(h_BxCxD, tg_BxC):
-    z_BxCxV = logits(params, config, h_BxCxD) / temperature
-    logz_BxC = jax.nn.logsumexp(z_BxCxV, axis=-1)
-    logp_BxC = jnp.take_along_axis(z_BxCxV, tg_BxC[..., None], axis=-1)[..., 0] - logz_BxC
-    p_BxCxV = jax.nn.softmax(z_BxCxV, axis=-1)
-    entropy_BxC = logz_BxC - jnp.sum(p_BxCxV * z_BxCxV, axis=-1)
-    return logp_BxC, entropy_BxC
+  def one_chunk(h_RxTbxD, tg_RxTb):
+    z_RxTbxV = logits(params, config, h_RxTbxD) / temperature
+    logz_RxTb = jax.nn.logsumexp(z_RxTbxV, axis=-1)
+    logp_RxTb = jnp.take_along_axis(z_RxTbxV, tg_RxTb[..., None], axis=-1)[..., 0] - logz_RxTb
+    p_RxTbxV = jax.nn.softmax(z_RxTbxV, axis=-1)
+    entropy_RxTb = logz_RxTb - jnp.sum(p_RxTbxV * z_RxTbxV, axis=-1)
+    return logp_RxTb, entropy_RxTb
 
-  logp_NxBxC, ent_NxBxC = jax.lax.map(lambda a: one_chunk(*a), (h_NxBxCxD, tg_NxBxC))
+  logp_JxRxTb, ent_JxRxTb = jax.lax.map(lambda a: one_chunk(*a), (h_JxRxTbxD, tg_JxRxTb))
   unchunk = lambda x: x.swapaxes(0, 1).reshape(b, n * chunk)[:, :t]
-  return unchunk(logp_NxBxC), unchunk(ent_NxBxC)
+  return unchunk(logp_JxRxTb), unchunk(ent_JxRxTb)
 
 
-def decode(params, config: ModelConfig, tokens_BxT, positions_BxT, cache: KVCache):
-  """Runs T new tokens per row against the cache: returns (logits [B, T, V], new cache).
+def decode(params, config: ModelConfig, tokens_RxT, positions_RxT, cache: KVCache):
+  """Runs T new tokens per row against the cache: returns (logits [R, T, V], new cache).
 
   Prefill is T = prompt length (pad with positions >= cache length); a decode step is T = 1.
   """
-  mask = cache_mask(positions_BxT, cache.k.shape[2])
-  h, new_cache = Transformer(config).apply({'params': params}, tokens_BxT, positions_BxT, mask,
-                                           cache)
+  mask = cache_mask(positions_RxT, cache.k.shape[2])
+  h, new_cache = Transformer(config).apply({'params': params}, tokens_RxT, positions_RxT,
+                                           mask_RxTxS=mask, cache=cache)
   return logits(params, config, h), new_cache

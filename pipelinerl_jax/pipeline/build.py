@@ -100,7 +100,9 @@ def _build(config: config_lib.Config, workdir: str, model_dir: str,
   check_interrupt()
   model_config = hf_io.load_config(
       model_dir, param_dtype=config.model.param_dtype, dtype=config.model.dtype,
-      lm_head_fp32=config.model.lm_head_fp32, remat=config.model.remat)
+      lm_head_fp32=config.model.lm_head_fp32, remat=config.model.remat,
+      attention=config.model.attention, attention_block_q=config.model.attention_block_q,
+      attention_block_kv=config.model.attention_block_kv)
   mesh = sharding_lib.make_mesh(*config.train.mesh_sizes)
   optimizer = train.make_optimizer(config.optimizer)
   checkpoints = checkpoint_lib.Checkpointer(checkpoint_lib.directory(config, workdir),
@@ -169,7 +171,8 @@ def make_trainer(parts: Parts, stream: stream_lib.SampleStream, stop: threading.
       parts.state, parts.train_step, parts.put_batch, publish=parts.publish, stream=stream,
       config=trainer_lib.TrainerConfig(
           batch_size=rl.batch_size, seq_len=tr.seq_len, micro_batches=tr.micro_batches,
-          row_multiple=tr.micro_batches * sharding_lib.data_parallel_size(parts.mesh),
+          row_multiple=packing.row_multiple(sharding_lib.data_parallel_size(parts.mesh),
+                                            tr.micro_batches, tr.micro_batch_rows),
           mode=rl.mode, max_lag=rl.max_lag if rl.mode == 'pipeline' else None,
           conventional_steps=rl.conventional_steps, total_steps=rl.total_steps,
           max_time_s=rl.max_time_s, overlong=tr.overlong, eval_every_steps=config.eval.every_steps),
@@ -270,10 +273,12 @@ def prompt_encoder(tokenizer, max_len: int) -> Callable[[tasks_base.Problem], li
 def batch_placer(config: config_lib.TrainConfig, mesh) -> Callable:
   """Packed host batch -> its micro-batches [M, rows / M, T], rows split over the mesh."""
   batch_sh = sharding_lib.batch_sharding(mesh, leading_dims=1)
+  data_parallel = sharding_lib.data_parallel_size(mesh)
 
   def put_batch(batch: dict[str, np.ndarray]):
-    micro = packing.split_microbatches({k: batch[k] for k in train.BATCH_KEYS},
-                                       config.micro_batches)
+    num_micro = packing.num_micro_batches(len(batch['tokens']), data_parallel,
+                                          config.micro_batches, config.micro_batch_rows)
+    micro = packing.split_microbatches({k: batch[k] for k in train.BATCH_KEYS}, num_micro)
     return jax.device_put(micro, {k: batch_sh for k in micro})
   return put_batch
 

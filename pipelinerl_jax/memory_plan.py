@@ -1,0 +1,400 @@
+"""Memory plan of a run, on CPU, before any GPU is touched: what each device holds, and why a
+layout cannot fit.
+
+  python -m pipelinerl_jax.memory_plan --config=configs/math.py:paper_7b \\
+      --model_config=configs/models/Qwen2.5-7B --devices=8 --device_gib=80
+
+The parameter layout is the project's own: `train.state_shardings` (params by
+`sharding.param_shardings`, Adam's moments like their params) on `jax.eval_shape` of the train
+state, over an abstract mesh of the config's sizes, so no device and no weight is needed. The
+other terms are estimates from the shapes, each named in `Plan.trainer` / `Plan.generator`:
+
+trainer device (one of the train mesh; tensor-parallel devices hold the same rows)
+  params, adam        master weights and both moments, as sharded (param_dtype, fp32 here)
+  grads               the accumulated gradient and the current micro-batch's (param_dtype)
+  update              the optimizer's update before it is applied (param_dtype)
+  gathered            fsdp > 1 gathers a layer's weights to use them: two layers in flight plus
+                      one layer's gradient, whole, and the embedding and lm_head whole
+  saved               activations kept for the backward pass: each layer's input with remat,
+                      every intermediate without
+  layer               one layer's recomputed intermediates and their gradients (x2)
+  attention           dense: the fp32 [T, T] scores, their gradient and the probabilities, per
+                      head and row; blockwise: four fp32 tiles of block_q x block_kv per head
+                      and the O(T) log-sum-exp and dq accumulator
+  logits              `token_logprobs` makes fp32 logits 1024 positions at a time: logits,
+                      softmax, their product and the gradient, [rows, 1024, V] each
+  batch               the step's packed batch, every micro-batch (7 arrays of 4 bytes a token)
+rows per micro-batch are the worst case: every sample at max_prompt_len + max_new_tokens.
+
+generator device (vLLM: one GPU per child with placement 'process'; 'inline' shares device 0
+with the trainer; the JAX engine's params and KV cache go on the first free device, or device 0)
+  weights             the serving copy (the checkpoint's dtype)
+  staging             nccl: whole updates being received (transport dtype, `staging_copies`);
+                      shm: the largest tensor on its way in (the rest is in host /dev/shm)
+  runtime             CUDA context, vLLM's profiled activations and fp32 sampler logits
+  kv                  what is left for the KV cache: `kv='free'` sizes it from free memory
+                      (gpu_memory_utilization); `kv='config'` takes generation.vllm.kv_cache_mb
+
+A plan refuses (`Plan.problems`, one line each, `Plan.refusal` joins them) when a device holds
+more than it has, when a large parameter stays whole on every fsdp device, when the KV cache
+cannot hold one full-length request, or when the mesh and the generators need more devices than
+there are. Everything here is an estimate from shapes (XLA's buffer assignment on the device
+decides the truth); `tests/memory_plan_test.py` checks the trainer terms against XLA's own
+numbers for small models compiled on CPU.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import math
+import os
+from typing import Any
+
+import jax
+import ml_collections
+import numpy as np
+from jax.sharding import AbstractMesh
+
+from pipelinerl_jax import config as config_lib
+from pipelinerl_jax import packing
+from pipelinerl_jax import sharding as sharding_lib
+from pipelinerl_jax import train
+from pipelinerl_jax.models import hf_io
+from pipelinerl_jax.models import transformer
+from pipelinerl_jax.pipeline import trainer as trainer_lib
+
+GIB = 2**30
+BATCH_BYTES_PER_TOKEN = 4 * len(train.BATCH_KEYS)
+LOGITS_CHUNK = 1024                    # transformer.token_logprobs' default chunk_size
+CUDA_CONTEXT_BYTES = GIB * 3 // 4      # per process: CUDA context, cuBLAS / NCCL workspaces
+VLLM_BATCHED_TOKENS = 8192             # vLLM's default max_num_batched_tokens (its profile run)
+VLLM_BLOCK_TOKENS = 16                 # vLLM's default KV block size
+GPU_MEMORY_UTILIZATION = 0.9           # vLLM's default share of a GPU it may use
+LARGE_PARAM_FRACTION = 0.01            # a parameter with >= 1% of the model must be fsdp-sharded
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+  """Per-device bytes by term, derived figures, and the reasons it cannot fit (none = fits)."""
+  trainer: dict[str, int]
+  generator: dict[str, int]
+  facts: dict[str, Any]
+  problems: tuple[str, ...]
+
+  @property
+  def fits(self) -> bool:
+    return not self.problems
+
+  @property
+  def refusal(self) -> str:
+    return '; '.join(self.problems)
+
+  @property
+  def trainer_total(self) -> int:
+    return sum(self.trainer.values())
+
+  @property
+  def generator_total(self) -> int:
+    return sum(self.generator.values())
+
+
+def _bytes(dtype) -> int:
+  return np.dtype(jax.numpy.dtype(dtype)).itemsize
+
+
+def _sharded_bytes(shapes, shardings) -> int:
+  """Bytes one device holds of a pytree of ShapeDtypeStructs placed by `shardings`."""
+  leaves = jax.tree.leaves(shapes)
+  shards = jax.tree.leaves(shardings, is_leaf=lambda x: isinstance(x, jax.sharding.Sharding))
+  return sum(math.prod(sh.shard_shape(x.shape)) * x.dtype.itemsize
+             for x, sh in zip(leaves, shards))
+
+
+def mesh_sizes(mesh: str, num_devices: int) -> tuple[int, int, int]:
+  """train.mesh 'data,fsdp,tensor' with -1 resolved as `sharding.make_mesh` would on a host of
+  `num_devices` (-1 takes every device, leaving none to generators)."""
+  sizes = [int(s) for s in mesh.split(',')]
+  if -1 in sizes:
+    known = math.prod(s for s in sizes if s != -1)
+    sizes[sizes.index(-1)] = num_devices // known
+  return tuple(sizes)
+
+
+def worst_case_rows(config: config_lib.Config, data_parallel: int) -> tuple[int, int]:
+  """(packed rows of a step, rows per micro-batch on one data shard) when every sample has the
+  maximum length, as the trainer packs and buckets them (packing, trainer.bucket_rows)."""
+  g, tr = config.generation, config.train
+  longest = g.max_prompt_len + g.max_new_tokens - 1      # positions a sample occupies
+  per_row = max(1, tr.seq_len // longest)
+  needed = -(-config.rl.batch_size // per_row)
+  multiple = packing.row_multiple(data_parallel, tr.micro_batches, tr.micro_batch_rows)
+  rows = trainer_lib.bucket_rows(needed, multiple)
+  num_micro = packing.num_micro_batches(rows, data_parallel, tr.micro_batches,
+                                        tr.micro_batch_rows)
+  return rows, rows // (num_micro * data_parallel)
+
+
+def _layer_bytes_per_token(m: transformer.ModelConfig) -> int:
+  """Intermediates of one decoder layer per token (no attention scores), as transformer.py makes
+  them: fp32 norm inputs and RoPE, the rest in the compute dtype."""
+  dt = _bytes(m.dtype)
+  d, f, dh = m.hidden_size, m.intermediate_size, m.head_dim
+  h, k = m.num_heads, m.num_kv_heads
+  in_dtype = 2 * d + (h + 2 * k) * dh + h * dh + 3 * d + 4 * f  # norms, qkv, attn, o, residuals, mlp
+  in_fp32 = 2 * d + (h + k) * dh                                # norm x32, rotated q and k
+  return dt * in_dtype + 4 * in_fp32
+
+
+def _attention_bytes(m: transformer.ModelConfig, rows: int, t: int) -> tuple[int, int]:
+  """(saved for backward per layer, working set of one layer's backward) of attention."""
+  dt, h = _bytes(m.dtype), m.num_heads
+  if m.attention == 'dense':
+    scores = rows * h * t * t
+    return scores * (4 + dt) + rows * t * t, scores * (4 + 4 + dt) + rows * t * t
+  bq, bk = min(m.attention_block_q, t), min(m.attention_block_kv, t)
+  lse = rows * h * t * 4
+  tiles = 4 * rows * h * bq * bk * 4                     # s, p, dp, ds
+  dq = rows * t * h * m.head_dim * 4
+  return lse, tiles + 2 * lse + dq
+
+
+def trainer_memory(m: transformer.ModelConfig, config: config_lib.Config,
+                   mesh: AbstractMesh) -> tuple[dict[str, int], dict[str, Any]]:
+  optimizer = train.make_optimizer(config.optimizer)
+  params = jax.eval_shape(functools.partial(transformer.init_params, m), jax.random.PRNGKey(0))
+  state = jax.eval_shape(functools.partial(train.init_train_state, optimizer=optimizer), params)
+  shardings = train.state_shardings(state, mesh)
+  param_bytes = _sharded_bytes(state.params, shardings.params)
+  opt_bytes = _sharded_bytes(state.opt_state, shardings.opt_state)
+
+  data_parallel = mesh.shape['data'] * mesh.shape['fsdp']
+  rows, rows_per_micro = worst_case_rows(config, data_parallel)
+  t = config.train.seq_len
+  tokens = rows_per_micro * t
+  pb, dt = _bytes(m.param_dtype), _bytes(m.dtype)
+  d, v, l = m.hidden_size, m.vocab_size, m.num_layers
+
+  per_layer_params = (m.num_params - v * d * (1 if m.tie_embeddings else 2) - d) // l
+  gathered = 0
+  if mesh.shape['fsdp'] > 1:
+    gathered = 3 * per_layer_params * pb + v * d * pb * (1 if m.tie_embeddings else 2)
+  attn_saved, attn_work = _attention_bytes(m, rows_per_micro, t)
+  layer = _layer_bytes_per_token(m) * tokens
+  if m.remat:
+    saved = l * tokens * d * dt
+  else:
+    saved = l * (layer + attn_saved)
+  chunk = min(LOGITS_CHUNK, t)
+  logits = 4 * rows_per_micro * chunk * v * 4 + tokens * d * 4
+  memory = dict(params=param_bytes, adam=opt_bytes, grads=2 * param_bytes, update=param_bytes,
+                gathered=gathered, saved=saved, layer=2 * layer, attention=attn_work,
+                logits=logits, batch=rows // data_parallel * t * BATCH_BYTES_PER_TOKEN)
+  facts = dict(rows_per_step=rows, rows_per_micro_batch=rows_per_micro,
+               micro_batches=rows // (rows_per_micro * data_parallel),
+               tokens_per_micro_batch=tokens,
+               replicated_on_fsdp=sharding_lib.replicated_on_fsdp(
+                   params, mesh, LARGE_PARAM_FRACTION))
+  return memory, facts
+
+
+def generator_memory(m: transformer.ModelConfig, config: config_lib.Config,
+                     serving_dtype: str, device_bytes: int, kv: str, transport_dtype: str,
+                     staging_copies: int, used_by_trainer: int = 0
+                     ) -> tuple[dict[str, int], dict[str, Any]]:
+  """The terms of one generator device; `used_by_trainer`: what the trainer holds on the same
+  device (in-process vLLM shares device 0 with it)."""
+  g = config.generation
+  sb = _bytes(serving_dtype)
+  slots = -(-g.num_slots // g.num_generators)
+  max_len = g.max_prompt_len + g.max_new_tokens
+  update_bytes = m.num_params * _bytes(transport_dtype)
+  if g.remote.weight_transport == 'shm':
+    largest = m.vocab_size * m.hidden_size
+    staging = largest * _bytes(transport_dtype)
+  else:
+    staging = staging_copies * update_bytes
+  d, f = m.hidden_size, m.intermediate_size
+  q_kv = (m.num_heads + 2 * m.num_kv_heads) * m.head_dim
+  profile = VLLM_BATCHED_TOKENS * (4 * f + 4 * d + q_kv) * sb
+  runtime = CUDA_CONTEXT_BYTES + profile + slots * m.vocab_size * 4
+  kv_per_token = 2 * m.num_layers * m.num_kv_heads * m.head_dim * sb
+  request = -(-max_len // VLLM_BLOCK_TOKENS) * VLLM_BLOCK_TOKENS * kv_per_token
+  memory = dict(weights=m.num_params * sb, staging=staging, runtime=runtime)
+  if kv == 'free':
+    kv_bytes = (int(GPU_MEMORY_UTILIZATION * device_bytes) - sum(memory.values())
+                - used_by_trainer)
+  else:
+    kv_bytes = g.vllm.kv_cache_mb << 20
+  memory['kv'] = max(kv_bytes, 0)
+  facts = dict(slots_per_generator=slots, kv_bytes_per_token=kv_per_token,
+               full_request_bytes=request, kv_full_requests=kv_bytes / request,
+               host_shm_bytes=update_bytes * g.num_generators if g.remote.weight_transport == 'shm'
+               else 0)
+  return memory, facts
+
+
+def plan(config: ml_collections.ConfigDict | config_lib.Config, hf_config: dict, *,
+         num_devices: int,
+         device_gib: float, kv: str = 'config', transport_dtype: str = 'float32',
+         staging_copies: int = 2, source: str = 'config.json') -> Plan:
+  """The memory plan of `config` with the architecture `hf_config` (a parsed config.json) on
+  `num_devices` devices of `device_gib` GiB. `kv`: 'config' (generation.vllm.kv_cache_mb, what
+  the vLLM engine is given today) or 'free' (what is left at vLLM's gpu_memory_utilization)."""
+  if kv not in ('config', 'free'):
+    raise ValueError(f"kv={kv!r}: expected 'config' or 'free'")
+  config = config_lib.validate(config, runnable=False)  # the model comes from hf_config
+  mc = config.model
+  m = hf_io.config_from_hf(hf_config, source=source, param_dtype=mc.param_dtype, dtype=mc.dtype,
+                           lm_head_fp32=mc.lm_head_fp32, remat=mc.remat, attention=mc.attention,
+                           attention_block_q=mc.attention_block_q,
+                           attention_block_kv=mc.attention_block_kv)
+  device_bytes = int(device_gib * GIB)
+  g = config.generation
+  sizes = mesh_sizes(config.train.mesh, num_devices)
+  mesh = AbstractMesh(sizes, sharding_lib.MESH_AXES)
+  problems = []
+  trainer, facts = trainer_memory(m, config, mesh)
+  facts.update(mesh=','.join(map(str, sizes)), train_devices=mesh.size, device_bytes=device_bytes,
+               params=m.num_params)
+
+  if facts['replicated_on_fsdp']:
+    name, shape = facts['replicated_on_fsdp'][0]
+    n = len(facts['replicated_on_fsdp'])
+    problems.append(
+        f"train.mesh={config.train.mesh}: fsdp={sizes[1]} divides no dimension of {n} large "
+        f"parameter(s) (e.g. {name} {list(shape)}), so each of the {sizes[1]} devices holds "
+        f'them whole')
+  if sum(trainer.values()) > device_bytes:
+    top = sorted(trainer.items(), key=lambda kv_: -kv_[1])[:3]
+    problems.append(
+        f'a trainer device needs {sum(trainer.values()) / GIB:.1f} GiB > {device_gib:g} GiB ('
+        + ', '.join(f'{k} {b / GIB:.1f}' for k, b in top) + ')')
+
+  generator = {}
+  if g.backend == 'jax':
+    # The JAX engine's fp32 params copy and its KV cache, on the first device the mesh leaves
+    # free (or on device 0, beside the trainer).
+    engine = (m.num_params * _bytes(m.param_dtype) + 2 * m.num_layers * g.num_slots
+              * (g.max_prompt_len + g.max_new_tokens) * m.num_kv_heads * m.head_dim
+              * _bytes(m.dtype))
+    generator = dict(engine=engine)
+    facts['generator_devices'] = 1 if mesh.size < num_devices else 0
+    if mesh.size > num_devices:
+      problems.append(f'train.mesh={config.train.mesh} needs {mesh.size} devices, the host has '
+                      f'{num_devices}')
+    elif not facts['generator_devices'] and sum(trainer.values()) + engine > device_bytes:
+      problems.append(f'device 0 holds the trainer and the JAX engine: '
+                      f'{(sum(trainer.values()) + engine) / GIB:.1f} GiB > {device_gib:g} GiB')
+  else:
+    # placement 'process': one GPU per child, beside the mesh; 'inline': in the trainer's
+    # process, on its device 0.
+    in_process = g.placement == 'inline'
+    generators = 0 if in_process else g.num_generators
+    facts['generator_devices'] = generators
+    if mesh.size + generators > num_devices:
+      problems.append(f'train.mesh={config.train.mesh} takes {mesh.size} of {num_devices} '
+                      f'devices, {generators} generator(s) need one each')
+    serving = hf_config.get('torch_dtype') or hf_config.get('dtype') or 'bfloat16'
+    shared = sum(trainer.values()) if in_process else 0
+    generator, gen_facts = generator_memory(m, config, serving, device_bytes, kv, transport_dtype,
+                                            staging_copies, used_by_trainer=shared)
+    facts.update(gen_facts)
+    if gen_facts['kv_full_requests'] < 1:
+      problems.append(
+          f"the KV cache ({generator['kv'] / 2**20:.0f} MiB per generator, kv={kv}) holds "
+          f"{gen_facts['kv_full_requests']:.2f} of one full-length request "
+          f"({g.max_prompt_len + g.max_new_tokens} tokens = "
+          f"{gen_facts['full_request_bytes'] / 2**20:.0f} MiB)")
+    if sum(generator.values()) + shared > device_bytes:
+      where = 'device 0 (trainer and in-process vLLM)' if in_process else 'a generator device'
+      problems.append(f'{where} needs {(sum(generator.values()) + shared) / GIB:.1f} GiB > '
+                      f'{device_gib:g} GiB')
+  return Plan(trainer=trainer, generator=generator, facts=facts, problems=tuple(problems))
+
+
+def read_hf_config(path: str | os.PathLike) -> tuple[dict, str]:
+  """(parsed config.json, its path) from a model directory or a config.json path."""
+  path = os.fspath(path)
+  if not path:
+    raise ValueError('no model config: give --model_config (a model directory or config.json, '
+                     'e.g. configs/models/Qwen2.5-7B) or config.model.path')
+  if os.path.isdir(path) or not path.endswith('.json'):
+    path = os.path.join(path, hf_io.CONFIG_FILE)
+  if not os.path.isfile(path):
+    raise FileNotFoundError(f'{path}: no such file (give a model directory or its config.json)')
+  with open(path) as f:
+    try:
+      return json.load(f), path
+    except json.JSONDecodeError as e:
+      raise ValueError(f'{path}: not valid JSON ({e})') from None
+
+
+def format_plan(p: Plan) -> str:
+  """A table of GiB per device by term, the derived figures, then FITS or the one-line refusal."""
+  f = p.facts
+  lines = [f"trainer: {f['train_devices']} device(s), mesh {f['mesh']} (data,fsdp,tensor); "
+           f"{f['params'] / 1e9:.2f}B params; worst case {f['rows_per_step']} rows per step, "
+           f"{f['micro_batches']} micro-batch(es) of {f['rows_per_micro_batch']} row(s) per "
+           f'device']
+  width = max(len(k) for k in [*p.trainer, *p.generator, 'total'])
+  for name, terms, total in (('trainer device', p.trainer, p.trainer_total),
+                             ('generator device', p.generator, p.generator_total)):
+    if not terms:
+      continue
+    lines.append(f'  {name}:')
+    lines += [f'    {k.ljust(width)} {v / GIB:8.2f} GiB' for k, v in terms.items()]
+    lines.append(f"    {'total'.ljust(width)} {total / GIB:8.2f} GiB of "
+                 f"{f['device_bytes'] / GIB:g}")
+  if 'kv_full_requests' in f:
+    lines.append(f"generators: {f['generator_devices']}, {f['slots_per_generator']} slots each; "
+                 f"KV {f['kv_bytes_per_token'] / 1024:.0f} KiB/token, a full request "
+                 f"{f['full_request_bytes'] / 2**20:.0f} MiB: the cache holds "
+                 f"{f['kv_full_requests']:.1f} full-length requests")
+    if f['host_shm_bytes']:
+      lines.append(f"host /dev/shm for the shm transport: {f['host_shm_bytes'] / GIB:.1f} GiB")
+  lines.append('FITS' if p.fits else f'REFUSED: {p.refusal}')
+  return '\n'.join(lines)
+
+
+def main(argv):
+  del argv
+  from absl import flags  # the CLI only
+  f = flags.FLAGS
+  try:
+    hf_config, source = read_hf_config(f.model_config or f.config.model.path)
+    p = plan(f.config, hf_config, num_devices=f.devices, device_gib=f.device_gib, kv=f.kv,
+             transport_dtype=f.transport_dtype, staging_copies=f.staging_copies, source=source)
+  except (ValueError, FileNotFoundError) as e:
+    raise SystemExit(f'error: {e}') from None
+  print(format_plan(p))
+  if f.json:
+    with open(f.json, 'w') as out:
+      json.dump(dict(trainer=p.trainer, generator=p.generator, facts=p.facts,
+                     problems=list(p.problems), fits=p.fits), out, indent=1, default=str)
+  raise SystemExit(0 if p.fits else 1)
+
+
+def _define_flags():
+  from absl import flags
+  from ml_collections import config_flags
+  config_flags.DEFINE_config_file('config', None, 'Experiment config, e.g. '
+                                  'configs/math.py:paper_7b.', lock_config=True)
+  flags.DEFINE_string('model_config', '', 'Model directory or config.json (default: '
+                      'config.model.path), e.g. configs/models/Qwen2.5-7B.')
+  flags.DEFINE_integer('devices', 8, 'Accelerators on the host.')
+  flags.DEFINE_float('device_gib', 80.0, 'Memory per accelerator, GiB.')
+  flags.DEFINE_enum('kv', 'config', ['config', 'free'], "vLLM KV cache: 'config' = "
+                    "generation.vllm.kv_cache_mb; 'free' = what is left at "
+                    'gpu_memory_utilization 0.9.')
+  flags.DEFINE_string('transport_dtype', 'float32', 'dtype of weight updates sent to generators.')
+  flags.DEFINE_integer('staging_copies', 2, 'nccl: whole updates a generator may hold at once.')
+  flags.DEFINE_string('json', '', 'Also write the plan as JSON here.')
+  flags.mark_flags_as_required(['config'])
+
+
+if __name__ == '__main__':
+  from absl import app
+  _define_flags()
+  app.run(main)

@@ -1,0 +1,160 @@
+"""The memory plan: the GPU presets fit 8 x 80 GB, bad layouts are refused in one line, and the
+trainer estimate bounds what XLA assigns for small models compiled on CPU."""
+
+import functools
+import pathlib
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import pytest
+from jax.sharding import AbstractMesh
+
+from pipelinerl_jax import config as config_lib
+from pipelinerl_jax import memory_plan
+from pipelinerl_jax import sharding as sharding_lib
+from pipelinerl_jax import train
+from pipelinerl_jax.models import hf_io
+from pipelinerl_jax.models import transformer
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+MODELS = {'qwen1p5b_8xh100': ROOT / 'configs/models/Qwen2.5-Math-1.5B',
+          'paper_7b': ROOT / 'configs/models/Qwen2.5-7B'}
+
+
+def preset_plan(preset, **kwargs):
+  config = kwargs.pop('config', None) or config_lib.load_preset(preset)
+  hf_config, source = memory_plan.read_hf_config(MODELS[preset])
+  return memory_plan.plan(config, hf_config, num_devices=8, device_gib=80, source=source,
+                          **kwargs)
+
+
+@pytest.mark.parametrize('preset', sorted(MODELS))
+def test_gpu_presets_fit_eight_80gb_gpus(preset):
+  p = preset_plan(preset, kv='free')
+  assert p.fits, p.refusal
+  f = p.facts
+  assert (f['train_devices'], f['generator_devices']) == (4, 4)
+  assert f['replicated_on_fsdp'] == []
+  # fp32 master weights split 4 ways (norms and biases, <0.1% of the model, stay whole).
+  assert f['params'] * 4 / 4 <= p.trainer['params'] < f['params'] * 4 / 4 * 1.01
+  assert 0 <= p.trainer['adam'] - 2 * p.trainer['params'] < 64  # + Adam's step counts
+  assert f['rows_per_micro_batch'] == config_lib.load_preset(preset).train.micro_batch_rows
+  assert p.trainer_total <= 80 * memory_plan.GIB and p.generator_total <= 80 * memory_plan.GIB
+  # Every slot of a generator could hold a full-length request at once.
+  assert f['kv_full_requests'] >= f['slots_per_generator']
+
+
+def test_paper_7b_kv_budget_of_today_is_refused():
+  """generation.vllm.kv_cache_mb (256 MiB) is below one 9216-token request of the 7B model."""
+  p = preset_plan('paper_7b', kv='config')
+  assert not p.fits and len(p.problems) == 1
+  assert 'KV cache (256 MiB' in p.refusal and '504 MiB' in p.refusal
+  assert preset_plan('qwen1p5b_8xh100', kv='config').fits  # 98 MiB a request: 2.6 fit
+
+
+def test_old_five_gpu_7b_layout_is_refused_in_one_line():
+  config = config_lib.load_preset('paper_7b')
+  config.train.mesh, config.generation.num_generators = '1,5,1', 3
+  p = preset_plan('paper_7b', config=config, kv='free')
+  assert not p.fits and '\n' not in p.refusal
+  assert p.refusal.startswith('train.mesh=1,5,1: fsdp=5 divides no dimension of')
+  assert 'embed/embedding [152064, 3584]' in p.refusal
+  assert 'a trainer device needs' in p.refusal
+  # Nothing large is split: each of the 5 holds the whole fp32 model.
+  assert p.trainer['params'] >= p.facts['params'] * 4 * 0.99
+
+
+def test_devices_short_for_mesh_and_generators_are_refused():
+  config = config_lib.load_preset('qwen1p5b_8xh100')
+  config.train.mesh = '1,8,1'
+  p = preset_plan('qwen1p5b_8xh100', config=config, kv='free')
+  assert 'takes 8 of 8 devices, 4 generator(s) need one each' in p.refusal
+
+
+def test_in_process_vllm_shares_device_zero_with_the_trainer():
+  config = config_lib.load_preset('qwen1p5b_8xh100')
+  config.generation.placement, config.generation.num_generators = 'inline', 1
+  shared = preset_plan('qwen1p5b_8xh100', config=config, kv='free')
+  alone = preset_plan('qwen1p5b_8xh100', kv='free')
+  assert shared.fits and shared.facts['generator_devices'] == 0
+  # The KV cache gets what the trainer leaves on device 0 (and the sampler's logits differ with
+  # its 768 slots instead of 192).
+  runtime_delta = shared.generator['runtime'] - alone.generator['runtime']
+  assert shared.generator['kv'] == alone.generator['kv'] - shared.trainer_total - runtime_delta
+
+
+def test_unknown_kv_mode_is_a_clear_error():
+  with pytest.raises(ValueError, match="kv='all'"):
+    preset_plan('paper_7b', kv='all')
+
+
+TINY_HF = dict(architectures=['Qwen2ForCausalLM'], hidden_size=128, intermediate_size=384,
+               num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, vocab_size=4096,
+               tie_word_embeddings=False, torch_dtype='bfloat16')
+
+
+def compiled_peak_bytes(model_config, rows, t, num_micro):
+  """Arguments + outputs + temporaries - donated, as XLA assigns them for the real train step."""
+  opt_config = config_lib.OptimizerConfig()
+  optimizer = train.make_optimizer(opt_config)
+  params = jax.eval_shape(functools.partial(transformer.init_params, model_config),
+                          jax.random.PRNGKey(0))
+  state = jax.eval_shape(functools.partial(train.init_train_state, optimizer=optimizer), params)
+  mesh = sharding_lib.make_mesh(1, 1, 1, devices=jax.devices()[:1])
+  step = train.jit_train_step(
+      train.make_train_step(model_config, config_lib.LossConfig(), optimizer,
+                            train.lr_schedule(opt_config)),
+      train.state_shardings(state, mesh), mesh)
+  ints = ('tokens', 'targets', 'positions', 'segment_ids')
+  batch = {k: jax.ShapeDtypeStruct((num_micro, rows, t), jnp.int32 if k in ints else jnp.float32)
+           for k in train.BATCH_KEYS}
+  m = step.lower(state, batch).compile().memory_analysis()
+  return (m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes
+          - m.alias_size_in_bytes)
+
+
+# bf16 without remat is left out: XLA's CPU backend keeps bf16 intermediates in fp32, which a
+# GPU does not, so CPU would not test the GPU estimate there.
+@pytest.mark.parametrize('attention,remat,dtype,seq_len', [
+    ('dense', False, 'float32', 1024), ('blockwise', False, 'float32', 2048),
+    ('blockwise', True, 'float32', 2048), ('dense', True, 'bfloat16', 1024)])
+def test_trainer_estimate_bounds_xla_within_a_small_factor(attention, remat, dtype, seq_len):
+  c = config_lib.base_config()
+  c.model.attention, c.model.remat, c.model.dtype = attention, remat, dtype
+  c.model.attention_block_q = c.model.attention_block_kv = 256
+  c.train.seq_len, c.train.mesh, c.train.micro_batch_rows = seq_len, '1,1,1', 1
+  c.generation.max_prompt_len = seq_len // 2          # one full-length sample fills a row
+  c.generation.max_new_tokens = seq_len - seq_len // 2 + 1
+  c.rl.group_size, c.rl.batch_size = 1, 2
+  m = hf_io.config_from_hf(TINY_HF, param_dtype='float32', dtype=dtype, remat=remat,
+                           attention=attention, attention_block_q=256, attention_block_kv=256)
+  terms, facts = memory_plan.trainer_memory(m, c, AbstractMesh((1, 1, 1), sharding_lib.MESH_AXES))
+  assert (facts['rows_per_micro_batch'], facts['micro_batches']) == (1, 2)
+  planned = sum(terms.values())
+  actual = compiled_peak_bytes(m, 1, seq_len, 2)
+  assert actual <= planned <= 2.5 * actual, (planned / 2**20, actual / 2**20)
+
+
+def run_cli(*flags):
+  return subprocess.run([sys.executable, '-m', 'pipelinerl_jax.memory_plan', *flags], cwd=ROOT,
+                        capture_output=True, text=True, timeout=300)
+
+
+def test_cli_prints_the_plan_and_exits_nonzero_on_refusal(tmp_path):
+  ok = run_cli('--config=configs/math.py:paper_7b', '--model_config=configs/models/Qwen2.5-7B',
+               '--kv=free', f'--json={tmp_path}/plan.json')
+  assert ok.returncode == 0, ok.stderr[-2000:]
+  assert 'trainer device:' in ok.stdout and ok.stdout.strip().endswith('FITS')
+  assert '"fits": true' in (tmp_path / 'plan.json').read_text()
+
+  bad = run_cli('--config=configs/math.py:paper_7b', '--model_config=configs/models/Qwen2.5-7B',
+                '--config.train.mesh=1,5,1', '--config.generation.num_generators=3')
+  assert bad.returncode == 1
+  last = bad.stdout.strip().splitlines()[-1]
+  assert last.startswith('REFUSED: train.mesh=1,5,1: fsdp=5')
+
+  missing = run_cli('--config=configs/math.py:paper_7b', '--model_config=/nonexistent')
+  assert missing.returncode == 1 and 'error: /nonexistent/config.json: no such file' in \
+      missing.stderr

@@ -1,0 +1,130 @@
+"""requirements-gpu.txt resolves to one CUDA major (torch 2.13, pinned by vllm 0.32.0, is CUDA 13).
+
+The checker runs offline on two recorded pip reports; the live resolve needs PyPI and is skipped
+with a reason when PyPI cannot be reached, or when the index gives no PEP 658 metadata files
+(pip then downloads every wheel, ~4.8 GB; PIPELINERL_RESOLVE_GPU=1 runs it anyway).
+"""
+
+import json
+import os
+import pathlib
+import re
+import subprocess
+import sys
+import urllib.error
+import urllib.request
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+DATA = ROOT / 'tests' / 'data'
+
+SUFFIXED = re.compile(r'^nvidia-.+-cu(?P<major>\d+)$')          # nvidia-nccl-cu13
+JAX_PLUGIN = re.compile(r'^jax-cuda(?P<major>\d+)-(plugin|pjrt)$')
+# Unsuffixed CUDA 13 wheels whose version is the toolkit's (cuBLAS, cuFFT... have their own).
+TOOLKIT_VERSIONED = ('cuda-toolkit', 'nvidia-cuda-runtime', 'nvidia-cuda-nvrtc')
+# CuTe DSL's compiler runtimes: nvidia-cutlass-dsl 4.8 needs libs-cu12 whatever CUDA is used
+# (libs-cu13 too with its [cu13] extra); they live inside its own package, not nvidia/*/lib.
+SIDE_BY_SIDE = re.compile(r'^nvidia-cutlass-dsl-libs-')
+
+
+def cuda_majors(report: dict) -> dict[int, list[str]]:
+  """{CUDA major: ['name==version', ...]} of the CUDA wheels in a `pip --report` document."""
+  majors: dict[int, list[str]] = {}
+  for item in report['install']:
+    name = re.sub(r'[-_.]+', '-', item['metadata']['name']).lower()
+    version = item['metadata']['version']
+    if SIDE_BY_SIDE.match(name):
+      continue
+    m = SUFFIXED.match(name) or JAX_PLUGIN.match(name)
+    if m:
+      major = int(m['major'])
+    elif name in TOOLKIT_VERSIONED:
+      major = int(version.split('.')[0])
+    else:
+      continue
+    majors.setdefault(major, []).append(f'{name}=={version}')
+  return majors
+
+
+def one_cuda_stack_error(report: dict) -> str | None:
+  """None, or one line naming the CUDA majors that a resolve mixes and a wheel of each."""
+  majors = cuda_majors(report)
+  if len(majors) <= 1:
+    return None
+  return 'two CUDA majors in one environment: ' + '; '.join(
+      f'CUDA {k}: {", ".join(v[:3])}{" ..." if len(v) > 3 else ""}'
+      for k, v in sorted(majors.items()))
+
+
+def test_jax_cuda12_beside_torch_2_13_is_two_cuda_majors():
+  error = one_cuda_stack_error(json.loads((DATA / 'pip_report_jax_cuda12.json').read_text()))
+  assert error and 'CUDA 12: ' in error and 'CUDA 13: ' in error and '\n' not in error
+  majors = cuda_majors(json.loads((DATA / 'pip_report_jax_cuda12.json').read_text()))
+  assert 'nvidia-nccl-cu12==2.32.3' in majors[12] and 'nvidia-nccl-cu13==2.29.7' in majors[13]
+
+
+def test_jax_cuda13_resolves_to_one_stack():
+  report = json.loads((DATA / 'pip_report_jax_cuda13.json').read_text())
+  assert one_cuda_stack_error(report) is None
+  majors = cuda_majors(report)
+  assert set(majors) == {13}
+  assert {'jax-cuda13-plugin==0.10.2', 'nvidia-nccl-cu13==2.29.7'} <= set(majors[13])
+
+
+@pytest.mark.parametrize('packages,mixed', [
+    ([('jax-cuda12-plugin', '0.10.2'), ('jax_cuda13_pjrt', '0.10.2')], True),
+    ([('nvidia-cudnn-cu12', '9.1'), ('nvidia-cuda-runtime', '13.0.96')], True),
+    ([('nvidia-cutlass-dsl-libs-cu12', '4.8.0'), ('nvidia-nccl-cu13', '2.29.7')], False),
+    ([('nvidia-cublas', '13.1.1.3'), ('nvidia-cufft', '12.0.0.61'), ('torch', '2.13.0')], False),
+])
+def test_checker_rules(packages, mixed):
+  report = {'install': [{'metadata': {'name': n, 'version': v}} for n, v in packages]}
+  assert (one_cuda_stack_error(report) is not None) == mixed
+
+
+def test_requirements_pin_the_cpu_jax_version_with_the_cuda13_plugin():
+  gpu = (ROOT / 'requirements-gpu.txt').read_text()
+  cpu = (ROOT / 'requirements.txt').read_text()
+  jax_version = re.search(r'^jax==(\S+)$', cpu, re.M)[1]
+  assert re.search(rf'^jax\[cuda13\]=={re.escape(jax_version)}$', gpu, re.M)
+  assert not re.search(r'^jax\[cuda12\]', gpu, re.M)
+  assert 'driver >= 580' in gpu
+
+
+def _pypi_metadata_state() -> str:
+  """'metadata' (PEP 658 files offered), 'no-metadata', or why PyPI cannot be reached."""
+  req = urllib.request.Request('https://pypi.org/simple/flax/',
+                               headers={'Accept': 'application/vnd.pypi.simple.v1+json'})
+  try:
+    with urllib.request.urlopen(req, timeout=10) as r:
+      files = json.load(r)['files']
+  except (urllib.error.URLError, OSError, ValueError) as e:
+    return f'PyPI unreachable ({e})'
+  wheels = [f for f in files if f['filename'].endswith('.whl')]
+  return 'metadata' if any(f.get('core-metadata') for f in wheels[-5:]) else 'no-metadata'
+
+
+PLATFORMS = [f'manylinux_2_{v}_x86_64' for v in range(17, 36)] + [
+    'manylinux2014_x86_64', 'manylinux2010_x86_64', 'manylinux1_x86_64', 'linux_x86_64']
+
+
+def test_requirements_gpu_resolves_to_one_cuda_stack(tmp_path):
+  """The real resolve for Python 3.11 on manylinux x86-64 (glibc up to 2.35), from PyPI alone:
+  this machine's pip config (local wheel folders, the CPU torch constraint) is left out."""
+  state = _pypi_metadata_state()
+  if state.startswith('PyPI unreachable'):
+    pytest.skip(f'{state}: cannot resolve requirements-gpu.txt')
+  if state == 'no-metadata' and os.environ.get('PIPELINERL_RESOLVE_GPU') != '1':
+    pytest.skip('the index serves no PEP 658 metadata files, so the resolve would download '
+                'every wheel (~4.8 GB); set PIPELINERL_RESOLVE_GPU=1 to run it anyway')
+  env = {k: v for k, v in os.environ.items() if not k.startswith('PIP_')}
+  env['PIP_CONFIG_FILE'] = os.devnull
+  report = tmp_path / 'report.json'
+  cmd = [sys.executable, '-m', 'pip', 'install', '-q', '--dry-run', '--ignore-installed',
+         '--report', str(report), '--python-version', '3.11', '--implementation', 'cp',
+         '--only-binary=:all:', '--no-cache-dir',
+         *[f'--platform={p}' for p in PLATFORMS], '-r', str(ROOT / 'requirements-gpu.txt')]
+  proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1800)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  assert one_cuda_stack_error(json.loads(report.read_text())) is None
