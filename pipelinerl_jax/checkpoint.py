@@ -180,7 +180,8 @@ def check_resumable(meta: dict[str, Any], config: config_lib.Config, path: str) 
   """The data stream is a function of the seed: another seed would not continue this run."""
   if meta['seed'] != config.seed:
     raise ValueError(f"config.seed: {config.seed} differs from the checkpoint's seed "
-                     f"{meta['seed']} in {path}; use that seed or config.checkpoint.resume=False")
+                     f"{meta['seed']} in {path}; use that seed, or set config.checkpoint.dir to a "
+                     'new directory')
 
 
 def restore_latest(config: config_lib.Config, checkpoints: Checkpointer,

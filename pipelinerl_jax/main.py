@@ -9,8 +9,10 @@ Exit status: 0 done; 1 an error (one line on stderr); 130 / 143 stopped by SIGIN
 """
 
 import difflib
+import os
 import signal
 import sys
+import threading
 
 from absl import app
 from absl import flags
@@ -47,7 +49,13 @@ def main(argv):
           f'metrics so far are in {_WORKDIR.value}.')
     if summary['checkpoint']:
       print(f"Checkpoint saved in {summary['checkpoint']}: run the same command to resume.")
-    sys.exit(signals.exit_code(_STOP.request.signum))
+    code = signals.exit_code(_STOP.request.signum)
+    if any(t.name in ('actor', 'trainer') for t in threading.enumerate()):
+      # A loop abandoned mid-step (inside XLA): interpreter shutdown would abort under it.
+      sys.stdout.flush()
+      sys.stderr.flush()
+      os._exit(code)
+    sys.exit(code)
   print(metrics_lib.summary_text(summary, _WORKDIR.value))
   if summary['checkpoint']:
     print(f"Checkpoints: {summary['checkpoint']} (HF export: python -m pipelinerl_jax.export "

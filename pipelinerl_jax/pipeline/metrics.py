@@ -58,14 +58,19 @@ class MetricsWriter:
       print(f"\n[trainer] update {record['update']} skipped: non-finite loss, gradient or updated "
             f"state (loss {record['loss']:.4g}, grad_norm {record['grad_norm']:.4g}); "
             f"params stay at step {record['policy_version']}", flush=True)
-    step = record.get('step', record.get('policy_version', 0))
+      # TensorBoard: under their own tags (the step's own loss is at that step already). W&B:
+      # the next step's record carries the count (its history takes one row per step).
+      if self._tb is not None:
+        self._tb.write({f'skipped_update/{k}': record[k] for k in ('loss', 'grad_norm')},
+                       record['policy_version'])
+      return
     scalars = {k: v for k, v in record.items()
                if isinstance(v, (int, float)) and not isinstance(v, bool) and k != 'step'}
     if self._tb is not None:
-      self._tb.write(scalars, step)
+      self._tb.write(scalars, record['step'])
     if self._wandb is not None:
-      self._wandb.write(scalars, step)
-    if self._progress and 'step' in record:
+      self._wandb.write(scalars, record['step'])
+    if self._progress:
       # A live line on a terminal; in a log file, a line every `every` steps.
       if self._tty:
         sys.stdout.write('\r' + progress_line(record) + '  ')

@@ -34,6 +34,9 @@ from pipelinerl_jax.pipeline import stream as stream_lib
 from pipelinerl_jax.pipeline import workdir as workdir_lib
 
 STOP_TIMEOUT_S = 10.0
+# After an interrupt, a loop busy with one step (an XLA compile: minutes on a GPU host) is waited
+# for this much longer, so that what it trains is saved; a second signal exits at once.
+INTERRUPTED_STEP_TIMEOUT_S = 600.0
 
 
 class RunError(RuntimeError):
@@ -181,9 +184,9 @@ def _run(config: config_lib.Config, workdir: str, model_dir: str,
   if outcome.alive and not outcome.interrupted:
     raise RunError(f'{", ".join(outcome.alive)} did not stop within {STOP_TIMEOUT_S:.0f} s')
   if outcome.alive:  # asked to stop: that is what happens, busy loop or not
-    print(f'[run] the {" and ".join(outcome.alive)} loop was still busy (a compile, a long step) '
-          f'{STOP_TIMEOUT_S:.0f} s after the interrupt: not waiting for it, and not saving '
-          'its state', flush=True)
+    print(f'[run] the {" and ".join(outcome.alive)} loop was still busy '
+          f'{INTERRUPTED_STEP_TIMEOUT_S:.0f} s after the interrupt: not saving its state',
+          flush=True)
   if closing:
     what, problem = closing[0]
     raise RunError(f'{what} failed: {problem}')
@@ -235,7 +238,8 @@ def supervise(loops: dict[str, Callable[[], None]], stop: threading.Event,
               on_ready: Callable[[], None] | None = None,
               interrupt: threading.Event | None = None) -> Outcome:
   """Runs each loop in a thread until one ends (any loop ending ends the run), `stop` is set,
-  `interrupt` is set (a signal) or Ctrl-C; then stops them all, waiting at most STOP_TIMEOUT_S."""
+  `interrupt` is set (a signal) or Ctrl-C; then stops them all, waiting at most STOP_TIMEOUT_S
+  (after an interrupt, up to INTERRUPTED_STEP_TIMEOUT_S more for a loop busy with a step)."""
   errors: list[tuple[str, BaseException]] = []
 
   def guarded(name, fn):
@@ -267,12 +271,22 @@ def supervise(loops: dict[str, Callable[[], None]], stop: threading.Event,
     interrupted, t_interrupt = True, time.monotonic()
   finally:
     stop.set()
-    deadline = time.monotonic() + STOP_TIMEOUT_S
-    for t in threads:
-      t.join(max(0.0, deadline - time.monotonic()))
+    _join(threads, STOP_TIMEOUT_S)
+    busy = [t.name for t in threads if t.is_alive()]
+    if interrupted and busy:
+      print(f'[run] waiting for the {" and ".join(busy)} loop to finish its step (a compile, a '
+            'long step) so that it is saved; a second signal (Ctrl-C) exits now, without a save',
+            flush=True)
+      _join(threads, INTERRUPTED_STEP_TIMEOUT_S)
   t_end = time.monotonic()
   # A copy: a loop that outlived the deadline may still fail later (e.g. on the engine closed
   # under it); what it did after being abandoned is not the cause.
   return Outcome(interrupted=interrupted, errors=list(errors),
                  alive=[t.name for t in threads if t.is_alive()],
                  stop_s=t_end - t_interrupt, wall_s=t_end - t_start)
+
+
+def _join(threads: list[threading.Thread], timeout_s: float) -> None:
+  deadline = time.monotonic() + timeout_s
+  for t in threads:
+    t.join(max(0.0, deadline - time.monotonic()))
