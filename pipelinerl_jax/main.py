@@ -43,23 +43,29 @@ def main(argv):
           'trained.', flush=True)
     sys.exit(signals.exit_code(e.signum))
   except (ValueError, OSError, run_lib.RunError) as e:  # OSError: a full or read-only disk
-    sys.exit(f'error: {one_line(e)}')
+    exit_now(f'error: {one_line(e)}')
   if summary['interrupted']:
     print(f"\nInterrupted: actor and trainer stopped after {summary['steps']} steps; "
           f'metrics so far are in {_WORKDIR.value}.')
     if summary['checkpoint']:
       print(f"Checkpoint saved in {summary['checkpoint']}: run the same command to resume.")
-    code = signals.exit_code(_STOP.request.signum)
-    if any(t.name in ('actor', 'trainer') for t in threading.enumerate()):
-      # A loop abandoned mid-step (inside XLA): interpreter shutdown would abort under it.
-      sys.stdout.flush()
-      sys.stderr.flush()
-      os._exit(code)
-    sys.exit(code)
+    exit_now(signals.exit_code(_STOP.request.signum))
   print(metrics_lib.summary_text(summary, _WORKDIR.value))
   if summary['checkpoint']:
     print(f"Checkpoints: {summary['checkpoint']} (HF export: python -m pipelinerl_jax.export "
           f"--checkpoint={summary['checkpoint']} --out=DIR)")
+
+
+def exit_now(status: int | str) -> None:
+  """sys.exit, unless a loop of the run was abandoned mid-step (inside XLA, see run.supervise):
+  interpreter shutdown would abort under it, so the process ends at once (output flushed)."""
+  if not any(t.name in ('actor', 'trainer') and t.is_alive() for t in threading.enumerate()):
+    sys.exit(status)
+  if isinstance(status, str):
+    print(status, file=sys.stderr)
+  sys.stdout.flush()
+  sys.stderr.flush()
+  os._exit(1 if isinstance(status, str) else status)
 
 
 def parse_flags(argv: list[str]) -> list[str]:
