@@ -6,6 +6,7 @@ Disk-full tests mount a small tmpfs (root, as on this project's machines and CI)
 not allowed they are skipped, saying so.
 """
 
+import _thread
 import errno
 import glob
 import json
@@ -260,7 +261,7 @@ def test_a_second_run_on_a_workdir_is_refused_naming_the_holder(model_dir, tmp_p
       second['proc'] = subprocess.run(
           main_cmd(tmp_path, model_dir, '--config.rl.total_steps=2'), cwd=ROOT, env=ENV,
           text=True, capture_output=True, timeout=180)
-      live['stop'].set()
+      _thread.interrupt_main()  # Ctrl-C: the run waits for a step in progress and saves it
     threading.Thread(target=body, daemon=True).start()
 
   first = run_lib.run(c, str(tmp_path), model_dir=model_dir, on_ready=on_ready)
