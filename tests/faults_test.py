@@ -248,6 +248,40 @@ def test_a_signal_at_any_point_of_start_up_stops_the_run(model_dir, tmp_path, si
   tree.assert_clean()
 
 
+def test_a_second_signal_exits_at_once(model_dir, tmp_path):
+  """The way out of a phase that cannot be interrupted (here a model load made to last 60 s):
+  the first signal asks for a stop, the second exits at once with its own status."""
+  started = tmp_path / 'started'
+  launcher = textwrap.dedent(f'''
+      import runpy, sys, time
+      from pipelinerl_jax.models import hf_io
+      def slow_load_config(*args, **kwargs):
+        open({str(started)!r}, 'w').close()
+        time.sleep(60)
+      hf_io.load_config = slow_load_config
+      sys.argv = {main_cmd(tmp_path / 'w', model_dir)[2:]!r}
+      runpy.run_module('pipelinerl_jax.main', run_name='__main__')
+  ''')
+  proc = subprocess.Popen([sys.executable, '-c', launcher], cwd=ROOT, env=ENV, text=True,
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+  try:
+    deadline = time.monotonic() + 60
+    while not started.exists():
+      assert proc.poll() is None and time.monotonic() < deadline
+      time.sleep(0.1)
+    proc.send_signal(signal.SIGTERM)
+    time.sleep(0.5)
+    assert proc.poll() is None  # still loading: the stop waits for the phase to end
+    t0 = time.monotonic()
+    proc.send_signal(signal.SIGINT)
+    out, _ = proc.communicate(timeout=30)
+  finally:
+    if proc.poll() is None:
+      proc.kill()
+  assert time.monotonic() - t0 < 5
+  assert proc.returncode == 130 and 'SIGINT again: exiting now, without a save' in out, out
+
+
 # --- two runs, one workdir -------------------------------------------------------------------
 
 def test_a_second_run_on_a_workdir_is_refused_naming_the_holder(model_dir, tmp_path):

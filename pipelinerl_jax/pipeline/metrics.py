@@ -135,7 +135,10 @@ class _Wandb:
                config: dict[str, Any] | None = None):
     import wandb  # the [wandb] extra
     id_path = os.path.join(workdir, WANDB_ID_FILE)
-    run_id = open(id_path).read().strip() if os.path.exists(id_path) else ''
+    run_id = ''
+    if os.path.exists(id_path):
+      with open(id_path) as f:
+        run_id = f.read().strip()
     if not run_id:
       run_id = secrets.token_hex(4)  # W&B ids: letters, digits, '-', '_'; 8 is its own length
       with open(id_path, 'w') as f:
