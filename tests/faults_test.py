@@ -120,8 +120,10 @@ def run_in_thread(fn, timeout_s):
 @pytest.mark.parametrize('tensorboard', [True, False], ids=['tensorboard', 'jsonl_only'])
 def test_disk_full_mid_run_stops_with_the_real_error(model_dir, tmp_path, small_disk,
                                                      tensorboard):
-  """Item 2: TensorBoard's writer thread died on ENOSPC and its queue blocked the trainer
-  forever; with TensorBoard off, writer.close()'s OSError replaced the loop's error."""
+  """Item 2: an OSError from closing the writers replaced the loop's error (what this test saw
+  before the fix, both ways); and when TensorBoard's writer thread was the first to meet the
+  full disk, it died and its bounded queue blocked the trainer forever (the run_in_thread
+  bound; this test does not force that order)."""
   workdir = small_disk(24)
   c = small_config(total_steps=10_000)
   c.log.tensorboard = tensorboard
