@@ -658,3 +658,32 @@ def wandb_history(path):
         rows.append({(item.key or '/'.join(item.nested_key)): json.loads(item.value_json)
                      for item in record.history.item})
   return rows
+
+
+def test_wandb_service_processes_die_with_a_killed_run(tmp_path):
+  """W&B starts helper processes (wandb-core, its system monitor): a kill -9 of the run must
+  not leave them behind."""
+  pytest.importorskip('wandb')
+  ready = tmp_path / 'ready'
+  script = textwrap.dedent(f'''
+      import time, wandb
+      run = wandb.init(project='p', dir={str(tmp_path)!r})
+      run.log({{'loss': 1.0}}, step=1)
+      open({str(ready)!r}, 'w').close()
+      time.sleep(600)
+  ''')
+  proc = subprocess.Popen([sys.executable, '-c', script], start_new_session=True,
+                          env={**ENV, 'WANDB_MODE': 'offline', 'WANDB_SILENT': 'true'})
+  try:
+    deadline = time.monotonic() + 60
+    while not ready.exists():
+      assert proc.poll() is None and time.monotonic() < deadline
+      time.sleep(0.1)
+    tree = procs.RunTree(proc.pid).sample()
+    assert any('wandb' in cmd for _, cmd in tree.seen.values()), tree.seen
+    proc.kill()
+    proc.wait()
+    tree.assert_clean(timeout_s=20)
+  finally:
+    if proc.poll() is None:
+      proc.kill()
