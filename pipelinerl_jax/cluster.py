@@ -20,6 +20,7 @@ Nothing here is specific to generators: trainer actors can live on the same sess
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import os
@@ -28,6 +29,7 @@ import signal
 import subprocess
 import sys
 import time
+import warnings
 from typing import Iterable, Sequence
 
 GRACE_S = 3.0        # the watchdog lets Ray's processes end by themselves this long
@@ -162,10 +164,20 @@ class Session:
           self.watchdog.wait()
 
 
+@contextlib.contextmanager
+def _quiet_fork():
+  """JAX warns at every fork of a process it runs in; these forks exec at once (Ray's
+  processes, the watchdog), which is safe."""
+  with warnings.catch_warnings():
+    warnings.filterwarnings('ignore', message=r'os\.fork\(\) was called', category=RuntimeWarning)
+    yield
+
+
 def _ray_init(**kwargs):
   import ray
-  return ray.init(include_dashboard=False, log_to_driver=False, configure_logging=True,
-                  logging_level=logging.ERROR, **kwargs)
+  with _quiet_fork():
+    return ray.init(include_dashboard=False, log_to_driver=False, configure_logging=True,
+                    logging_level=logging.ERROR, **kwargs)
 
 
 def connect(config, *, gpus: Sequence[str] | None = None) -> Session:
@@ -213,9 +225,10 @@ def connect(config, *, gpus: Sequence[str] | None = None) -> Session:
   table = process_table()
   head = tuple(sorted(pid for pid in descendants([os.getpid()], table) - before
                       if table[pid][1] == os.getpid()))
-  watchdog = subprocess.Popen(
-      [sys.executable, '-m', 'pipelinerl_jax.cluster', *map(str, head)], stdin=subprocess.PIPE,
-      cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+  with _quiet_fork():
+    watchdog = subprocess.Popen(
+        [sys.executable, '-m', 'pipelinerl_jax.cluster', *map(str, head)],
+        stdin=subprocess.PIPE, cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
   return Session(address=ctx.address_info['gcs_address'], local=True,
                  node_ip=ray.util.get_node_ip_address(), head_pids=head, watchdog=watchdog)
 

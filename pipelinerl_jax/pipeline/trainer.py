@@ -154,7 +154,9 @@ class Trainer:
     if self._last_gen is not None:
       rate = (tokens - self._last_gen[0]) / max(t - self._last_gen[1], 1e-9)
     self._last_gen = (tokens, t)
-    return dict(gen_tokens_per_s=rate, busy_slots=float(stats.get('busy_slots', 0)))
+    # Counters an engine reports under 'generation/' (e.g. generator restarts) join the record.
+    extra = {k: float(v) for k, v in stats.items() if k.startswith('generation/')}
+    return dict(gen_tokens_per_s=rate, busy_slots=float(stats.get('busy_slots', 0)), **extra)
 
   def _maybe_evaluate(self, record: dict[str, Any]) -> dict[str, Any]:
     """Every eval_every_steps steps, the evaluation's metrics join that step's record."""

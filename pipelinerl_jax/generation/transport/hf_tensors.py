@@ -30,6 +30,7 @@ import warnings
 from typing import Any, Iterable, Iterator, Sequence
 
 import jax
+import ml_dtypes
 import numpy as np
 import torch
 
@@ -90,6 +91,28 @@ def hf_torch_tensors(params, config: transformer.ModelConfig
                        f'implies {spec.shape}')
     t = t if i is None else t[i]
     yield name, (t.T if spec.transposed else t)
+
+
+def params_from_hf(tensors: Iterable[tuple[str, torch.Tensor]], config: transformer.ModelConfig,
+                   dtype=None) -> dict:
+  """The params pytree (host numpy) of a full update in HF layout: the inverse of
+  `hf_torch_tensors`, for a JAX engine fed by a collective transport. One copy (the stack of the
+  per-layer tensors, transposed back); `dtype` (e.g. the model's param dtype) casts."""
+  got = {name: t for name, t in tensors}
+  check_complete([(n, tuple(t.shape)) for n, t in got.items()], expected_shapes(config))
+  to_np = lambda t: (t.view(torch.int16).numpy().view(ml_dtypes.bfloat16)
+                     if t.dtype == torch.bfloat16 else t.numpy())
+  params: dict = {}
+  for spec in hf_io.name_map(config):
+    parts = ([got[spec.name(i)] for i in range(config.num_layers)] if spec.stacked
+             else [got[spec.name()]])
+    parts = [to_np(t.T if spec.transposed else t) for t in parts]
+    leaf = np.stack(parts) if spec.stacked else np.array(parts[0])
+    node = params
+    for key in spec.path[:-1]:
+      node = node.setdefault(key, {})
+    node[spec.path[-1]] = leaf if dtype is None else leaf.astype(dtype)
+  return params
 
 
 def is_zero_copy(tensor: torch.Tensor, leaf: Any) -> bool:
