@@ -234,7 +234,8 @@ def _ray_engine(config: config_lib.Config, model_config, model_dir: str, *, mesh
         backend=g.backend, model_dir=os.path.abspath(model_dir),
         model_overrides=dict(param_dtype=model_config.param_dtype, dtype=model_config.dtype,
                              lm_head_fp32=model_config.lm_head_fp32),
-        num_slots=g.slots_per_generator, max_seq_len=g.max_seq_len, eos_token_id=eos_token_id,
+        num_slots=g.slots_per_generator, max_seq_len=g.max_seq_len,
+        eos_token_ids=(eos_token_id,),
         recompute_kv=g.recompute_kv, kv_cache_mb=g.vllm.kv_cache_mb,
         lm_head_fp32=config.model.lm_head_fp32, transport=remote.weight_transport,
         transport_timeout_s=remote.transport_timeout_s)

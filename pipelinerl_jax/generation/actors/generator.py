@@ -47,7 +47,7 @@ class GeneratorSpec:
   model_overrides: dict            # hf_io.load_config kwargs: the trainer's dtypes
   num_slots: int                   # H of this generator
   max_seq_len: int
-  eos_token_id: int
+  eos_token_ids: tuple[int, ...]  # stop every request
   recompute_kv: bool = False       # JAX engine
   kv_cache_mb: int = 256           # vLLM
   lm_head_fp32: bool = False       # vLLM
@@ -240,14 +240,14 @@ class Generator:
       return jax_engine.JaxEngine(
           model, tree, jax_engine.EngineConfig(
               num_slots=spec.num_slots, max_seq_len=spec.max_seq_len,
-              eos_token_ids=(spec.eos_token_id,), recompute_kv=spec.recompute_kv),
+              eos_token_ids=spec.eos_token_ids, recompute_kv=spec.recompute_kv),
           version=version, device=jax.local_devices()[0])  # a copy on the device
     from pipelinerl_jax.generation.vllm import engine as vllm_engine
     if self._cores:  # vLLM's CPU backend sizes its OpenMP pool from this
       os.environ['VLLM_CPU_OMP_THREADS_BIND'] = ','.join(map(str, self._cores))
     engine = vllm_engine.VllmEngine(spec.model_dir, vllm_engine.VllmEngineConfig(
         max_num_seqs=spec.num_slots, max_model_len=spec.max_seq_len,
-        eos_token_ids=(spec.eos_token_id,), kv_cache_bytes=spec.kv_cache_mb << 20,
+        eos_token_ids=spec.eos_token_ids, kv_cache_bytes=spec.kv_cache_mb << 20,
         lm_head_fp32=spec.lm_head_fp32), version=-1)
     if hf_views is not None:
       engine.update_hf_tensors(hf_views, version)
