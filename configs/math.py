@@ -45,11 +45,12 @@ def get_config(arg=None):
     _math_task(c)
     _gpu_model(c)
     # 5 GPUs train (FSDP), the 3 the mesh leaves free are for generation: the paper's 80:48
-    # split. (Placing vLLM children on those GPUs is the vLLM backend's job.)
+    # split. A local Ray start gets those 3 GPUs only, one per generator actor.
     c.train.mesh = '1,5,1'
     c.generation.backend = 'vllm'
-    c.generation.placement = 'process'
-    c.generation.num_generators = 3   # one vLLM child per free GPU (5, 6, 7)
+    c.generation.placement = 'ray'
+    c.generation.num_generators = 3   # one vLLM actor per free GPU (5, 6, 7)
+    c.generation.remote.weight_transport = 'nccl'  # from the trainer's GPU, bucketed
     # Qwen2.5-Math's context is 4096 tokens: prompt + completion must fit in it.
     c.generation.max_prompt_len = 512
     c.generation.max_new_tokens = 3072
@@ -73,8 +74,9 @@ def get_config(arg=None):
     _gpu_model(c)
     c.train.mesh = '1,5,1'
     c.generation.backend = 'vllm'
-    c.generation.placement = 'process'
-    c.generation.num_generators = 3
+    c.generation.placement = 'ray'
+    c.generation.num_generators = 3   # more hosts: `ray start` them, set cluster.address='auto'
+    c.generation.remote.weight_transport = 'nccl'  # and num_generators to their GPU count
     c.generation.max_prompt_len = 1024
     c.generation.max_new_tokens = 8192
     c.generation.temperature = 1.0
