@@ -55,14 +55,18 @@ class Parts:
 
 
 def check_backend_installed(config: config_lib.Config) -> None:
-  """The vLLM backend needs vllm and torch, which the light install ([notebooks], or no extra)
-  leaves out: say so in one line before the model is built, not in a traceback at engine start."""
+  """The vLLM backend needs vllm and torch, and placement 'ray' needs ray, which the light
+  install ([notebooks], or no extra) leaves out: say so in one line before the model is built,
+  not in a traceback at engine start."""
   backend = config.generation.backend
   missing = [m for m in ('vllm', 'torch') if importlib.util.find_spec(m) is None]
   if backend != 'jax' and missing:
     raise ValueError(f"config.generation.backend: {backend!r} needs {' and '.join(missing)}, "
                      "not installed here (pip install -e '.[vllm]' on CPU, '.[vllm-gpu]' on "
                      "CUDA; or use backend 'jax')")
+  if config.generation.placement == 'ray' and importlib.util.find_spec('ray') is None:
+    raise ValueError("config.generation.placement: 'ray' needs ray, not installed here (pip "
+                     "install -e '.[ray]'; or use placement 'inline')")
 
 
 def build(config: config_lib.Config, workdir: str, model_dir: str) -> Parts:
