@@ -7,7 +7,8 @@
     cluster itself keeps running.
   * `address` '': start Ray on this host for this run, quietly (no dashboard, no usage stats,
     no worker logs forwarded). Ray's head processes (gcs_server, raylet, ...) are the driver's
-    children, and most end when it does; but measured with Ray 2.60, a driver killed with -9
+    children, started deaf to Ctrl-C (the driver stops them after saving), and most end when
+    the driver does; but measured with Ray 2.60, a driver killed with -9
     leaves the raylet's agents (DashboardAgent, RuntimeEnvAgent) running for good. So a local
     start also launches a watchdog (`python -m pipelinerl_jax.cluster`, stdlib only): it keeps
     a list of every process under Ray's head processes and, once the driver has gone (its pipe
@@ -28,6 +29,7 @@ import select
 import signal
 import subprocess
 import sys
+import threading
 import time
 import warnings
 from typing import Iterable, Sequence
@@ -165,6 +167,22 @@ class Session:
 
 
 @contextlib.contextmanager
+def _deaf_to_ctrl_c():
+  """Ray's head processes share the driver's process group, so a Ctrl-C in a terminal reaches
+  them too and they die at once, under a driver that is still saving and stopping its actors.
+  Started with SIGINT ignored (a disposition that survives exec), they stay up until the
+  driver's `close()` ends them."""
+  if threading.current_thread() is not threading.main_thread():
+    yield
+    return
+  previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+  try:
+    yield
+  finally:
+    signal.signal(signal.SIGINT, previous)
+
+
+@contextlib.contextmanager
 def _quiet_fork():
   """JAX warns at every fork of a process it runs in; these forks exec at once (Ray's
   processes, the watchdog), which is safe."""
@@ -215,7 +233,8 @@ def connect(config, *, gpus: Sequence[str] | None = None) -> Session:
     kwargs.setdefault('num_gpus', len(gpus))
   try:
     # 'local': never an existing cluster that `ray start` left recorded in /tmp/ray.
-    ctx = _ray_init(address='local', **kwargs)
+    with _deaf_to_ctrl_c():
+      ctx = _ray_init(address='local', **kwargs)
   finally:
     if gpus is not None:
       if saved is None:
