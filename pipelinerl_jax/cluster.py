@@ -7,8 +7,8 @@
     cluster itself keeps running.
   * `address` '': start Ray on this host for this run, quietly (no dashboard, no usage stats,
     no worker logs forwarded). Ray's head processes (gcs_server, raylet, ...) are the driver's
-    children, started deaf to Ctrl-C (the driver stops them after saving), and most end when
-    the driver does; but measured with Ray 2.60, a driver killed with -9
+    children, started deaf to Ctrl-C (the driver stops them after saving; Ray's own SIGTERM
+    handler in the driver is replaced by the run's again), and most end when the driver does; but measured with Ray 2.60, a driver killed with -9
     leaves the raylet's agents (DashboardAgent, RuntimeEnvAgent) running for good. So a local
     start also launches a watchdog (`python -m pipelinerl_jax.cluster`, stdlib only): it keeps
     a list of every process under Ray's head processes and, once the driver has gone (its pipe
@@ -167,19 +167,27 @@ class Session:
 
 
 @contextlib.contextmanager
-def _deaf_to_ctrl_c():
-  """Ray's head processes share the driver's process group, so a Ctrl-C in a terminal reaches
-  them too and they die at once, under a driver that is still saving and stopping its actors.
-  Started with SIGINT ignored (a disposition that survives exec), they stay up until the
-  driver's `close()` ends them."""
+def _signals_kept(local: bool):
+  """Two things around `ray.init`, in the main thread:
+  * Ray's C++ core installs its own SIGTERM handler in the driver (it logs and aborts), which
+    would replace the run's (main.py: SIGTERM stops the run like Ctrl-C); the driver's handler
+    is put back afterwards.
+  * A local start's head processes share the driver's process group, so a Ctrl-C in a terminal
+    reaches them too and they die at once, under a driver still saving and stopping its actors.
+    Started with SIGINT ignored (a disposition that survives exec), they stay up until the
+    driver's `close()` ends them."""
   if threading.current_thread() is not threading.main_thread():
     yield
     return
-  previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+  term = signal.getsignal(signal.SIGTERM)
+  interrupt = signal.signal(signal.SIGINT, signal.SIG_IGN) if local else None
   try:
     yield
   finally:
-    signal.signal(signal.SIGINT, previous)
+    if local:
+      signal.signal(signal.SIGINT, interrupt)
+    if term is not None:  # None: set outside Python; leave Ray's
+      signal.signal(signal.SIGTERM, term)
 
 
 @contextlib.contextmanager
@@ -212,7 +220,8 @@ def connect(config, *, gpus: Sequence[str] | None = None) -> Session:
   os.environ.setdefault('RAY_USAGE_STATS_ENABLED', '0')  # read by the processes Ray starts
   if config.address:
     try:
-      ctx = _ray_init(address=config.address)
+      with _signals_kept(local=False):
+        ctx = _ray_init(address=config.address)
     except (ConnectionError, RuntimeError, ValueError) as e:
       raise ConnectionError(f'config.cluster.address={config.address!r}: cannot join that Ray '
                             f'cluster ({type(e).__name__}: {str(e).splitlines()[0]})') from None
@@ -233,7 +242,7 @@ def connect(config, *, gpus: Sequence[str] | None = None) -> Session:
     kwargs.setdefault('num_gpus', len(gpus))
   try:
     # 'local': never an existing cluster that `ray start` left recorded in /tmp/ray.
-    with _deaf_to_ctrl_c():
+    with _signals_kept(local=True):
       ctx = _ray_init(address='local', **kwargs)
   finally:
     if gpus is not None:
