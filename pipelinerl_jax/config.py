@@ -508,6 +508,9 @@ class Config(_Section):
     g, rl, t = self.generation, self.rl, self.task
     _check(g.placement == 'ray' or self.cluster == ClusterConfig(), 'cluster',
            "is where Ray actors run: it applies to generation.placement='ray' only")
+    _check(not self.cluster.address or not g.remote.devices, 'generation.remote.devices',
+           f'picks GPUs for a local Ray start; cluster.address={self.cluster.address!r} joins a '
+           'cluster whose GPUs `ray start` gave it (CUDA_VISIBLE_DEVICES=... ray start ...)')
     _check(g.num_slots >= rl.group_size, 'generation.num_slots',
            f'H={g.num_slots} must hold at least one group (rl.group_size={rl.group_size})')
     _check(g.slots_per_generator >= rl.group_size, 'generation.num_generators',

@@ -83,7 +83,11 @@ class Routing:
     return len(self._held[i])
 
   def held(self, i: int) -> list[str]:
+    """The ids generator i holds, oldest first."""
     return list(self._held[i])
+
+  def requests(self, i: int) -> list[api.Request]:
+    return list(self._held[i].values())
 
   @property
   def num_unfinished(self) -> int:

@@ -110,6 +110,7 @@ class Generator:
     self._model_config = None
     self._waiting: list[api.Request] = []     # submitted before the engine exists
     self._outbox: list[tuple[int, api.Completion]] = []
+    self._ids: set[str] = set()               # submitted here, completion not yet acknowledged
     self._seq = 0
     self._cond = threading.Condition()
     self._error: str | None = None            # the decode loop's death
@@ -261,10 +262,13 @@ class Generator:
   @ray.method(concurrency_group='control')
   def submit(self, requests: list[api.Request], incarnation: str) -> None:
     """Queues `requests`, which were meant for `incarnation`: a batch sent to an incarnation
-    that died is dropped (the pool routes those requests again)."""
+    that died is dropped (the pool routes those requests again). Ids this incarnation already
+    holds are skipped, so the pool may re-send what it is unsure arrived."""
     if incarnation != self.incarnation:
       return
     with self._cond:
+      requests = [r for r in requests if r.request_id not in self._ids]
+      self._ids.update(r.request_id for r in requests)
       if self._engine is None:
         self._waiting += requests
         return
@@ -283,6 +287,7 @@ class Generator:
       return self.incarnation, [], self._stats()
     deadline = time.monotonic() + wait_s
     with self._cond:
+      self._ids.difference_update(c.request_id for s, c in self._outbox if s <= ack)
       self._outbox = [(s, c) for s, c in self._outbox if s > ack]
       while not self._outbox and self._error is None and time.monotonic() < deadline:
         self._cond.wait(max(0.0, deadline - time.monotonic()))

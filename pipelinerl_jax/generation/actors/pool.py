@@ -352,8 +352,10 @@ class RayGenerators(api.Engine):
         else:
           if value['incarnation'] != m.info['incarnation']:
             self._restarted(m, value)
-          elif m.version >= 0:
-            m.serving = self._routing.serving[m.index] = True
+          else:  # the same incarnation: a lost reply or submit; re-send what it should hold
+            m.outbox = self._routing.requests(m.index)
+            if m.version >= 0:
+              m.serving = self._routing.serving[m.index] = True
     return done
 
   def _received(self, m: _Member, incarnation: str, items, stats) -> list[api.Completion]:
