@@ -8,8 +8,8 @@ actors, one core each (shared round-robin when there are more actors than cores)
 
 Weight sync, per model size and N actors: `sync_ms` is the median over --repeats of
 `update_params(params, v)` (params to host, one `ray.put` into the object store) until every
-actor reports version v applied (each read the one shared copy zero-copy and put it on its
-device); `put_ms` is the `update_params` call alone (the trainer's share: after it returns the
+actor has version v on its device (each read the one shared copy zero-copy; its engine switches
+at its next token step); `put_ms` is the `update_params` call alone (the trainer's share: after it returns the
 trainer may donate its params). `memcpy_ms`: one single-threaded copy of the params' bytes.
 
 Per-step overhead: the same workload (--groups prompts x 4 samples x --tokens tokens) through

@@ -98,6 +98,13 @@ class RayGenerators(api.Engine):
     self._closed = False
     self.restarts = self.requeued = 0
     self.transport_errors: list[str] = []
+    have = ray.cluster_resources()
+    for kind, each, key in (('CPU', cpus_per_generator, 'cpus_per_generator'),
+                            ('GPU', gpus_per_generator, 'gpus_per_generator')):
+      if each * num_generators > have.get(kind, 0):
+        raise ValueError(f'config.generation.num_generators: {num_generators} generators x '
+                         f'generation.remote.{key}={each} need {each * num_generators} {kind}s; '
+                         f'the Ray cluster has {have.get(kind, 0):g}')
     actor_cls = ray.remote(concurrency_groups=generator_lib.CONCURRENCY_GROUPS)(
         generator_lib.Generator)
     self._members: list[_Member] = []
@@ -109,7 +116,11 @@ class RayGenerators(api.Engine):
             max_restarts=max_restarts, max_task_retries=0).remote(spec, name)
         self._members.append(_Member(i, name, handle, info={}))
       for m in self._members:  # placement first: nothing heavy starts before the pinning
-        m.info = ray.get(m.handle.where.remote(), timeout=start_timeout_s)
+        try:
+          m.info = ray.get(m.handle.where.remote(), timeout=start_timeout_s)
+        except ray_errors.GetTimeoutError:
+          raise TimeoutError(f'generator actor {m.name} was not placed within '
+                             f'{start_timeout_s:.0f}s (see `ray status`)') from None
         self._pin(m)
         if spec.transport != 'object_store':
           self._join(m)
