@@ -273,4 +273,3 @@ def test_pipeline_runs_with_vllm_backends(model_dir, tmp_path, placement):
   assert summary['gen_train_overlap_s'] > 0
   if placement == 'ray':
     assert killed and summary['samples'] == 4 * 16
-    assert records[-1]['generation/restarts'] == 1

@@ -166,9 +166,13 @@ class Generator:
     return self._model_config
 
   @ray.method(concurrency_group='weights')
-  def update(self, tree, version: int, digest: str) -> int:
+  def update(self, tree, version: int, digest: str, incarnation: str) -> int | None:
     """Applies a params pytree of host arrays (Ray resolves the object-store reference to
-    zero-copy numpy views) as `version`; refused whole when its layout is not this model's."""
+    zero-copy numpy views) as `version`; refused whole when its layout is not this model's.
+    An update meant for another incarnation (queued while this one restarted, before the pool
+    pinned it) is ignored: None tells the pool."""
+    if incarnation != self.incarnation:
+      return None
     got, want = tree_digest(tree), expected_digest(self._model())
     if digest != got or got != want:
       raise ValueError(f'{self.name}: weight update {version} refused: layout digest {got} '
@@ -188,10 +192,13 @@ class Generator:
                                       self.spec.bucket_mb << 20)
 
   @ray.method(concurrency_group='weights')
-  def receive(self, version: int) -> int:
+  def receive(self, version: int, incarnation: str) -> int | None:
     """Receives the update the trainer is broadcasting into one staging buffer, then applies it
     whole. A receive that fails or passes its deadline leaves the group unusable: the process
-    exits, and Ray restarts the actor (which joins a new group)."""
+    exits, and Ray restarts the actor (which joins a new group). None: meant for another
+    incarnation, which had that group."""
+    if incarnation != self.incarnation or self._comm is None:
+      return None
     from pipelinerl_jax.generation.transport import collective
     device = 'cuda:0' if self.spec.transport == 'nccl' else 'cpu'
     try:
@@ -209,14 +216,15 @@ class Generator:
   def _apply(self, tree, version: int, hf_views) -> None:
     start = time.perf_counter()
     if self._engine is None:
-      self._engine = self._build(tree, version, hf_views)
-      with self._cond:
-        waiting, self._waiting = self._waiting, []
-      for r in waiting:
-        self._engine.submit(r)
-      self._thread = threading.Thread(target=self._decode, name=f'{self.name}-decode',
-                                      daemon=True)
+      # The decode thread builds the engine: every call into it (vLLM's start-up, steps and
+      # weight reloads; OpenMP sizes its pool per thread) then runs in that one thread.
+      built = threading.Event()
+      self._thread = threading.Thread(target=self._decode, args=(tree, version, hf_views, built),
+                                      name=f'{self.name}-decode', daemon=True)
       self._thread.start()
+      built.wait()
+      if self._error is not None:
+        raise RuntimeError(self._error)
     elif hf_views is not None and self.spec.backend == 'vllm':
       self._engine.update_hf_tensors(hf_views, version)
     else:
@@ -304,13 +312,23 @@ class Generator:
     stats.setdefault('version', -1)
     return stats
 
-  def _decode(self) -> None:
-    """The decode loop: one engine step after another while there is work."""
-    engine, refused = self._engine, ()
-    if self.spec.backend == 'vllm':
-      from pipelinerl_jax.generation.vllm import engine as vllm_engine
-      refused = vllm_engine.WeightUpdateError  # not loaded; the engine serves the previous one
+  def _decode(self, tree, version: int, hf_views, built: threading.Event) -> None:
+    """Builds the engine from the first weights, then steps it while there is work."""
+    refused = ()
     try:
+      try:
+        engine = self._build(tree, version, hf_views)
+      finally:
+        del tree, hf_views
+      if self.spec.backend == 'vllm':
+        from pipelinerl_jax.generation.vllm import engine as vllm_engine
+        refused = vllm_engine.WeightUpdateError  # not loaded; still serving the previous one
+      with self._cond:
+        self._engine = engine
+        waiting, self._waiting = self._waiting, []
+      for r in waiting:
+        engine.submit(r)
+      built.set()
       while not self._closed:
         if engine.num_unfinished == 0:
           with self._cond:
@@ -332,6 +350,8 @@ class Generator:
         self._error = f'{self.name}: the decode loop failed: {last}'
         self._cond.notify_all()
       del e
+    finally:
+      built.set()
 
   @ray.method(concurrency_group='control')
   def close(self) -> None:

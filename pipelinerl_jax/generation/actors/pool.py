@@ -266,7 +266,7 @@ class RayGenerators(api.Engine):
       comm = m.comm
       if comm is None:
         return
-      received = m.handle.receive.remote(version)
+      received = m.handle.receive.remote(version, m.info['incarnation'])
       plan = collective.make_plan(hf_tensors.expected_shapes(self.model_config),
                                   self.model_config.param_dtype, self.spec.bucket_mb << 20)
       out: dict[str, Any] = {}
@@ -282,6 +282,9 @@ class RayGenerators(api.Engine):
       thread.start()
       thread.join(self.spec.transport_timeout_s)
       if thread.is_alive() or 'error' in out:
+        m.comm = None
+        if self._incarnation_changed(m):  # it died and came back: the restart re-joins it
+          return
         what = (f'did not complete within {self.spec.transport_timeout_s:.0f}s '
                 '(generation.remote.transport_timeout_s)' if thread.is_alive() else
                 f'failed ({type(out["error"]).__name__}: {out["error"]})')
@@ -290,7 +293,6 @@ class RayGenerators(api.Engine):
                 'unusable, the actor is restarted')
         print(f'[generators] {line}', flush=True)
         self.transport_errors.append(line)
-        m.comm = None
         ray.kill(m.handle, no_restart=False)  # Ray restarts it; `_restarted` re-joins
         return
     with self._lock:
@@ -304,7 +306,7 @@ class RayGenerators(api.Engine):
     ref, version, digest = self._latest
     for m in self._members:
       if m.update is None and m.recover is None and m.version < version:
-        m.update = m.handle.update.remote(ref, version, digest)
+        m.update = m.handle.update.remote(ref, version, digest, m.info['incarnation'])
 
   def _place_unplaced(self) -> None:
     for rid in list(self._unplaced):
@@ -357,6 +359,9 @@ class RayGenerators(api.Engine):
         if kind == 'poll':
           done += self._received(m, *value)
         elif kind == 'update':
+          if value is None:  # a new incarnation ignored it
+            self._restarted(m, ray.get(m.handle.where.remote(), timeout=60))
+            continue
           m.version = max(m.version, value)
           if not m.serving:
             m.serving = self._routing.serving[m.index] = True
@@ -381,6 +386,15 @@ class RayGenerators(api.Engine):
       if self._routing.accept(m.index, completion):
         done.append(completion)
     return done
+
+  def _incarnation_changed(self, m: _Member) -> bool:
+    """Whether the actor answers as another incarnation within a few seconds (False when it
+    does not answer: stopped, or still restarting)."""
+    try:
+      info = ray.get(m.handle.where.remote(), timeout=5)
+    except (ray_errors.GetTimeoutError, ray_errors.RayActorError):
+      return False
+    return info['incarnation'] != m.info['incarnation']
 
   def _lost(self, m: _Member) -> None:
     """(under the lock) A call failed: stop routing to it; ask where it is (Ray answers once a
