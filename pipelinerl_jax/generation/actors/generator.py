@@ -228,9 +228,13 @@ class Generator:
     elif hf_views is not None and self.spec.backend == 'vllm':
       self._engine.update_hf_tensors(hf_views, version)
     else:
+      import jax
       if hf_views is not None:
         from pipelinerl_jax.generation.transport import hf_tensors
         tree = hf_tensors.params_from_hf(hf_views, self._model())
+      # On the device and complete before this returns: "version v applied" then means the
+      # bytes moved, and nothing reads the object store's copy afterwards.
+      tree = jax.block_until_ready(jax.device_put(tree, jax.local_devices()[0]))
       self._engine.update_params(tree, version)
     self._updates += 1
     self._update_s += time.perf_counter() - start
