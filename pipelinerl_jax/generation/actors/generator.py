@@ -232,8 +232,8 @@ class Generator:
       if hf_views is not None:
         from pipelinerl_jax.generation.transport import hf_tensors
         tree = hf_tensors.params_from_hf(hf_views, self._model())
-      # On the device and complete before this returns: "version v applied" then means the
-      # bytes moved, and nothing reads the object store's copy afterwards.
+      # On the device before this returns, so "version v applied" means it is there. (On CPU
+      # the device array may alias the object store's copy, which it then keeps alive.)
       tree = jax.block_until_ready(jax.device_put(tree, jax.local_devices()[0]))
       self._engine.update_params(tree, version)
     self._updates += 1
@@ -254,10 +254,8 @@ class Generator:
           model, tree, jax_engine.EngineConfig(
               num_slots=spec.num_slots, max_seq_len=spec.max_seq_len,
               eos_token_ids=spec.eos_token_ids, recompute_kv=spec.recompute_kv),
-          version=version, device=jax.local_devices()[0])  # a copy on the device
+          version=version, device=jax.local_devices()[0])
     from pipelinerl_jax.generation.vllm import engine as vllm_engine
-    if self._cores:  # vLLM's CPU backend sizes its OpenMP pool from this
-      os.environ['VLLM_CPU_OMP_THREADS_BIND'] = ','.join(map(str, self._cores))
     engine = vllm_engine.VllmEngine(spec.model_dir, vllm_engine.VllmEngineConfig(
         max_num_seqs=spec.num_slots, max_model_len=spec.max_seq_len,
         eos_token_ids=spec.eos_token_ids, kv_cache_bytes=spec.kv_cache_mb << 20,
