@@ -273,8 +273,10 @@ class RayGenerators(api.Engine):
 
       def body():
         try:
-          collective.send(comm, plan, hf_tensors.hf_torch_tensors(params, self.model_config),
-                          version, device='cuda:0' if self.spec.transport == 'nccl' else 'cpu')
+          nccl = self.spec.transport == 'nccl'  # then DLPack views of the params on one GPU
+          collective.send(comm, plan, hf_tensors.hf_torch_tensors(params, self.model_config,
+                                                                  on_gpu=nccl),
+                          version, device='cuda:0' if nccl else 'cpu')
         except BaseException as e:
           out['error'] = e
 

@@ -57,14 +57,16 @@ def expected_shapes(config: transformer.ModelConfig) -> dict[str, tuple[int, ...
   return {name: spec.hf_shape for name, spec, _ in hf_io.checkpoint_order(config)}
 
 
-def leaf_to_torch(x: Any) -> torch.Tensor:
-  """One leaf as a torch tensor: an alias of the buffer when the leaf is one CPU buffer, else a
-  host copy (sharded or accelerator-resident leaves)."""
+def leaf_to_torch(x: Any, on_gpu: bool = False) -> torch.Tensor:
+  """One leaf as a torch tensor: an alias of the buffer when the leaf is one CPU buffer (or,
+  with `on_gpu`, one GPU buffer: a CUDA tensor, for an NCCL send), else a host copy (sharded or
+  accelerator-resident leaves)."""
   if isinstance(x, torch.Tensor):
     return x
   if isinstance(x, jax.Array):
     devices = x.sharding.device_set
-    if len(devices) == 1 and next(iter(devices)).platform == 'cpu':
+    platform = next(iter(devices)).platform
+    if len(devices) == 1 and (platform == 'cpu' or (on_gpu and platform == 'gpu')):
       return torch.from_dlpack(x)  # waits until x is ready; aliases its buffer
   host = np.ascontiguousarray(np.asarray(x))
   with warnings.catch_warnings():  # the gathered copy is read-only; receivers only read it
@@ -74,7 +76,7 @@ def leaf_to_torch(x: Any) -> torch.Tensor:
     return torch.from_numpy(host)
 
 
-def hf_torch_tensors(params, config: transformer.ModelConfig
+def hf_torch_tensors(params, config: transformer.ModelConfig, on_gpu: bool = False
                      ) -> Iterator[tuple[str, torch.Tensor]]:
   """Yields (hf_name, tensor in HF layout) in checkpoint order; see the module docstring.
 
@@ -84,7 +86,7 @@ def hf_torch_tensors(params, config: transformer.ModelConfig
   converted: dict[tuple[str, ...], torch.Tensor] = {}
   for name, spec, i in hf_io.checkpoint_order(config):
     if spec.path not in converted:
-      converted[spec.path] = leaf_to_torch(hf_io.leaf_at(params, spec.path))
+      converted[spec.path] = leaf_to_torch(hf_io.leaf_at(params, spec.path), on_gpu)
     t = converted[spec.path]
     if tuple(t.shape) != spec.shape:
       raise ValueError(f'leaf {"/".join(spec.path)} has shape {tuple(t.shape)}, the config '
