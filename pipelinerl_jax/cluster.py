@@ -8,8 +8,9 @@
   * `address` '': start Ray on this host for this run, quietly (no dashboard, no usage stats,
     no worker logs forwarded). Ray's head processes (gcs_server, raylet, ...) are the driver's
     children, started deaf to Ctrl-C (the driver stops them after saving; Ray's own SIGTERM
-    handler in the driver is replaced by the run's again), and most end when the driver does; but measured with Ray 2.60, a driver killed with -9
-    leaves the raylet's agents (DashboardAgent, RuntimeEnvAgent) running for good. So a local
+    handler in the driver is replaced by the run's again), and most end when the driver does;
+    but, measured with Ray 2.60, a driver killed with -9 leaves the raylet's agents
+    (DashboardAgent, RuntimeEnvAgent) running for good. So a local
     start also launches a watchdog (`python -m pipelinerl_jax.cluster`, stdlib only): it keeps
     a list of every process under Ray's head processes and, once the driver has gone (its pipe
     to the watchdog closes, whether by `close()`, an exception or SIGKILL), stops whatever of

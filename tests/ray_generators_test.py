@@ -150,7 +150,8 @@ def test_killed_actor_is_restarted_with_the_latest_weights_and_nothing_is_lost(s
     for r in requests('late', groups=2):
       pool.submit(r)
     with pytest.raises(pool_lib.GeneratorDied,
-                       match=rf'^generator actor generator-{index} \(node [\d.]+, pid \d+\) died: its '
+                       match=rf'^generator actor generator-{index} \(node [\d.]+, pid \d+\) '
+                             r'died: its '
                              r'worker process has died.*restarts used 1 of generation.remote.'
                              r'max_restarts=1$') as e:
       run_until_done(pool, deadline_s=60)

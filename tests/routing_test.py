@@ -98,10 +98,12 @@ def test_assign_devices_splits_the_gpus_the_mesh_leaves_free():
   gpus = [str(i) for i in range(8)]
   assert placement.assign_devices(gpus, 4, 4) == [('4',), ('5',), ('6',), ('7',)]
   assert placement.assign_devices(gpus, 4, 2) == [('4', '5'), ('6', '7')]
-  assert placement.assign_devices(gpus, 5, 2, per_child_max=1) == [('5',), ('6',)]  # a remainder: unused
+  # A remainder stays unused.
+  assert placement.assign_devices(gpus, 5, 2, per_child_max=1) == [('5',), ('6',)]
   assert placement.assign_devices(gpus, 2, 2, '5,7') == [('5',), ('7',)]
-  assert placement.assign_devices(['3', '1', '6'], 1, 2) == [('1',), ('6',)]  # the trainer's own ids
-  assert placement.assign_devices([], 1, 3) == [(), (), ()]  # CPU host: the children inherit
+  # The trainer's own ids.
+  assert placement.assign_devices(['3', '1', '6'], 1, 2) == [('1',), ('6',)]
+  assert placement.assign_devices([], 1, 3) == [(), (), ()]  # CPU host: nothing to assign
 
 
 @pytest.mark.parametrize('visible, used, n, requested, per_child_max, match', [

@@ -6,11 +6,13 @@ overhead of Ray placement against the inline engine, in one run.
 One local Ray cluster (`--cpus` logical CPUs) serves every measurement; JAX engines in the
 actors, one core each (shared round-robin when there are more actors than cores).
 
-Weight sync, per model size and N actors: `sync_ms` is the median over --repeats of
+Weight sync, per model size and N actors, after 10 untimed updates: `sync_ms` is the time of
 `update_params(params, v)` (params to host, one `ray.put` into the object store) until every
 actor has version v on its device (each read the one shared copy zero-copy; its engine switches
-at its next token step); `put_ms` is the `update_params` call alone (the trainer's share: after it returns the
-trainer may donate its params). `memcpy_ms`: one single-threaded copy of the params' bytes.
+at its next token step); `put_ms` is the `update_params` call alone (the trainer's share: after
+it returns the trainer may donate its params). Medians and minima over --repeats: `ray.put` is
+bimodal, fast when the object store reuses memory an older version freed and several times
+slower when it touches fresh pages. `memcpy_ms`: one single-threaded copy of the params' bytes.
 
 Per-step overhead: the same workload (--groups prompts x 4 samples x --tokens tokens) through
 the inline JAX engine in this process and through one actor with as many slots. `ms/step` is
