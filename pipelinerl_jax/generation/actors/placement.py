@@ -19,8 +19,8 @@ import jax
 
 
 def visible_gpus() -> list[str]:
-  """The GPUs this process sees, in JAX's order, as CUDA_VISIBLE_DEVICES entries (what a child's
-  CUDA_VISIBLE_DEVICES must name); [] on a host without GPUs."""
+  """The GPUs this process sees, in JAX's order, as CUDA_VISIBLE_DEVICES entries (what a local
+  Ray's CUDA_VISIBLE_DEVICES must name); [] on a host without GPUs."""
   gpus = [d for d in jax.devices() if d.platform == 'gpu']
   env = [s.strip() for s in os.environ.get('CUDA_VISIBLE_DEVICES', '').split(',') if s.strip()]
   return env[:len(gpus)] if env else [str(i) for i in range(len(gpus))]
@@ -39,12 +39,12 @@ def free_gpus(visible: Sequence[str], mesh_used: int, requested: str = '') -> li
 def assign_devices(visible: Sequence[str], mesh_used: int, num_generators: int,
                    requested: str = '', per_child_max: int | None = None
                    ) -> list[tuple[str, ...]]:
-  """Each generator child's CUDA_VISIBLE_DEVICES entries, so that N children do not all land on
+  """Each generator's CUDA_VISIBLE_DEVICES entries, so that N generators do not all land on
   GPU 0. `visible`: the trainer's GPUs in JAX's order (its CUDA_VISIBLE_DEVICES entries, else
   '0'..'n-1'); the train mesh holds the first `mesh_used` (sharding.make_mesh). `requested`
   '' = the GPUs the mesh leaves free, split evenly (a remainder stays unused); '5,6,7' = those.
-  No GPUs: () for every child. `per_child_max`: most GPUs one child can use (1 while the
-  in-process vLLM engine has no tensor parallelism). Raises a one-line ValueError naming
+  No GPUs: () for every generator. `per_child_max`: most GPUs one generator can use (1 while
+  the in-process vLLM engine has no tensor parallelism). Raises a one-line ValueError naming
   generation.remote.devices when no valid assignment exists."""
   ids = [s.strip() for s in requested.split(',') if s.strip()]
   if not visible:
