@@ -112,8 +112,9 @@ def _math_task(c):
 
 
 def _gpu_placement(c):
-  """One 8-GPU host: 4 GPUs train (FSDP), the 4 the mesh leaves free generate, one vLLM child
-  each.
+  """One 8-GPU host: 4 GPUs train (FSDP), the 4 the mesh leaves free generate, one vLLM Ray actor
+  each, weights broadcast from the trainer's GPU over NCCL in buckets. More hosts: `ray start`
+  them, set cluster.address='auto' and num_generators to their GPU count.
 
   Appendix A splits N accelerators into I for generation and N - I for training, with
   throughput min(U(H) * I, (N - I) / tau): the paper's run used 48 of 128 (37.5%) to generate.
@@ -126,8 +127,9 @@ def _gpu_placement(c):
   """
   c.train.mesh = '1,4,1'
   c.generation.backend = 'vllm'
-  c.generation.placement = 'process'
+  c.generation.placement = 'ray'
   c.generation.num_generators = 4   # GPUs 4, 5, 6, 7
+  c.generation.remote.weight_transport = 'nccl'
 
 
 def _gpu_model(c):

@@ -235,18 +235,31 @@ class VllmConfig(_Section):
 
 @dataclasses.dataclass(frozen=True)
 class RemoteConfig(_Section):
-  """Generators outside the trainer's process (placement 'process')."""
-  max_restarts: int = 3           # dead generators replaced (in all) before the run fails
-  devices: str = ''               # GPU ids (as CUDA_VISIBLE_DEVICES names them) split evenly
-                                  # among the generators, e.g. '4,5,6,7'; '' = the GPUs the
-                                  # train mesh leaves free (none on CPU)
-  # 'shm' (shared memory) | 'nccl' (CUDA: broadcast from the trainer's GPU) | 'gloo' (CPU, the
-  # same protocol as nccl).
-  weight_transport: Literal['shm', 'nccl', 'gloo'] = 'shm'
+  """Generators as Ray actors (placement 'ray'), each on its own devices. One section for every
+  generator outside the trainer's process: Ray is the only such placement, and these knobs
+  (restarts, weight transport, devices) are the generators', whatever runs them; where the
+  cluster is and how big a local one is are `config.cluster`'s."""
+  max_restarts: int = 3           # deaths of one generator actor Ray restarts it from (then the
+                                  # run stops, naming the actor, its node and the cause)
+  cpus_per_generator: int = 1     # CPU cores each actor reserves; on a node without GPUs its
+                                  # process is pinned to that many cores of its own
+  gpus_per_generator: int = -1    # GPUs each actor owns (Ray's num_gpus): -1 = 1 when the
+                                  # cluster has GPUs, else 0; 1 while vLLM runs without TP
+  devices: str = ''               # local Ray start on a GPU host: the GPU ids (as
+                                  # CUDA_VISIBLE_DEVICES names them) Ray may give generators,
+                                  # e.g. '4,5,6,7'; '' = the GPUs the train mesh leaves free
+  # 'object_store' (Ray's: one host copy per update, read zero-copy by every actor on a node) |
+  # 'nccl' (CUDA: bucketed broadcast from the trainer's GPU) | 'gloo' (CPU, the nccl protocol).
+  weight_transport: Literal['object_store', 'nccl', 'gloo'] = 'object_store'
   transport_timeout_s: float = 120.0  # nccl/gloo: joining the group, one weight update
 
   def _check_values(self):
     _check(self.max_restarts >= 0, 'max_restarts', f'must be >= 0, got {self.max_restarts}')
+    _check(self.cpus_per_generator >= 1, 'cpus_per_generator',
+           f'must be >= 1, got {self.cpus_per_generator}')
+    _check(self.gpus_per_generator in (-1, 0, 1), 'gpus_per_generator',
+           f'must be -1 (automatic), 0 or 1 (vLLM runs without tensor parallelism here), got '
+           f'{self.gpus_per_generator}')
     ids = self.device_ids
     _check(all(s.isdigit() for s in ids) and len(set(ids)) == len(ids), 'devices',
            f"must be distinct GPU ids like '4,5,6,7' ('' = automatic), got {self.devices!r}")
@@ -261,10 +274,11 @@ class RemoteConfig(_Section):
 @dataclasses.dataclass(frozen=True)
 class GenerationConfig(_Section):
   backend: Literal['jax', 'vllm'] = 'jax'  # the engine that decodes
-  # Where generators run: 'inline' (in the trainer's process, sharing its devices) | 'process'
-  # (vLLM generator processes with restarts; see `remote`).
-  placement: Literal['inline', 'process'] = 'inline'
-  num_generators: int = 1         # generators (placement 'process': one per GPU); each holds
+  # Where generators run: 'inline' (in the trainer's process, sharing its devices) | 'ray'
+  # (Ray actors, each on its own GPU or CPU cores, restarted when they die; see `remote` and
+  # `config.cluster`).
+  placement: Literal['inline', 'ray'] = 'inline'
+  num_generators: int = 1         # generators (placement 'ray': one actor each); each holds
                                   # ceil(num_slots / num_generators) sequences
   num_slots: int = 64             # H: sequences in flight
   max_prompt_len: int = 32
@@ -279,14 +293,12 @@ class GenerationConfig(_Section):
   def _check_values(self):
     _check(self.backend == 'jax' or not self.recompute_kv, 'recompute_kv',
            'is only implemented by the JAX engine')
-    _check(self.placement != 'process' or self.backend == 'vllm', 'placement',
-           f"'process' runs vLLM generators; set backend='vllm' (got {self.backend!r})")
     _check(self.num_slots >= 1, 'num_slots', f'H must be >= 1, got {self.num_slots}')
     _check(self.num_generators >= 1, 'num_generators', f'must be >= 1, got {self.num_generators}')
     _check(self.num_generators == 1 or self.placement != 'inline', 'num_generators',
-           f"{self.num_generators} generators need placement 'process', not 'inline'")
+           f"{self.num_generators} generators need placement 'ray', not 'inline'")
     _check(self.placement != 'inline' or self.remote == RemoteConfig(), 'remote',
-           "applies to generators outside the trainer's process: set placement='process'")
+           "applies to generators outside the trainer's process: set placement='ray'")
     _check(len(self.remote.device_ids) % self.num_generators == 0, 'remote.devices',
            f'{len(self.remote.device_ids)} GPUs do not split evenly among '
            f'num_generators={self.num_generators}')
@@ -303,6 +315,35 @@ class GenerationConfig(_Section):
   @property
   def slots_per_generator(self) -> int:
     return -(-self.num_slots // self.num_generators)
+
+
+# --- cluster ---------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class ClusterConfig(_Section):
+  """The Ray cluster that actors run on (generation.placement 'ray'); see cluster.py."""
+  # '' = start a local Ray for this run (quietly; stopped with it, even when the run is
+  # killed) | 'auto' = the cluster `ray start` runs on this host | 'HOST:PORT' = that head.
+  address: str = ''
+  num_cpus: int = 0               # local start: logical CPUs Ray schedules (0 = every core)
+  num_gpus: int = -1              # local start: GPUs Ray hands out (-1 = those free of the
+                                  # train mesh, see generation.remote.devices)
+  object_store_mb: int = 0        # local start: object store size (0 = Ray's default)
+
+  def _check_values(self):
+    a = self.address
+    _check(a in ('', 'auto') or (':' in a and a.rsplit(':', 1)[1].isdigit()
+                                 and a.rsplit(':', 1)[0]), 'address',
+           f"must be '' (start Ray locally), 'auto' or 'HOST:PORT', got {a!r}")
+    _check(self.num_cpus >= 0, 'num_cpus', f'must be >= 0 (0 = every core), got {self.num_cpus}')
+    _check(self.num_gpus >= -1, 'num_gpus', f'must be >= -1 (-1 = automatic), got {self.num_gpus}')
+    _check(self.object_store_mb >= 0, 'object_store_mb',
+           f'must be >= 0 (0 = Ray\'s default), got {self.object_store_mb}')
+    local = (self.num_cpus, self.num_gpus, self.object_store_mb) == (0, -1, 0)
+    _check(not a or local, 'address',
+           f'{a!r} joins a running cluster: num_cpus, num_gpus and object_store_mb size a local '
+           'start only (leave them at 0, -1, 0; `ray start` sizes a cluster)')
 
 
 # --- RL --------------------------------------------------------------------------------------
@@ -473,6 +514,7 @@ class Config(_Section):
   model: ModelSettings = ModelSettings()
   task: TaskConfig = TaskConfig()
   generation: GenerationConfig = GenerationConfig()
+  cluster: ClusterConfig = ClusterConfig()
   rl: RLConfig = RLConfig()
   advantage: AdvantageConfig = AdvantageConfig()
   loss: LossConfig = LossConfig()
@@ -485,6 +527,11 @@ class Config(_Section):
   def _check_values(self):
     """Checks that span sections (each names the key to change)."""
     g, rl, t = self.generation, self.rl, self.task
+    _check(g.placement == 'ray' or self.cluster == ClusterConfig(), 'cluster',
+           "is where Ray actors run: it applies to generation.placement='ray' only")
+    _check(not self.cluster.address or not g.remote.devices, 'generation.remote.devices',
+           f'picks GPUs for a local Ray start; cluster.address={self.cluster.address!r} joins a '
+           'cluster whose GPUs `ray start` gave it (CUDA_VISIBLE_DEVICES=... ray start ...)')
     _check(g.num_slots >= rl.group_size, 'generation.num_slots',
            f'H={g.num_slots} must hold at least one group (rl.group_size={rl.group_size})')
     _check(g.slots_per_generator >= rl.group_size, 'generation.num_generators',
@@ -557,9 +604,16 @@ def validate(config: ml_collections.ConfigDict | Config, runnable: bool = True) 
   naming the first unknown key or bad value. `runnable=False` skips `Config.check_runnable`
   (model and data present), for tools that only need shapes."""
   if not isinstance(config, Config):
-    if config.get('generation', {}).get('backend') == 'vllm_process':
+    generation = config.get('generation', {})
+    if generation.get('backend') == 'vllm_process':
       raise ValueError("config.generation.backend: 'vllm_process' is now backend='vllm' with "
-                       "placement='process'")
+                       "placement='ray' (vLLM in Ray actors)")
+    if generation.get('placement') == 'process':
+      raise ValueError("config.generation.placement: 'process' was replaced by 'ray' (generators "
+                       "as Ray actors, vLLM or JAX; see config.cluster)")
+    if generation.get('remote', {}).get('weight_transport') == 'shm':
+      raise ValueError("config.generation.remote.weight_transport: 'shm' was replaced by "
+                       "'object_store' (Ray's shared-memory object store)")
     config = _build(Config, config, '')
   if runnable:
     config.check_runnable()

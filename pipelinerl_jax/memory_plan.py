@@ -26,11 +26,12 @@ trainer device (one of the train mesh; tensor-parallel devices hold the same row
   batch               the step's packed batch, every micro-batch (7 arrays of 4 bytes a token)
 rows per micro-batch are the worst case: every sample at max_prompt_len + max_new_tokens.
 
-generator device (vLLM: one GPU per child with placement 'process'; 'inline' shares device 0
+generator device (vLLM: one GPU per actor with placement 'ray'; 'inline' shares device 0
 with the trainer; the JAX engine's params and KV cache go on the first free device, or device 0)
   weights             the serving copy (the checkpoint's dtype)
-  staging             nccl: whole updates being received (transport dtype, `staging_copies`);
-                      shm: the largest tensor on its way in (the rest is in host /dev/shm)
+  staging             nccl/gloo: whole updates being received (transport dtype,
+                      `staging_copies`); object_store: the largest tensor on its way in (the
+                      rest waits in the host's object store)
   runtime             CUDA context, vLLM's profiled activations and fp32 sampler logits
   kv                  what is left for the KV cache: `kv='free'` sizes it from free memory
                       (gpu_memory_utilization); `kv='config'` takes generation.vllm.kv_cache_mb
@@ -210,8 +211,8 @@ def generator_memory(m: transformer.ModelConfig, config: config_lib.Config,
   slots = -(-g.num_slots // g.num_generators)
   max_len = g.max_prompt_len + g.max_new_tokens
   update_bytes = m.num_params * _bytes(transport_dtype)
-  if g.remote.weight_transport == 'shm':
-    largest = m.vocab_size * m.hidden_size
+  if g.remote.weight_transport == 'object_store':
+    largest = m.vocab_size * m.hidden_size  # the rest waits in the host's object store
     staging = largest * _bytes(transport_dtype)
   else:
     staging = staging_copies * update_bytes
@@ -230,8 +231,9 @@ def generator_memory(m: transformer.ModelConfig, config: config_lib.Config,
   memory['kv'] = max(kv_bytes, 0)
   facts = dict(slots_per_generator=slots, kv_bytes_per_token=kv_per_token,
                full_request_bytes=request, kv_full_requests=kv_bytes / request,
-               host_shm_bytes=update_bytes * g.num_generators if g.remote.weight_transport == 'shm'
-               else 0)
+               # Ray's object store: one copy of an update per node, read by every actor there.
+               host_object_store_bytes=update_bytes
+               if g.remote.weight_transport == 'object_store' else 0)
   return memory, facts
 
 
@@ -288,7 +290,7 @@ def plan(config: ml_collections.ConfigDict | config_lib.Config, hf_config: dict,
       problems.append(f'device 0 holds the trainer and the JAX engine: '
                       f'{(sum(trainer.values()) + engine) / GIB:.1f} GiB > {device_gib:g} GiB')
   else:
-    # placement 'process': one GPU per child, beside the mesh; 'inline': in the trainer's
+    # placement 'ray': one GPU per generator actor, beside the mesh; 'inline': in the trainer's
     # process, on its device 0.
     in_process = g.placement == 'inline'
     generators = 0 if in_process else g.num_generators
@@ -352,8 +354,9 @@ def format_plan(p: Plan) -> str:
                  f"KV {f['kv_bytes_per_token'] / 1024:.0f} KiB/token, a full request "
                  f"{f['full_request_bytes'] / 2**20:.0f} MiB: the cache holds "
                  f"{f['kv_full_requests']:.1f} full-length requests")
-    if f['host_shm_bytes']:
-      lines.append(f"host /dev/shm for the shm transport: {f['host_shm_bytes'] / GIB:.1f} GiB")
+    if f['host_object_store_bytes']:
+      lines.append(f"host object store for the object_store transport: "
+                   f"{f['host_object_store_bytes'] / GIB:.1f} GiB")
   lines.append('FITS' if p.fits else f'REFUSED: {p.refusal}')
   return '\n'.join(lines)
 

@@ -167,3 +167,21 @@ def test_attention_bench_quick_compares_memory_of_both_implementations(tmp_path)
     assert r['timed'] and r['step_s_median'] > 0 and r['segments'] >= 2
   assert by_impl['blockwise']['peak_bytes'] < by_impl['dense']['peak_bytes']
   assert proc.stdout.splitlines()[0].split()[:3] == ['attention', 'T', 'segments']
+
+
+def test_ray_sync_bench_writes_json_and_prints_tables(tmp_path):
+  """Weight sync to 1 and 2 generator actors and the per-step overhead, on the quick model."""
+  out = tmp_path / 'ray_sync.json'
+  proc = subprocess.run(
+      [sys.executable, '-m', 'pipelinerl_jax.bench.ray_sync', '--sizes=quick', '--actors=1,2',
+       '--repeats=2', '--groups=2', '--tokens=8', f'--out={out}'], cwd=ROOT,
+      capture_output=True, text=True, timeout=300)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  assert 'ray overhead ms/step' in proc.stdout
+  report = json.loads(out.read_text())
+  assert [r['actors'] for r in report['sync']] == [1, 2]
+  for r in report['sync']:
+    assert 0 < r['put_ms'] <= r['sync_ms'] and r['mb'] > 0
+  (step,) = report['step_overhead']
+  assert step['decode_steps'] >= 8  # one request's 8 tokens take 8 decode steps at least
+  assert 0 < step['actor_engine_ms_per_step'] < step['ray_ms_per_step']

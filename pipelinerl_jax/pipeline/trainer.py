@@ -194,7 +194,9 @@ class Trainer:
     tokens = float(stats.get('tokens_generated', 0))
     rate = gen_rate(self._last_gen, tokens, t)
     self._last_gen = (tokens, t)
-    return dict(gen_tokens_per_s=rate, busy_slots=float(stats.get('busy_slots', 0)))
+    # Counters an engine reports under 'generation/' (e.g. generator restarts) join the record.
+    extra = {k: float(v) for k, v in stats.items() if k.startswith('generation/')}
+    return dict(gen_tokens_per_s=rate, busy_slots=float(stats.get('busy_slots', 0)), **extra)
 
   def _complete(self, record: dict[str, Any]) -> dict[str, Any]:
     """A step record gets the generation rate and, every eval_every_steps steps, the

@@ -1,11 +1,13 @@
-"""Bucketed NCCL weight transport for CUDA hosts (the counterpart of `shm_weights` there), and
-the same protocol over gloo on CPU (`GlooCommunicator`, generation.remote.weight_transport='gloo').
+"""Bucketed NCCL weight transport from the trainer to generator actors on CUDA hosts, and the
+same protocol over gloo on CPU (`GlooCommunicator`, generation.remote.weight_transport='gloo').
+Ray has no such transport for tensors that live in a JAX process, hence this module.
 
-UNRUN: written for one trainer rank broadcasting to the generator processes over a vLLM
+UNRUN: written for one trainer rank broadcasting to the generator actors over a vLLM
 `PyNcclCommunicator` on a `StatelessProcessGroup` (no global torch.distributed state); no GPU was
 available where it was written. Everything that does not touch CUDA -- the plan, packing,
 unpacking, the wire protocol and the timeout -- is tested on CPU with an in-process
-communicator (tests/nccl_weights_test.py).
+communicator (tests/collective_test.py), and across processes over gloo
+(tests/ray_generators_test.py).
 
 Wire protocol, per update (every tensor is broadcast from rank `src`):
   1. header: int64 [MAGIC, version, plan_digest, num_buckets]
@@ -19,7 +21,7 @@ Whole or nothing: the receiver fills one staging buffer with every bucket before
 reaches the engine (cost: one model-sized buffer on the generator's GPU), then hands views of
 it to `VllmEngine.update_hf_tensors`. A receive that does not finish within `timeout_s` raises
 TimeoutError; NCCL calls cannot be cancelled, so the communicator is unusable afterwards and the
-generator must be restarted (`GeneratorProcess` does that when the child exits).
+generator must be restarted (the actor exits, or the pool kills it, and Ray restarts it).
 """
 
 from __future__ import annotations
@@ -186,7 +188,7 @@ def connect(host: str, port: int, rank: int, world_size: int, device: torch.devi
   return PyNcclCommunicator(group, device=device)
 
 
-# --- rendezvous: trainer (rank 0) and one generator child (rank 1) ------------------------------
+# --- rendezvous: trainer (rank 0) and one generator (rank 1) ------------------------------------
 
 BACKENDS = ('gloo', 'nccl')
 
@@ -217,7 +219,7 @@ class GlooCommunicator:
 
 @dataclasses.dataclass(frozen=True)
 class Endpoint:
-  """What a generator child needs to join its trainer's group (picklable)."""
+  """What a generator needs to join its trainer's group (picklable)."""
   backend: str
   host: str
   port: int
@@ -225,9 +227,8 @@ class Endpoint:
 
 
 class Rendezvous:
-  """Trainer side of one group, made before the child starts (so the child knows the port);
-  `connect` blocks until the child joins. Every (re)started child gets a new one: a new port,
-  so a dead child's group is never reused."""
+  """Trainer side of one group; `connect` blocks until the generator joins. Every (re)started
+  generator gets a new one: a new port, so a dead generator's group is never reused."""
 
   def __init__(self, backend: str, timeout_s: float, host: str = '127.0.0.1'):
     if backend not in BACKENDS:

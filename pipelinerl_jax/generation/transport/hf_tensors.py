@@ -30,6 +30,7 @@ import warnings
 from typing import Any, Iterable, Iterator, Sequence
 
 import jax
+import ml_dtypes
 import numpy as np
 import torch
 
@@ -56,14 +57,16 @@ def expected_shapes(config: transformer.ModelConfig) -> dict[str, tuple[int, ...
   return {name: spec.hf_shape for name, spec, _ in hf_io.checkpoint_order(config)}
 
 
-def leaf_to_torch(x: Any) -> torch.Tensor:
-  """One leaf as a torch tensor: an alias of the buffer when the leaf is one CPU buffer, else a
-  host copy (sharded or accelerator-resident leaves)."""
+def leaf_to_torch(x: Any, on_gpu: bool = False) -> torch.Tensor:
+  """One leaf as a torch tensor: an alias of the buffer when the leaf is one CPU buffer (or,
+  with `on_gpu`, one GPU buffer: a CUDA tensor, for an NCCL send), else a host copy (sharded or
+  accelerator-resident leaves)."""
   if isinstance(x, torch.Tensor):
     return x
   if isinstance(x, jax.Array):
     devices = x.sharding.device_set
-    if len(devices) == 1 and next(iter(devices)).platform == 'cpu':
+    platform = next(iter(devices)).platform
+    if len(devices) == 1 and (platform == 'cpu' or (on_gpu and platform == 'gpu')):
       return torch.from_dlpack(x)  # waits until x is ready; aliases its buffer
   host = np.ascontiguousarray(np.asarray(x))
   with warnings.catch_warnings():  # the gathered copy is read-only; receivers only read it
@@ -73,7 +76,7 @@ def leaf_to_torch(x: Any) -> torch.Tensor:
     return torch.from_numpy(host)
 
 
-def hf_torch_tensors(params, config: transformer.ModelConfig
+def hf_torch_tensors(params, config: transformer.ModelConfig, on_gpu: bool = False
                      ) -> Iterator[tuple[str, torch.Tensor]]:
   """Yields (hf_name, tensor in HF layout) in checkpoint order; see the module docstring.
 
@@ -83,13 +86,35 @@ def hf_torch_tensors(params, config: transformer.ModelConfig
   converted: dict[tuple[str, ...], torch.Tensor] = {}
   for name, spec, i in hf_io.checkpoint_order(config):
     if spec.path not in converted:
-      converted[spec.path] = leaf_to_torch(hf_io.leaf_at(params, spec.path))
+      converted[spec.path] = leaf_to_torch(hf_io.leaf_at(params, spec.path), on_gpu)
     t = converted[spec.path]
     if tuple(t.shape) != spec.shape:
       raise ValueError(f'leaf {"/".join(spec.path)} has shape {tuple(t.shape)}, the config '
                        f'implies {spec.shape}')
     t = t if i is None else t[i]
     yield name, (t.T if spec.transposed else t)
+
+
+def params_from_hf(tensors: Iterable[tuple[str, torch.Tensor]], config: transformer.ModelConfig,
+                   dtype=None) -> dict:
+  """The params pytree (host numpy) of a full update in HF layout: the inverse of
+  `hf_torch_tensors`, for a JAX engine fed by a collective transport. One copy (the stack of the
+  per-layer tensors, transposed back); `dtype` (e.g. the model's param dtype) casts."""
+  got = {name: t for name, t in tensors}
+  check_complete([(n, tuple(t.shape)) for n, t in got.items()], expected_shapes(config))
+  to_np = lambda t: (t.view(torch.int16).numpy().view(ml_dtypes.bfloat16)
+                     if t.dtype == torch.bfloat16 else t.numpy())
+  params: dict = {}
+  for spec in hf_io.name_map(config):
+    parts = ([got[spec.name(i)] for i in range(config.num_layers)] if spec.stacked
+             else [got[spec.name()]])
+    parts = [to_np(t.T if spec.transposed else t) for t in parts]
+    leaf = np.stack(parts) if spec.stacked else np.array(parts[0])
+    node = params
+    for key in spec.path[:-1]:
+      node = node.setdefault(key, {})
+    node[spec.path[-1]] = leaf if dtype is None else leaf.astype(dtype)
+  return params
 
 
 def is_zero_copy(tensor: torch.Tensor, leaf: Any) -> bool:

@@ -1,1 +1,2 @@
-"""vLLM as a generation backend: in-process engine, generator processes, their pool and GPUs."""
+"""vLLM as a generation backend: the engine, in the process that runs it (the trainer's, or a
+generator actor's)."""

@@ -34,9 +34,9 @@ contract keeps alive, or the checkpoint for the initial version), keeps the old 
 raises `WeightUpdateError` from `step()`; the engine stays usable and in-flight sequences
 continue. Only when that rollback also fails is the engine marked broken.
 
-`update_hf_tensors` takes weights already in HF layout (views of a shared-memory segment, see
-`generator_process`), and `apply_update` loads a pending update without generating, for a
-caller that must know when the source buffers are no longer read.
+`update_hf_tensors` takes weights already in HF layout (views of a collective transport's
+staging buffer, see generation/actors/generator.py), and `apply_update` loads a pending update
+without generating, for a caller that must know when the source buffers are no longer read.
 
 Measured on the demo model (fp32, 2 shared cores): log mu agrees with `transformer.token_logprobs`
 to ~1e-6 nats. Serving the same checkpoint with vLLM's dtype 'auto' (bf16 on CPU) gives ~2e-3;
@@ -217,7 +217,7 @@ class VllmEngine(api.Engine):
 
   def update_hf_tensors(self, tensors: list[tuple[str, Any]], version: int) -> None:
     """Like `update_params`, for weights already in HF layout: (hf_name, CPU torch tensor)
-    pairs, e.g. views of a shared-memory segment. They must stay unchanged until loaded. As
+    pairs, e.g. views of a transport's staging buffer. They must stay unchanged until loaded. As
     they may be overwritten afterwards, they are no rollback source: should a later load fail
     part-way, the engine is marked broken instead of restored."""
     self._check_usable()

@@ -1,17 +1,26 @@
-"""Which GPUs each generator process gets: the GPUs the train mesh leaves free, or those named in
-generation.remote.devices, split evenly, as CUDA_VISIBLE_DEVICES entries."""
+"""Which devices generators get.
+
+GPUs: the GPUs the train mesh leaves free, or those named in generation.remote.devices, as
+CUDA_VISIBLE_DEVICES entries (`assign_devices`). A local Ray start hands exactly these to Ray,
+which gives each generator actor its own (`num_gpus`), so none lands on a trainer's GPU.
+
+CPU cores: Ray counts CPUs but does not say which cores an actor may use, so on a node without
+GPUs the pool gives each generator actor cores of its own (`CoreAllocator`) and the actor pins its
+process to them before JAX or torch start their thread pools.
+"""
 
 from __future__ import annotations
 
+import collections
 import os
-from typing import Sequence
+from typing import Hashable, Sequence
 
 import jax
 
 
 def visible_gpus() -> list[str]:
-  """The GPUs this process sees, in JAX's order, as CUDA_VISIBLE_DEVICES entries (what a child's
-  CUDA_VISIBLE_DEVICES must name); [] on a host without GPUs."""
+  """The GPUs this process sees, in JAX's order, as CUDA_VISIBLE_DEVICES entries (what a local
+  Ray's CUDA_VISIBLE_DEVICES must name); [] on a host without GPUs."""
   gpus = [d for d in jax.devices() if d.platform == 'gpu']
   env = [s.strip() for s in os.environ.get('CUDA_VISIBLE_DEVICES', '').split(',') if s.strip()]
   return env[:len(gpus)] if env else [str(i) for i in range(len(gpus))]
@@ -20,15 +29,22 @@ def visible_gpus() -> list[str]:
 DEVICES_KEY = 'config.generation.remote.devices'
 
 
+def free_gpus(visible: Sequence[str], mesh_used: int, requested: str = '') -> list[str]:
+  """The GPUs a local Ray cluster may give generators: `requested` (checked), else those the
+  train mesh leaves free (`assign_devices`' rules, before the split among generators)."""
+  shares = assign_devices(visible, mesh_used, 1, requested)
+  return list(shares[0])
+
+
 def assign_devices(visible: Sequence[str], mesh_used: int, num_generators: int,
                    requested: str = '', per_child_max: int | None = None
                    ) -> list[tuple[str, ...]]:
-  """Each generator child's CUDA_VISIBLE_DEVICES entries, so that N children do not all land on
+  """Each generator's CUDA_VISIBLE_DEVICES entries, so that N generators do not all land on
   GPU 0. `visible`: the trainer's GPUs in JAX's order (its CUDA_VISIBLE_DEVICES entries, else
   '0'..'n-1'); the train mesh holds the first `mesh_used` (sharding.make_mesh). `requested`
   '' = the GPUs the mesh leaves free, split evenly (a remainder stays unused); '5,6,7' = those.
-  No GPUs: () for every child. `per_child_max`: most GPUs one child can use (1 while the
-  in-process vLLM engine has no tensor parallelism). Raises a one-line ValueError naming
+  No GPUs: () for every generator. `per_child_max`: most GPUs one generator can use (1 while
+  the in-process vLLM engine has no tensor parallelism). Raises a one-line ValueError naming
   generation.remote.devices when no valid assignment exists."""
   ids = [s.strip() for s in requested.split(',') if s.strip()]
   if not visible:
@@ -63,3 +79,26 @@ def assign_devices(visible: Sequence[str], mesh_used: int, num_generators: int,
                      'which the in-process vLLM engine does not do; set generation.'
                      f'num_generators={len(free) if ids else k * num_generators} (one GPU each)')
   return [tuple(free[i * k:(i + 1) * k]) for i in range(num_generators)]
+
+
+class CoreAllocator:
+  """Cores per node, handed out least-used first: disjoint while a node has enough, shared
+  evenly once more are asked for than it has (e.g. a benchmark with more actors than cores)."""
+
+  def __init__(self):
+    self._use: dict[Hashable, collections.Counter] = {}
+
+  def take(self, node: Hashable, allowed: Sequence[int], n: int) -> tuple[int, ...]:
+    """n cores of `allowed` (the cores the actor's process may use on `node`)."""
+    if n < 1 or not allowed:
+      raise ValueError(f'cannot take {n} of cores {list(allowed)}')
+    use = self._use.setdefault(node, collections.Counter())
+    ranked = sorted(allowed, key=lambda c: (use[c], c))
+    cores = tuple(sorted(ranked[:n]))
+    use.update(cores)
+    return cores
+
+  def release(self, node: Hashable, cores: Sequence[int]) -> None:
+    use = self._use.get(node)
+    if use is not None:
+      use.subtract(cores)
