@@ -13,7 +13,9 @@ from absl import flags
 from absl import logging
 from ml_collections import config_flags
 
+from pipelinerl_jax import distributed
 from pipelinerl_jax.pipeline import metrics as metrics_lib
+from pipelinerl_jax.pipeline import multiprocess
 from pipelinerl_jax.pipeline import run as run_lib
 
 _CONFIG = config_flags.DEFINE_config_file('config', None, 'Experiment config, e.g. '
@@ -32,8 +34,11 @@ def main(argv):
   signal.signal(signal.SIGTERM, _terminate)
   try:
     summary = run_lib.run_experiment(_CONFIG.value, _WORKDIR.value)
-  except (ValueError, FileNotFoundError, run_lib.RunError) as e:
-    sys.exit(f'error: {e}')
+  except (ValueError, FileNotFoundError, run_lib.RunError, multiprocess.TrainerProcessError) as e:
+    distributed.exit_process(f'error: {e}')  # sys.exit, or at once when peers may be gone
+  if summary.get('follower'):
+    print(f"{distributed.describe()}: followed process 0 to step {summary['steps']}")
+    return
   if summary['interrupted']:
     print(f"\nInterrupted: actor and trainer stopped after {summary['steps']} steps; "
           f'metrics so far are in {_WORKDIR.value}.')

@@ -20,6 +20,7 @@ import numpy as np
 
 from pipelinerl_jax import checkpoint as checkpoint_lib
 from pipelinerl_jax import config as config_lib
+from pipelinerl_jax import distributed
 from pipelinerl_jax import evaluation
 from pipelinerl_jax import packing
 from pipelinerl_jax import sharding as sharding_lib
@@ -65,9 +66,21 @@ def check_backend_installed(config: config_lib.Config) -> None:
                      "CUDA; or use backend 'jax')")
 
 
-def build(config: config_lib.Config, workdir: str, model_dir: str) -> Parts:
-  """Loads (or restores) everything; the engine starts from the trainer's policy version."""
-  check_backend_installed(config)
+@dataclasses.dataclass
+class Learner:
+  """The training side of a run: what every trainer process builds, the same way (with several
+  processes, see pipeline/multiprocess.py)."""
+  model_config: transformer.ModelConfig
+  mesh: jax.sharding.Mesh
+  state: train.TrainState              # restored or fresh, in the trainer's shardings
+  train_step: Callable                 # jitted (state, batch) -> (state, metrics), state donated
+  checkpoints: checkpoint_lib.Checkpointer
+  resumed: dict[str, Any] | None       # the restored checkpoint's meta; None for a fresh start
+
+
+def build_learner(config: config_lib.Config, workdir: str, model_dir: str) -> Learner:
+  """Model, mesh, train state (restored from the latest checkpoint, or loaded from model_dir)
+  and the jitted train step."""
   model_config = hf_io.load_config(
       model_dir, param_dtype=config.model.param_dtype, dtype=config.model.dtype,
       lm_head_fp32=config.model.lm_head_fp32, remat=config.model.remat,
@@ -92,6 +105,16 @@ def build(config: config_lib.Config, workdir: str, model_dir: str) -> Parts:
                             train.lr_schedule(config.optimizer),
                             temperature=config.generation.temperature or 1.0),
       state_sh, mesh)
+  return Learner(model_config=model_config, mesh=mesh, state=state, train_step=train_step,
+                 checkpoints=checkpoints, resumed=resumed)
+
+
+def build(config: config_lib.Config, workdir: str, model_dir: str) -> Parts:
+  """Loads (or restores) everything; the engine starts from the trainer's policy version."""
+  check_backend_installed(config)
+  learner = build_learner(config, workdir, model_dir)
+  model_config, mesh, state = learner.model_config, learner.mesh, learner.state
+  train_step, checkpoints, resumed = learner.train_step, learner.checkpoints, learner.resumed
 
   from transformers import AutoTokenizer  # heavy import, only when a run starts
   tokenizer = AutoTokenizer.from_pretrained(model_dir)
@@ -100,7 +123,7 @@ def build(config: config_lib.Config, workdir: str, model_dir: str) -> Parts:
   version = int(state.step)
   engine = ENGINE_PLACEMENTS[config.generation.placement](
       config, model_config, model_dir, mesh=mesh, eos_token_id=tokenizer.eos_token_id,
-      params=state.params, version=version)
+      params=distributed.whole(state.params), version=version)  # collective, see whole()
   publish = publisher(config, mesh, engine)
   if resumed and config.generation.backend != 'jax':  # vLLM loaded model_dir's weights
     publish(state.params, version)
@@ -160,8 +183,8 @@ def make_trainer(parts: Parts, stream: stream_lib.SampleStream, stop: threading.
 
 def generation_device(mesh) -> jax.Device:
   """The in-process engine's device: the first one the train mesh leaves free, else the first."""
-  free = [d for d in jax.devices() if d not in set(mesh.devices.flat)]
-  return free[0] if free else jax.devices()[0]
+  free = [d for d in jax.local_devices() if d not in set(mesh.devices.flat)]
+  return free[0] if free else jax.local_devices()[0]
 
 
 def copy_params_fn(device=None) -> Callable:

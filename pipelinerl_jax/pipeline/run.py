@@ -9,6 +9,7 @@ loop, or Ctrl-C, stops both within seconds, and the error names the loop that fa
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 import threading
 import time
@@ -18,9 +19,11 @@ import ml_collections
 
 from pipelinerl_jax import checkpoint as checkpoint_lib
 from pipelinerl_jax import config as config_lib
+from pipelinerl_jax import distributed
 from pipelinerl_jax.demo import warmstart
 from pipelinerl_jax.pipeline import build as build_lib
 from pipelinerl_jax.pipeline import metrics as metrics_lib
+from pipelinerl_jax.pipeline import multiprocess
 from pipelinerl_jax.pipeline import stream as stream_lib
 
 STOP_TIMEOUT_S = 10.0
@@ -34,8 +37,9 @@ def run_experiment(config: ml_collections.ConfigDict | config_lib.Config, workdi
                    ) -> dict[str, Any]:
   """What `main` runs: validate, find or build the model, then RL."""
   config = config_lib.validate(config)
+  distributed.initialize(config.train)  # before any JAX computation; nothing for one process
   build_lib.check_backend_installed(config)  # before the demo model is built
-  model_dir = warmstart.model_dir_for(config)
+  model_dir = distributed.primary_first(lambda: warmstart.model_dir_for(config), 'model')
   stamp = warmstart.read_stamp(model_dir)
   if stamp:
     print(f"model: {model_dir} (warm start: greedy accuracy {stamp['greedy_accuracy']:.2f}, "
@@ -56,8 +60,18 @@ def run(config: ml_collections.ConfigDict | config_lib.Config, workdir: str, *,
   if not model_dir:
     raise ValueError('config.model.path: no model directory given')
   os.makedirs(workdir, exist_ok=True)
-  parts = build_lib.build(config, workdir, model_dir)
+  distributed.initialize(config.train)  # (run_experiment joined already, to build the model)
+  if distributed.process_count() > 1:  # one trainer in several processes: multiprocess.py
+    return multiprocess.run(config, workdir, model_dir, functools.partial(
+        run_pipeline, config, workdir, model_dir, on_ready=on_ready))
+  return run_pipeline(config, workdir, model_dir, build_lib.build(config, workdir, model_dir),
+                      on_ready=on_ready)
 
+
+def run_pipeline(config: config_lib.Config, workdir: str, model_dir: str,
+                 parts: build_lib.Parts, on_ready: Callable[[dict], None] | None = None
+                 ) -> dict[str, Any]:
+  """Actor and trainer over the built parts, supervised until done; saved at exit."""
   stop = threading.Event()
   stream = stream_lib.SampleStream(
       stream_lib.capacity(config.rl, config.generation.num_slots), stop,
