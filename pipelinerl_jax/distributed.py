@@ -36,6 +36,9 @@ def initialize(config: config_lib.TrainConfig) -> None:
   if config.num_processes == 1 or jax.distributed.is_initialized():
     return
   jax.config.update('jax_cpu_collectives_implementation', 'gloo')
+  # JAX's preemption service would take SIGTERM for itself (a notice that every process must
+  # poll at the same training steps); here a stop request goes to process 0, which decides.
+  jax.config.update('jax_enable_preemption_service', False)
   d = config.distributed
   try:
     jax.distributed.initialize(

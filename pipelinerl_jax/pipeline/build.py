@@ -274,7 +274,13 @@ def batch_placer(config: config_lib.TrainConfig, mesh) -> Callable:
     num_micro = packing.num_micro_batches(len(batch['tokens']), data_parallel,
                                           config.micro_batches, config.micro_batch_rows)
     micro = packing.split_microbatches({k: batch[k] for k in train.BATCH_KEYS}, num_micro)
-    return jax.device_put(micro, {k: batch_sh for k in micro})
+    if jax.process_count() == 1:
+      return jax.device_put(micro, {k: batch_sh for k in micro})
+    # Several processes: each places the rows its devices hold. (device_put would first check
+    # that every process passed the same batch, by gathering it whole.)
+    rows = sharding_lib.local_block(batch_sh, micro['tokens'].shape, axis=1)
+    return {k: jax.make_array_from_process_local_data(batch_sh, x[:, rows], x.shape)
+            for k, x in micro.items()}
   return put_batch
 
 
