@@ -1,8 +1,8 @@
 """The trainer in 2 processes on localhost (CPU, gloo collectives), as on 2 hosts.
 
-One launch trains: a step of the 2-process mesh equals the single-process step; then a short
-PipelineRL run (process 0 runs the pipeline, process 1 follows) saves checkpoints from both
-processes, and each dumps the shards it holds. A second launch restores them in 2 processes of
+One launch trains: a step of the 2-process mesh equals the single-process step; then a
+PipelineRL run (process 0 runs the pipeline, process 1 follows), stopped by a SIGTERM to process
+1 after two steps, saves checkpoints from both processes, and each dumps the shards it holds. A second launch restores them in 2 processes of
 another layout, and the test process restores them in 1: both equal to the shards saved. A
 third launch, through the CLI, kills process 1 mid-run: process 0 stops with one line naming it.
 
@@ -81,11 +81,12 @@ def flat(tree) -> dict[str, jax.Array]:
 
 def run_config(workdir: str, model_dir: str, process_id: int | None = None,
                address: str = '') -> config_lib.Config:
+  """Trains until stopped (the test sends process 1 a SIGTERM), checkpointing every step."""
   c = config_lib.load_preset()
   c.model.path = model_dir
   c.checkpoint.dir = os.path.join(workdir, 'checkpoints')
   c.rl.batch_size, c.rl.group_size, c.generation.num_slots = 16, 4, 16
-  c.rl.total_steps, c.rl.max_time_s = 2, 0.0
+  c.rl.total_steps, c.rl.max_time_s = 1000, 0.0
   c.checkpoint.every_steps = 1
   c.log.tensorboard, c.log.progress = False, False
   if process_id is not None:
@@ -106,6 +107,7 @@ def worker(mode: str, process_id: int, address: str, out: str, model_dir: str) -
     two = sgd_step(model_dir, sharding_lib.make_mesh(1, 4, 1))  # rows and params over both
     two_params = distributed.whole(two[0].params)
     summary = run_lib.run(config, workdir)
+    assert summary['interrupted'], summary  # by the stop request from process 1
     shards = {k: (x.shape, [(s.index, np.asarray(s.data)) for s in x.addressable_shards])
               for k, x in flat(summary['final_state']).items()}
     with open(os.path.join(out, f'shards-{process_id}.pkl'), 'wb') as f:
@@ -139,13 +141,26 @@ def saved_state(out: str) -> dict[str, np.ndarray]:
 
 
 def launch(mode: str, out: str, model_dir: str, devices_per_process: int,
-           timeout_s: float = 480) -> None:
+           while_running=lambda procs: None, timeout_s: float = 480) -> list[str]:
+  """Runs `worker(mode, ...)` in 2 processes; both must exit 0. Returns their output."""
   argv = lambda i, address: [sys.executable, __file__, mode, str(i), address, out, model_dir]
   with distributed.LocalProcesses(argv, 2, devices_per_process, os.path.join(out, f'{mode}-logs'),
                                   env=ENV, cwd=str(ROOT)) as procs:
+    while_running(procs)
     codes = procs.wait(timeout_s)
-    assert codes == [0, 0], '\n'.join(f'--- process {i} ({c}):\n{procs.output(i)[-4000:]}'
-                                      for i, c in enumerate(codes))
+    outputs = [procs.output(i) for i in range(2)]
+  assert codes == [0, 0], '\n'.join(f'--- process {i} ({c}):\n{out[-4000:]}'
+                                    for i, (c, out) in enumerate(zip(codes, outputs)))
+  return outputs
+
+
+def wait_for_steps(procs, metrics: pathlib.Path, steps: int, timeout_s: float = 300) -> None:
+  """Until `metrics` holds `steps` records (both processes still running)."""
+  deadline = time.monotonic() + timeout_s
+  while not (metrics.exists() and len(metrics.read_text().splitlines()) >= steps):
+    running = procs.wait(0) == [None, None]
+    assert running and time.monotonic() < deadline, procs.output(0)[-4000:]
+    time.sleep(0.5)
 
 
 # --- tests ---------------------------------------------------------------------------------
@@ -155,7 +170,14 @@ def launch(mode: str, out: str, model_dir: str, devices_per_process: int,
 def trained(model_dir, tmp_path_factory):
   """Output of the 'train' launch: 2 processes with 2 devices each (a mesh of 4)."""
   out = str(tmp_path_factory.mktemp('multihost'))
-  launch('train', out, model_dir, devices_per_process=2)
+
+  def stop_after_two_steps(procs):
+    wait_for_steps(procs, pathlib.Path(out) / 'run' / 'metrics.jsonl', 2)
+    procs.procs[1].send_signal(signal.SIGTERM)  # to the follower: process 0 stops the run
+
+  outputs = launch('train', out, model_dir, devices_per_process=2,
+                   while_running=stop_after_two_steps)
+  assert 'stop requested by trainer process 1 of 2' in outputs[0], outputs[0][-3000:]
   return out
 
 
@@ -178,15 +200,18 @@ def test_two_process_step_equals_single_process(trained, model_dir):
 def test_two_process_run_writes_one_log_and_checkpoints_from_both(trained):
   run_dir = pathlib.Path(trained) / 'run'
   records = metrics_lib.read_metrics(str(run_dir / 'metrics.jsonl'))
-  assert [r['step'] for r in records] == [1, 2]  # one writer: process 1 logged nothing
-  step_dir = run_dir / 'checkpoints' / '2'
-  assert sorted(p.name for p in (run_dir / 'checkpoints').iterdir()) == ['1', '2']
+  last = records[-1]['step']
+  assert [r['step'] for r in records] == list(range(1, last + 1))  # one writer: process 0
+  assert last >= 2
+  # Every step saved, the last 3 kept; the last one when the stop request ended the run.
+  assert sorted(int(p.name) for p in (run_dir / 'checkpoints').iterdir()) == list(
+      range(max(1, last - 2), last + 1))
   # orbax: each process wrote the shards it holds; the JSON meta once
-  assert {p.name for p in (step_dir / 'state').glob('ocdbt.process_*')} == {
-      'ocdbt.process_0', 'ocdbt.process_1'}
+  assert {p.name for p in (run_dir / 'checkpoints' / str(last) / 'state').glob(
+      'ocdbt.process_*')} == {'ocdbt.process_0', 'ocdbt.process_1'}
   for i in range(2):
     with open(pathlib.Path(trained) / f'shards-{i}.pkl', 'rb') as f:
-      assert pickle.load(f)['steps'] == 2
+      assert pickle.load(f)['steps'] == last
 
 
 def test_checkpoint_restores_in_two_processes_and_in_one(trained, model_dir):
@@ -200,7 +225,8 @@ def test_checkpoint_restores_in_two_processes_and_in_one(trained, model_dir):
   assert any('mu' in k for k in saved)  # Adam's moments are part of the comparison
   for k, x in restored.items():
     np.testing.assert_array_equal(np.asarray(x), saved[k], err_msg=k)
-  assert learner.resumed['step'] == 2 and int(learner.state.step) == 2
+  last = metrics_lib.read_metrics(os.path.join(trained, 'run', 'metrics.jsonl'))[-1]['step']
+  assert learner.resumed['step'] == last and int(learner.state.step) == last
 
 
 def test_kill_of_process_1_stops_process_0_with_one_line(model_dir, tmp_path):
@@ -216,13 +242,9 @@ def test_kill_of_process_1_stops_process_0_with_one_line(model_dir, tmp_path):
             f'--config.train.distributed.coordinator_address={address}',
             f'--config.train.distributed.process_id={i}']
 
-  metrics = pathlib.Path(workdir) / 'metrics.jsonl'
   with distributed.LocalProcesses(argv, 2, 1, str(tmp_path / 'logs'), env=ENV,
                                   cwd=str(ROOT)) as procs:
-    deadline = time.monotonic() + 300
-    while not (metrics.exists() and metrics.read_text().strip()):  # a step was trained
-      assert time.monotonic() < deadline and procs.wait(0) == [None, None], procs.output(0)
-      time.sleep(0.5)
+    wait_for_steps(procs, pathlib.Path(workdir) / 'metrics.jsonl', 1)
     killed = procs.procs[1].pid
     os.kill(killed, signal.SIGKILL)
     codes = procs.wait(120)  # bounded: never a hang

@@ -104,8 +104,10 @@ class Commands:
     return header['op'], header['fields'], arrays
 
   def _forward_stop_request(self) -> None:
-    """A follower asked to stop (see `follow`): stop the run as Ctrl-C here would."""
-    if self._stop_requested:
+    """A follower asked to stop (see `follow`): stop the run as Ctrl-C here would. Only while
+    the loops run (their calls come from the trainer's thread): the main thread's own calls are
+    the final save, when the run is ending anyway."""
+    if self._stop_requested or threading.current_thread() is threading.main_thread():
       return
     requests = self._client.key_value_dir_get(STOP_REQUEST_KEY)
     if requests:
