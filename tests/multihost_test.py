@@ -166,6 +166,45 @@ def wait_for_steps(procs, metrics: pathlib.Path, steps: int, timeout_s: float = 
 # --- tests ---------------------------------------------------------------------------------
 
 
+@pytest.mark.parametrize('overrides,message', [
+    (dict(num_processes=-1), "must be >= 1 (0 = the scheduler's count)"),
+    (dict(distributed=dict(process_id=1)), 'applies to several trainer processes'),
+    (dict(num_processes=2, distributed=dict(process_id=2)), 'is not below num_processes=2'),
+    (dict(num_processes=2, distributed=dict(coordinator_address='node0')), "'HOST:PORT'"),
+    (dict(num_processes=2, distributed=dict(heartbeat_timeout_s=0)), 'must be >= 1'),
+])
+def test_distributed_config_errors_name_the_key(overrides, message):
+  c = config_lib.load_preset()
+  for key, value in overrides.items():
+    if isinstance(value, dict):
+      for k, v in value.items():
+        c.train[key][k] = v
+    else:
+      c.train[key] = value
+  with pytest.raises(ValueError, match=r'^config\.train\.') as e:
+    config_lib.validate(c)
+  assert message in str(e.value) and '\n' not in str(e.value)
+
+
+def test_several_trainer_processes_generate_with_the_inline_jax_engine():
+  c = config_lib.load_preset()
+  c.train.num_processes = 2
+  c.generation.backend = 'vllm'
+  with pytest.raises(ValueError, match=r"^config\.train\.num_processes: 2 trainer processes "
+                                       r"generate with the JAX engine on process 0"):
+    config_lib.validate(c)
+
+
+def test_joining_after_jax_started_is_a_one_line_error():
+  jax.devices()  # this test process's backend is up: too late to join others
+  train_config = config_lib.TrainConfig(num_processes=2, distributed=config_lib.DistributedConfig(
+      coordinator_address='127.0.0.1:1', process_id=1))
+  with pytest.raises(ValueError, match=r'^config\.train\.distributed: cannot join the other '
+                                       r'trainer processes \(RuntimeError: ') as e:
+    distributed.initialize(train_config)
+  assert '\n' not in str(e.value)
+
+
 @pytest.fixture(scope='module')
 def trained(model_dir, tmp_path_factory):
   """Output of the 'train' launch: 2 processes with 2 devices each (a mesh of 4)."""
