@@ -132,18 +132,16 @@ def _identity(x):
   return x
 
 
-def exit_process(status: int | str) -> None:
-  """Ends this process: with one process, `sys.exit(status)`. With several and a failure, at
-  once: a normal exit would wait at jax.distributed's shutdown barrier for peers that are gone
-  (then abort with a stack trace); `status` is printed first."""
-  failed = status not in (0, None)
-  if jax.process_count() == 1 or not jax.distributed.is_initialized() or not failed:
-    sys.exit(status)
-  if isinstance(status, str):
-    print(status, file=sys.stderr)
+def exit_with_error(message: str) -> None:
+  """Ends this process after printing `message`: `sys.exit(message)` in one process; with
+  several, at once (a normal exit would wait at jax.distributed's shutdown barrier for peers
+  that may be gone, then abort with a stack trace)."""
+  if jax.process_count() == 1 or not jax.distributed.is_initialized():
+    sys.exit(message)
+  print(message, file=sys.stderr)
   sys.stdout.flush()
   sys.stderr.flush()
-  os._exit(status if isinstance(status, int) else 1)
+  os._exit(1)
 
 
 def _first_line(e: BaseException) -> str:
@@ -183,11 +181,14 @@ class LocalProcesses:
         f'--xla_force_host_platform_device_count={devices_per_process}'])
     base.setdefault('JAX_PLATFORMS', 'cpu')
     self.procs: list[subprocess.Popen] = []
-    with contextlib.ExitStack() as logs:
+    try:
       for i in range(num_processes):
-        log = logs.enter_context(open(self.log_path(i), 'w'))
-        self.procs.append(subprocess.Popen(list(argv_for(i, self.address)), env=base, cwd=cwd,
-                                           stdout=log, stderr=subprocess.STDOUT))
+        with open(self.log_path(i), 'w') as log:
+          self.procs.append(subprocess.Popen(list(argv_for(i, self.address)), env=base,
+                                             cwd=cwd, stdout=log, stderr=subprocess.STDOUT))
+    except BaseException:
+      self.close()  # none of them may outlive a failed start
+      raise
 
   def log_path(self, index: int) -> str:
     return os.path.join(self.log_dir, f'process-{index}.log')

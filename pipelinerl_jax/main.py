@@ -35,7 +35,7 @@ def main(argv):
   try:
     summary = run_lib.run_experiment(_CONFIG.value, _WORKDIR.value)
   except (ValueError, FileNotFoundError, run_lib.RunError, multiprocess.TrainerProcessError) as e:
-    distributed.exit_process(f'error: {e}')  # sys.exit, or at once when peers may be gone
+    distributed.exit_with_error(f'error: {e}')  # several processes: at once
   if summary.get('follower'):
     print(f"{distributed.describe()}: followed process 0 to step {summary['steps']}")
     return

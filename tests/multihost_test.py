@@ -2,9 +2,10 @@
 
 One launch trains: a step of the 2-process mesh equals the single-process step; then a
 PipelineRL run (process 0 runs the pipeline, process 1 follows), stopped by a SIGTERM to process
-1 after two steps, saves checkpoints from both processes, and each dumps the shards it holds. A second launch restores them in 2 processes of
-another layout, and the test process restores them in 1: both equal to the shards saved. A
-third launch, through the CLI, kills process 1 mid-run: process 0 stops with one line naming it.
+1 after two steps, saves checkpoints from both processes, and each dumps the shards it holds. A
+second launch restores them in 2 processes of another layout, and the test process restores
+them in 1: both equal to the shards saved. A third launch, through the CLI, kills process 1
+mid-run: process 0 stops with one line naming it.
 
 Run as a script, this file is the trainer processes' program (`worker`).
 """
@@ -50,7 +51,8 @@ def packed_batch(vocab_size: int) -> dict[str, np.ndarray]:
   for _ in range(16):
     p, c = int(rng.integers(3, 9)), int(rng.integers(2, 13))
     samples.append(packing.Sample(
-        prompt_tokens=rng.integers(1, vocab_size, p), completion_tokens=rng.integers(1, vocab_size, c),
+        prompt_tokens=rng.integers(1, vocab_size, p),
+        completion_tokens=rng.integers(1, vocab_size, c),
         behaviour_logprobs=-3.0 + 0.5 * rng.normal(size=c), versions=np.zeros(c, np.int32),
         advantage=float(rng.normal())))
   batch, _ = packing.pack_samples(samples, seq_len=24, row_multiple=8)

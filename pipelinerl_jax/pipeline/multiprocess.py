@@ -99,7 +99,8 @@ class Commands:
     self._next += 1
     arrays = {}
     if header['arrays']:
-      zeros = {k: np.zeros(shape, np.dtype(dtype)) for k, (shape, dtype) in header['arrays'].items()}
+      zeros = {k: np.zeros(shape, np.dtype(dtype))
+               for k, (shape, dtype) in header['arrays'].items()}
       arrays = multihost_utils.broadcast_one_to_all(zeros, is_source=False)
     return header['op'], header['fields'], arrays
 
@@ -196,8 +197,8 @@ def run(config: config_lib.Config, workdir: str, model_dir: str,
   except BaseException as e:
     lost = commands.stop(error=_first_line(e), grace_s=grace_seconds(config))
     if lost:
-      raise TrainerProcessError(f'{"; ".join(lost)}. All trainer processes stopped (seen by process 0: '
-                     f'{_first_line(e)})') from e
+      raise TrainerProcessError(f'{"; ".join(lost)}. All trainer processes stopped (seen by '
+                                f'process 0: {_first_line(e)})') from e
     raise
   commands.stop(error=None, grace_s=0)
   return summary
@@ -241,7 +242,8 @@ def follow(config: config_lib.Config, workdir: str, model_dir: str) -> dict[str,
     print(f'{distributed.describe()}: stop requested; process 0 stops the run',
           file=sys.stderr, flush=True)
 
-  handlers = {s: signal.signal(s, request_stop) for s in (signal.SIGINT, signal.SIGTERM)}
+  handlers = ({s: signal.signal(s, request_stop) for s in (signal.SIGINT, signal.SIGTERM)}
+              if threading.current_thread() is threading.main_thread() else {})
   try:
     learner = build_lib.build_learner(config, workdir, model_dir)
     distributed.whole(learner.state.params)  # what process 0's build hands its engine
