@@ -6,7 +6,11 @@ A checkpoint is one step directory under config.checkpoint.dir holding two items
   meta/   JSON: the seed, the data position (see stream.GroupLedger), trainer counters, the
           run's config and model dir.
 Orbax writes a step into a temporary directory and renames it once complete, so a save cut
-short (a second Ctrl-C, a crash) never becomes the latest checkpoint.
+short (a second Ctrl-C, a crash) never becomes the latest checkpoint. Such a partial save is
+removed when the next run opens the directory, and at once when a save fails (a full disk): left
+behind, it would keep the disk full. A latest checkpoint that does not restore (a truncated
+file, a non-finite state) is moved aside as <step>.unreadable and the run resumes from the one
+before it, saying so.
 
 Why a resume can be exact: training uses no randomness, sampling is keyed by (seed, group id,
 sample index), and group i is always problem i of `task.problems(seed)`. So the restored state,
@@ -23,6 +27,7 @@ import dataclasses
 import functools
 import itertools
 import os
+import shutil
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -53,7 +58,8 @@ def _manager(path: str | os.PathLike, keep: int | None = None,
   options = ocp.CheckpointManagerOptions(
       max_to_keep=keep, create=not read_only, read_only=read_only,
       # Synchronous: the next train step donates the state's buffers.
-      enable_async_checkpointing=False)
+      enable_async_checkpointing=False,
+      cleanup_tmp_directories=not read_only)  # partial saves of a run that died
   try:
     return ocp.CheckpointManager(os.path.abspath(path), options=options,
                                  item_names=(STATE, META))
@@ -73,6 +79,15 @@ def abstract_state(model_config: transformer.ModelConfig, optimizer: optax.Gradi
   return target, shardings
 
 
+def state_bytes(model_config: transformer.ModelConfig,
+                optimizer: optax.GradientTransformation) -> int:
+  """Bytes of one checkpoint's arrays (params and optimizer state), from shapes alone."""
+  shapes = jax.eval_shape(
+      lambda k: train.init_train_state(transformer.init_params(model_config, k), optimizer),
+      jax.random.PRNGKey(0))
+  return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(shapes))
+
+
 class Checkpointer:
   """A run's checkpoints: save every `every_steps` (0: only when asked), keep the last `keep`."""
 
@@ -84,6 +99,9 @@ class Checkpointer:
   def latest_step(self) -> int | None:
     return self._manager.latest_step()
 
+  def all_steps(self) -> list[int]:
+    return sorted(self._manager.all_steps())
+
   def due(self, step: int) -> bool:
     """A multiple of every_steps was reached since the last save (conventional mode publishes
     only every conventional_steps steps, so the boundary may be passed, not hit)."""
@@ -94,11 +112,42 @@ class Checkpointer:
     step = int(state.step)
     if step == 0 or step in self._manager.all_steps():
       return False
-    self._manager.save(step, args=ocp.args.Composite(
-        **{STATE: ocp.args.StandardSave(state), META: ocp.args.JsonSave(meta)}))
-    self._manager.wait_until_finished()
+    try:
+      self._manager.save(step, args=ocp.args.Composite(
+          **{STATE: ocp.args.StandardSave(state), META: ocp.args.JsonSave(meta)}))
+      self._manager.wait_until_finished()
+    except Exception as e:
+      removed = self._remove_partial(step)
+      why = _first_line(e)
+      if 'No space left on device' in str(e):  # orbax's message buries it at its end
+        why = f'no space left on device: {shutil.disk_usage(self.path).free >> 20} MB free'
+      latest = self.latest_step()
+      raise OSError(f'{self.path}: could not write the checkpoint of step {step} ({why}); '
+                    f'{removed}' + (f'the latest complete one is step {latest}'
+                                    if latest is not None else 'no complete one exists yet')
+                    ) from None
     self.last_saved = step
     return True
+
+  def _remove_partial(self, step: int) -> str:
+    """Deletes what a failed save of `step` left (orbax's temporary directory)."""
+    partial = [p for p in Path(self.path).glob(f'{step}.orbax-checkpoint-tmp*')]
+    for p in partial:
+      shutil.rmtree(p, ignore_errors=True)
+    return 'its partial files were removed; ' if partial else ''
+
+  def set_aside(self, step: int) -> str:
+    """Renames step dir `step` to <step>.unreadable (orbax ignores that name), so the run's
+    later save of that step is not skipped as already done; returns the new path."""
+    src = Path(self.path) / str(step)
+    dst = src.with_name(f'{step}.unreadable')
+    n = 1
+    while dst.exists():
+      n += 1
+      dst = src.with_name(f'{step}.unreadable.{n}')
+    src.rename(dst)
+    self._manager.reload()
+    return str(dst)
 
   def restore(self, target: train.TrainState, step: int | None = None
               ) -> tuple[train.TrainState, dict[str, Any]]:
@@ -109,8 +158,12 @@ class Checkpointer:
       restored = self._manager.restore(step, args=ocp.args.Composite(
           **{STATE: ocp.args.StandardRestore(target), META: ocp.args.JsonRestore()}))
     except Exception as e:
-      raise ValueError(f'{step_dir}: cannot restore this checkpoint ({_first_line(e)}); '
-                       'delete it or set config.checkpoint.resume=False') from None
+      raise ValueError(f'{step_dir}: cannot restore this checkpoint ({_first_line(e)})'
+                       ) from None
+    # One jitted program: leaf by leaf, each sharded leaf would be its own collective (on 8
+    # simulated CPU devices under load, XLA's 40 s rendezvous timeout then aborted the process).
+    if not bool(jax.jit(train.all_finite)(restored[STATE])):
+      raise ValueError(f'{step_dir}: the checkpoint holds non-finite params or optimizer state')
     return restored[STATE], restored[META]
 
   def close(self) -> None:
@@ -129,7 +182,8 @@ def check_resumable(meta: dict[str, Any], config: config_lib.Config, path: str) 
   """The data stream is a function of the seed: another seed would not continue this run."""
   if meta['seed'] != config.seed:
     raise ValueError(f"config.seed: {config.seed} differs from the checkpoint's seed "
-                     f"{meta['seed']} in {path}; use that seed or config.checkpoint.resume=False")
+                     f"{meta['seed']} in {path}; use that seed, or set config.checkpoint.dir to a "
+                     'new directory')
 
 
 def restore_latest(config: config_lib.Config, checkpoints: Checkpointer,
@@ -141,10 +195,29 @@ def restore_latest(config: config_lib.Config, checkpoints: Checkpointer,
   if not config.checkpoint.resume or checkpoints.latest_step() is None:
     return None
   target, shardings = abstract_state(model_config, optimizer, mesh)
-  state, meta = checkpoints.restore(target)
+  state, meta = _restore_newest_readable(checkpoints, target)
   check_resumable(meta, config, checkpoints.path)
   print(f'[run] resuming from {checkpoints.path} at step {int(state.step)}', flush=True)
   return state, shardings, meta
+
+
+def _restore_newest_readable(checkpoints: Checkpointer, target: train.TrainState
+                             ) -> tuple[train.TrainState, dict[str, Any]]:
+  """The newest checkpoint that restores; the ones after it are set aside, each with a line
+  saying why. None restoring is a ValueError."""
+  problems = []
+  for step in reversed(checkpoints.all_steps()):
+    try:
+      state, meta = checkpoints.restore(target, step)
+    except ValueError as e:
+      problems.append((step, str(e)))
+      continue
+    for bad, why in problems:
+      moved = checkpoints.set_aside(bad)
+      print(f'[run] {why}: moved to {moved}; resuming from step {step} instead', flush=True)
+    return state, meta
+  raise ValueError(f'{problems[0][1]}, and no earlier checkpoint restores either; move '
+                   f'{checkpoints.path} away or set config.checkpoint.dir to a new directory')
 
 
 def check_fresh_start(config: config_lib.Config, checkpoints: Checkpointer) -> None:

@@ -379,8 +379,8 @@ class OptimizerConfig(_Section):
   max_grad_norm: float = 1.0      # global-norm clipping; 0 disables it
 
   def _check_values(self):
-    _check(0 < self.lr < math.inf, 'lr',
-           f'must be finite and > 0, got {self.lr}')
+    # AdamW moves every weight by about lr per step: above 1 no model survives the first one.
+    _check(0 < self.lr <= 1, 'lr', f'must be finite and > 0 and at most 1, got {self.lr}')
     _check(self.warmup_steps >= 0, 'warmup_steps', f'must be >= 0, got {self.warmup_steps}')
     _check(self.total_steps >= 1, 'total_steps', f'must be >= 1, got {self.total_steps}')
     _check(0 <= self.min_lr_ratio <= 1, 'min_lr_ratio',
@@ -492,6 +492,11 @@ class EvalConfig(_Section):
 class LogConfig(_Section):
   tensorboard: bool = True
   progress: bool = True           # a live progress line (every 10 steps when not a terminal)
+  # Weights & Biases (pip install -e '.[wandb]'): the metrics.jsonl records; a resumed run
+  # continues the same W&B run. WANDB_MODE=offline writes it under <workdir>/wandb only.
+  wandb: bool = False
+  wandb_project: str = 'pipelinerl_jax'
+  wandb_entity: str = ''          # '' = the W&B default entity
 
 
 # --- the whole run ---------------------------------------------------------------------------

@@ -22,13 +22,16 @@ import time
 from typing import Any, Callable, Sequence
 
 import jax
-from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from pipelinerl_jax import config as config_lib
 
 _HOST_KEY = 'pipelinerl/process/'
 _hosts: dict[int, str] = {}   # process index -> 'host NAME, pid N', filled by `initialize`
+# How long a process waits at a barrier for the others: process 0 may be building the demo model
+# or loading a large dataset meanwhile.
+BARRIER_TIMEOUT_S = 3600
+_gathered = False             # whole() ran once in this process
 
 
 def initialize(config: config_lib.TrainConfig) -> None:
@@ -71,6 +74,11 @@ def _register_host() -> None:
     _hosts[i] = client.blocking_key_value_get(f'{_HOST_KEY}{i}', timeout_ms)
 
 
+def several_processes() -> bool:
+  """This process is one of several trainer processes (without starting JAX's backend)."""
+  return jax.distributed.is_initialized() and jax.process_count() > 1
+
+
 def process_index() -> int:
   return jax.process_index()
 
@@ -92,15 +100,17 @@ def describe(index: int | None = None) -> str:
   return f'trainer process {index} of {jax.process_count()} ({where})'
 
 
-def barrier(name: str) -> None:
-  """Returns once every process got here (a collective: each must call it, in the same order)."""
-  if jax.process_count() > 1:
-    multihost_utils.sync_global_devices(name)
+def barrier(name: str, timeout_s: float = BARRIER_TIMEOUT_S) -> None:
+  """Returns once every process called barrier(name). In jax.distributed's key-value store, not
+  on the devices: the first collective over a set of devices opens its connections, and gloo
+  waits only 30 s for a peer there."""
+  if several_processes():
+    coordination_client().wait_at_barrier(f'pipelinerl/{name}', int(timeout_s * 1000))
 
 
 def primary_first(fn: Callable[[], Any], name: str) -> Any:
   """fn() on process 0, then on the others (e.g. building a cache on a shared disk once)."""
-  if jax.process_count() == 1:
+  if not several_processes():
     return fn()
   if is_primary():
     out = fn()
@@ -116,9 +126,12 @@ def whole(tree: Any) -> Any:
   process, `tree` itself."""
   if jax.process_count() == 1:
     return tree
-  leaves = jax.tree.leaves(tree)
-  if not leaves:
+  global _gathered
+  if not jax.tree.leaves(tree):
     return tree
+  if not _gathered:  # the first gather, at start-up: processes may arrive minutes apart
+    barrier('first gather')
+    _gathered = True
   replicated = jax.tree.map(lambda x: NamedSharding(x.sharding.mesh, P()), tree)
   gathered = _gather(tree, replicated)
   return jax.tree.map(lambda x: x.addressable_data(0), gathered)
@@ -130,18 +143,6 @@ def _gather(tree, shardings):
 
 def _identity(x):
   return x
-
-
-def exit_with_error(message: str) -> None:
-  """Ends this process after printing `message`: `sys.exit(message)` in one process; with
-  several, at once (a normal exit would wait at jax.distributed's shutdown barrier for peers
-  that may be gone, then abort with a stack trace)."""
-  if jax.process_count() == 1 or not jax.distributed.is_initialized():
-    sys.exit(message)
-  print(message, file=sys.stderr)
-  sys.stdout.flush()
-  sys.stderr.flush()
-  os._exit(1)
 
 
 def _first_line(e: BaseException) -> str:

@@ -35,16 +35,15 @@ def evaluate_checkpoint(config, checkpoint: str, *, k: int | None = None, n: int
   """What the CLI runs: params from `checkpoint`, architecture and tokenizer from the config's
   model (config.model.path, or the demo model) unless the checkpoint is an HF dir with its own
   config.json; the task's held-out problems."""
-  from transformers import AutoTokenizer  # heavy: only once an evaluation starts
   config = config_lib.validate(config)
   model_dir = warmstart.model_dir_for(config)
+  tokenizer = hf_io.load_tokenizer(model_dir)  # before the params: a missing one is one line
   has_config = os.path.isfile(os.path.join(checkpoint, hf_io.CONFIG_FILE))
   arch_dir = checkpoint if has_config else model_dir
   m = config.model
   model_config = hf_io.load_config(arch_dir, param_dtype=m.param_dtype, dtype=m.dtype,
                                    lm_head_fp32=m.lm_head_fp32, remat=False)
   params = checkpoint_lib.load_params(checkpoint, model_config)  # orbax run dir or HF dir
-  tokenizer = AutoTokenizer.from_pretrained(model_dir)
   task = registry.make_task(config.task, tokenizer)
   try:
     result = evaluation.evaluate_params(

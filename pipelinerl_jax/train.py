@@ -3,8 +3,10 @@
 The batch is packed rows split into micro-batches, every array [M, R, T] (see packing.py).
 Gradients are accumulated over the M micro-batches with `lax.scan`; the loss of each is
 normalized by totals over the whole batch, so the accumulated gradient is exactly the
-full-batch gradient. A non-finite loss or gradient skips the update (params, optimizer state
-and step unchanged) and is reported in `metrics['skipped']`.
+full-batch gradient. A non-finite loss, gradient, updated param or optimizer moment skips the
+update (params, optimizer state and step unchanged) and is reported in `metrics['skipped']`: so
+a non-finite state is never published, saved or resumed. (Finite loss and gradients can still
+give non-finite params: an lr of 1e30, an Adam moment that overflows.)
 """
 
 from __future__ import annotations
@@ -57,6 +59,13 @@ def init_train_state(params, optimizer: optax.GradientTransformation) -> TrainSt
   return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=optimizer.init(params))
 
 
+def all_finite(tree) -> jax.Array:
+  """True when every floating-point leaf of `tree` is finite (integer leaves always are)."""
+  checks = [jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree)
+            if jnp.issubdtype(jnp.asarray(x).dtype, jnp.inexact)]
+  return jnp.all(jnp.stack(checks)) if checks else jnp.array(True)
+
+
 def batch_totals(batch) -> tuple[jax.Array, jax.Array]:
   """(sequences, loss tokens) over the whole batch: the loss normalizers (paper: / B sequences)."""
   starts = (batch['positions'] == 0) & (batch['segment_ids'] != 0)
@@ -97,9 +106,10 @@ def make_train_step(model_config: transformer.ModelConfig, loss_config: config_l
     (grads, loss, stats), _ = jax.lax.scan(accumulate, (grads0, jnp.zeros(()), stats0), batch)
 
     grad_norm = optax.tree.norm(grads)
-    ok = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
     updates, new_opt_state = optimizer.update(grads, state.opt_state, state.params)
     new_params = optax.apply_updates(state.params, updates)
+    ok = (jnp.isfinite(loss) & jnp.isfinite(grad_norm) & all_finite(new_params)
+          & all_finite(new_opt_state))
     keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(ok, n, o), new, old)
     new_state = TrainState(step=state.step + ok.astype(jnp.int32),
                            params=keep(new_params, state.params),

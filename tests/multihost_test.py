@@ -33,6 +33,7 @@ from pipelinerl_jax.models import transformer
 from pipelinerl_jax.pipeline import build as build_lib
 from pipelinerl_jax.pipeline import metrics as metrics_lib
 from pipelinerl_jax.pipeline import run as run_lib
+from pipelinerl_jax.pipeline import signals
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 SGD_LR = 0.05
@@ -108,7 +109,8 @@ def worker(mode: str, process_id: int, address: str, out: str, model_dir: str) -
   if mode == 'train':
     two = sgd_step(model_dir, sharding_lib.make_mesh(1, 4, 1))  # rows and params over both
     two_params = distributed.whole(two[0].params)
-    summary = run_lib.run(config, workdir)
+    with signals.StopSignals() as stop:  # as main installs them
+      summary = run_lib.run(config, workdir, interrupt=stop.request)
     assert summary['interrupted'], summary  # by the stop request from process 1
     shards = {k: (x.shape, [(s.index, np.asarray(s.data)) for s in x.addressable_shards])
               for k, x in flat(summary['final_state']).items()}

@@ -73,6 +73,27 @@ def load_config(model_dir: str | os.PathLike, **overrides) -> ModelConfig:
   return config_from_hf(hf, source=str(path), **overrides)
 
 
+TOKENIZER_FILES = ('tokenizer.json', 'tokenizer_config.json', 'vocab.json', 'tokenizer.model')
+
+
+def load_tokenizer(model_dir: str | os.PathLike):
+  """The model dir's tokenizer (transformers' AutoTokenizer), checked: without tokenizer files
+  AutoTokenizer builds an empty one from config.json that encodes every prompt to no tokens,
+  which would read as "every prompt too long" or "0 tokens" much later."""
+  from transformers import AutoTokenizer  # heavy import: only when a tokenizer is needed
+  present = [name for name in TOKENIZER_FILES if (Path(model_dir) / name).is_file()]
+  if not present:
+    raise ValueError(f'{model_dir}: no tokenizer files ({", ".join(TOKENIZER_FILES)}); copy '
+                     "them from the model's original directory")
+  tokenizer = AutoTokenizer.from_pretrained(model_dir)
+  if not tokenizer.encode('1 + 1 = 2', add_special_tokens=False):
+    raise ValueError(f'{model_dir}: its tokenizer ({", ".join(present)}) encodes text to no '
+                     'tokens')
+  if tokenizer.eos_token_id is None:
+    raise ValueError(f'{model_dir}: the tokenizer has no eos_token; generation could not stop')
+  return tokenizer
+
+
 def config_from_hf(hf: dict, source: str = CONFIG_FILE, **overrides) -> ModelConfig:
   """ModelConfig from a parsed HF config dict; `source` names the file in error messages."""
   def fail(msg):

@@ -8,6 +8,7 @@ Placement of the generation engine is one function per `generation.placement`
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import importlib.util
 import os
@@ -30,6 +31,7 @@ from pipelinerl_jax.generation import jax_engine
 from pipelinerl_jax.models import hf_io
 from pipelinerl_jax.models import transformer
 from pipelinerl_jax.pipeline import actor as actor_lib
+from pipelinerl_jax.pipeline import signals
 from pipelinerl_jax.pipeline import stream as stream_lib
 from pipelinerl_jax.pipeline import trainer as trainer_lib
 from pipelinerl_jax.tasks import base as tasks_base
@@ -78,9 +80,10 @@ class Learner:
   resumed: dict[str, Any] | None       # the restored checkpoint's meta; None for a fresh start
 
 
-def build_learner(config: config_lib.Config, workdir: str, model_dir: str) -> Learner:
+def build_learner(config: config_lib.Config, workdir: str, model_dir: str,
+                  started: contextlib.ExitStack | None = None) -> Learner:
   """Model, mesh, train state (restored from the latest checkpoint, or loaded from model_dir)
-  and the jitted train step."""
+  and the jitted train step. `started` gets the checkpointer's close (see `build`)."""
   model_config = hf_io.load_config(
       model_dir, param_dtype=config.model.param_dtype, dtype=config.model.dtype,
       lm_head_fp32=config.model.lm_head_fp32, remat=config.model.remat,
@@ -90,6 +93,8 @@ def build_learner(config: config_lib.Config, workdir: str, model_dir: str) -> Le
   optimizer = train.make_optimizer(config.optimizer)
   checkpoints = checkpoint_lib.Checkpointer(checkpoint_lib.directory(config, workdir),
                                             config.checkpoint.keep, config.checkpoint.every_steps)
+  if started is not None:
+    started.callback(_quietly, checkpoints.close)
   restored = checkpoint_lib.restore_latest(config, checkpoints, model_config, optimizer, mesh)
   if restored:
     state, state_sh, resumed = restored
@@ -109,25 +114,50 @@ def build_learner(config: config_lib.Config, workdir: str, model_dir: str) -> Le
                  checkpoints=checkpoints, resumed=resumed)
 
 
-def build(config: config_lib.Config, workdir: str, model_dir: str) -> Parts:
-  """Loads (or restores) everything; the engine starts from the trainer's policy version."""
+def build(config: config_lib.Config, workdir: str, model_dir: str,
+          interrupt: threading.Event | None = None) -> Parts:
+  """Loads (or restores) everything; the engine starts from the trainer's policy version.
+
+  The tokenizer and the task's data come first, so a bad file is reported before the model
+  loads. `interrupt` set (a signal) stops the build at its next phase (signals.Interrupted);
+  whatever fails, the parts already started (the task's worker pool, the engine) are closed.
+  """
+  started = contextlib.ExitStack()
+  try:
+    return _build(config, workdir, model_dir, started, lambda: signals.check(interrupt))
+  except BaseException:
+    started.close()
+    raise
+
+
+def _quietly(close: Callable[[], None]) -> None:
+  """A part closed after another failure: its own error must not replace that one."""
+  try:
+    close()
+  except Exception:
+    pass
+
+
+def _build(config: config_lib.Config, workdir: str, model_dir: str,
+           started: contextlib.ExitStack, check_interrupt: Callable[[], None]) -> Parts:
   check_backend_installed(config)
-  learner = build_learner(config, workdir, model_dir)
+  tokenizer = hf_io.load_tokenizer(model_dir)
+  task = registry.make_task(config.task, tokenizer)
+  started.callback(_quietly, task.close)
+  check_interrupt()
+  learner = build_learner(config, workdir, model_dir, started)
   model_config, mesh, state = learner.model_config, learner.mesh, learner.state
   train_step, checkpoints, resumed = learner.train_step, learner.checkpoints, learner.resumed
-
-  from transformers import AutoTokenizer  # heavy import, only when a run starts
-  tokenizer = AutoTokenizer.from_pretrained(model_dir)
-  if tokenizer.eos_token_id is None:
-    raise ValueError(f'{model_dir}: the tokenizer has no eos_token; generation could not stop')
+  check_interrupt()
   version = int(state.step)
   engine = ENGINE_PLACEMENTS[config.generation.placement](
       config, model_config, model_dir, mesh=mesh, eos_token_id=tokenizer.eos_token_id,
       params=distributed.whole(state.params), version=version)  # collective, see whole()
+  started.callback(_quietly, engine.close)
+  check_interrupt()
   publish = publisher(config, mesh, engine)
   if resumed and config.generation.backend != 'jax':  # vLLM loaded model_dir's weights
     publish(state.params, version)
-  task = registry.make_task(config.task, tokenizer)
   evaluate = (evaluator(config, workdir, model_config, tokenizer, task, mesh)
               if config.eval.every_steps else None)
   return Parts(config=config, model_dir=model_dir, model_config=model_config, mesh=mesh,

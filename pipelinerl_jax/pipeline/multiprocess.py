@@ -30,7 +30,6 @@ import _thread
 import dataclasses
 import json
 import os
-import signal
 import sys
 import threading
 import time
@@ -67,12 +66,15 @@ def _timed_out(e: BaseException) -> bool:
 
 
 class Commands:
-  """Process 0 -> the followers: the next collective call, in order."""
+  """Process 0 -> the followers: the next collective call, in order. On process 0,
+  `stop_request` is what a follower's stop request sets (the run's interrupt event; None:
+  interrupt the main thread, as Ctrl-C)."""
 
-  def __init__(self):
+  def __init__(self, stop_request: threading.Event | None = None):
     self._client = distributed.coordination_client()
     self._next = 0
-    self._stop_requested = False
+    self._stop_request = stop_request
+    self._forwarded = False
 
   def send(self, op: str, arrays: dict[str, np.ndarray] | None = None, **fields) -> None:
     self._forward_stop_request()
@@ -86,10 +88,13 @@ class Commands:
     if arrays:
       multihost_utils.broadcast_one_to_all(arrays)
 
-  def receive(self) -> tuple[str, dict[str, Any], dict[str, np.ndarray]]:
-    """(op, fields, arrays) of the next command; blocks until process 0 sends it."""
+  def receive(self, while_waiting: Callable[[], None] = lambda: None
+              ) -> tuple[str, dict[str, Any], dict[str, np.ndarray]]:
+    """(op, fields, arrays) of the next command; blocks until process 0 sends it, calling
+    `while_waiting` every WAIT_SLICE_MS."""
     key = f'{COMMAND_KEY}{self._next}'
     while True:
+      while_waiting()
       try:
         header = json.loads(self._client.blocking_key_value_get(key, WAIT_SLICE_MS))
         break
@@ -108,14 +113,18 @@ class Commands:
     """A follower asked to stop (see `follow`): stop the run as Ctrl-C here would. Only while
     the loops run (their calls come from the trainer's thread): the main thread's own calls are
     the final save, when the run is ending anyway."""
-    if self._stop_requested or threading.current_thread() is threading.main_thread():
+    if self._forwarded or threading.current_thread() is threading.main_thread():
       return
     requests = self._client.key_value_dir_get(STOP_REQUEST_KEY)
     if requests:
-      self._stop_requested = True
-      key, who = requests[0]
-      print(f'[run] stop requested by {who}', flush=True)
-      _thread.interrupt_main()
+      self._forwarded = True
+      request = json.loads(requests[0][1])
+      print(f"[run] stop requested by {request['who']}", flush=True)
+      if self._stop_request is None:
+        _thread.interrupt_main()
+      else:
+        self._stop_request.signum = request['signum']  # the follower's signal: the exit status
+        self._stop_request.set()
 
   def stop(self, error: str | None, grace_s: float) -> list[str]:
     """Ends the followers: `stop` in order, and the stop flag for those stuck in a call.
@@ -185,23 +194,31 @@ def lead(parts: build_lib.Parts, commands: Commands) -> build_lib.Parts:
       checkpoints=_AnnouncedCheckpoints(parts.checkpoints, commands))
 
 
-def run(config: config_lib.Config, workdir: str, model_dir: str,
-        pipeline: Callable[[build_lib.Parts], dict[str, Any]]) -> dict[str, Any]:
-  """Every trainer process calls this: process 0 builds the parts and runs `pipeline` on them
-  (pipeline/run.py's lifecycle), the others follow it."""
-  if not distributed.is_primary():
-    return follow(config, workdir, model_dir)
-  commands = Commands()
-  try:
-    summary = pipeline(lead(build_lib.build(config, workdir, model_dir), commands))
-  except BaseException as e:
-    lost = commands.stop(error=_first_line(e), grace_s=grace_seconds(config))
+class Followers:
+  """Process 0's side of the other trainer processes (with one process, nothing):
+  `announce(parts)` makes every call that involves them announced (`lead`); leaving the block
+  ends them, and after a failure names any that is gone (TrainerProcessError)."""
+
+  def __init__(self, config: config_lib.Config, stop_request: threading.Event | None = None):
+    self._grace_s = grace_seconds(config)
+    self._commands = Commands(stop_request) if distributed.several_processes() else None
+
+  def announce(self, parts: build_lib.Parts) -> build_lib.Parts:
+    return parts if self._commands is None else lead(parts, self._commands)
+
+  def __enter__(self) -> 'Followers':
+    return self
+
+  def __exit__(self, kind, error, traceback) -> None:
+    if self._commands is None:
+      return
+    if error is None:
+      self._commands.stop(error=None, grace_s=0)
+      return
+    lost = self._commands.stop(error=_first_line(error), grace_s=self._grace_s)
     if lost:
       raise TrainerProcessError(f'{"; ".join(lost)}. All trainer processes stopped (seen by '
-                                f'process 0: {_first_line(e)})') from e
-    raise
-  commands.stop(error=None, grace_s=0)
-  return summary
+                                f'process 0: {_first_line(error)})') from error
 
 
 # --- the other processes -----------------------------------------------------------------------
@@ -226,24 +243,23 @@ def _watch_stop_flag(client) -> None:
   os._exit(1)
 
 
-def follow(config: config_lib.Config, workdir: str, model_dir: str) -> dict[str, Any]:
-  """A follower's whole run: its shards of the train state, the same calls as process 0."""
+def follow(config: config_lib.Config, workdir: str, model_dir: str,
+           interrupt: threading.Event | None = None) -> dict[str, Any]:
+  """A follower's whole run: its shards of the train state, the same calls as process 0.
+  `interrupt` set (a signal here: main's handlers) asks process 0 to stop the run, which it does
+  as after its own Ctrl-C, saving first; this process keeps following until then."""
   client = distributed.coordination_client()
   threading.Thread(target=_watch_stop_flag, args=(client,), name='stop-flag', daemon=True).start()
-  requested = []
+  forwarded = []
 
-  def request_stop(signum, frame):
-    """Ctrl-C or SIGTERM here: process 0 stops the run (saving first); a second one gives up.
-    Nothing is raised in between: a call left half made would stall every process."""
-    if requested:
-      raise KeyboardInterrupt
-    requested.append(signum)
-    client.key_value_set(f'{STOP_REQUEST_KEY}{jax.process_index()}', distributed.describe())
-    print(f'{distributed.describe()}: stop requested; process 0 stops the run',
-          file=sys.stderr, flush=True)
+  def forward_stop_request():
+    if interrupt is not None and interrupt.is_set() and not forwarded:
+      forwarded.append(True)
+      client.key_value_set(f'{STOP_REQUEST_KEY}{jax.process_index()}', json.dumps(dict(
+          who=distributed.describe(), signum=getattr(interrupt, 'signum', None))))
+      print(f'{distributed.describe()}: stop requested; process 0 stops the run',
+            file=sys.stderr, flush=True)
 
-  handlers = ({s: signal.signal(s, request_stop) for s in (signal.SIGINT, signal.SIGTERM)}
-              if threading.current_thread() is threading.main_thread() else {})
   try:
     learner = build_lib.build_learner(config, workdir, model_dir)
     distributed.whole(learner.state.params)  # what process 0's build hands its engine
@@ -251,7 +267,7 @@ def follow(config: config_lib.Config, workdir: str, model_dir: str) -> dict[str,
     commands = Commands()
     state = learner.state
     while True:
-      op, fields, arrays = commands.receive()
+      op, fields, arrays = commands.receive(while_waiting=forward_stop_request)
       if op == 'train':
         state, _ = learner.train_step(state, put_batch(arrays))
         jax.block_until_ready(state.step)  # a failure shows in its own call
@@ -267,8 +283,5 @@ def follow(config: config_lib.Config, workdir: str, model_dir: str) -> dict[str,
   except BaseException as e:
     client.key_value_set(f'{LAST_WORDS_KEY}{jax.process_index()}', _first_line(e))
     raise TrainerProcessError(f'{distributed.describe()} failed: {_first_line(e)}') from e
-  finally:
-    for s, handler in handlers.items():
-      signal.signal(s, handler)
-  return dict(steps=int(state.step), follower=True, interrupted=bool(requested),
+  return dict(steps=int(state.step), follower=True, interrupted=bool(forwarded),
               final_state=state)

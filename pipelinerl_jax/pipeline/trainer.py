@@ -1,6 +1,11 @@
 """The trainer loop (paper Algorithm 2, "Trainer"): take B samples, pack, one optimizer step,
 publish the new weights to the generators -- after every step in pipeline mode; after the G
-steps that use one generated batch in conventional mode."""
+steps that use one generated batch in conventional mode.
+
+An update the train step skips (non-finite loss, gradient or updated state; see train.py)
+leaves the params and the step as they were: it is logged as a `skipped_update` record of its
+own, not as a step, its samples are not trained again, and MAX_SKIPPED_IN_A_ROW of them in a
+row stop the run (a state or a data stream that only gives non-finite updates)."""
 
 from __future__ import annotations
 
@@ -14,6 +19,8 @@ import numpy as np
 
 from pipelinerl_jax import packing
 from pipelinerl_jax.pipeline import stream as stream_lib
+
+MAX_SKIPPED_IN_A_ROW = 10
 
 
 @dataclasses.dataclass(frozen=True)
@@ -29,6 +36,16 @@ class TrainerConfig:
   max_time_s: float = 0.0           # 0 = no limit
   overlong: str = 'error'
   eval_every_steps: int = 0         # with an `evaluate` function; 0 = never
+
+
+def gen_rate(previous: tuple[float, float] | None, tokens: float, t: float) -> float:
+  """Generated tokens/s since `previous` (tokens, time). A counter that went down was reset (an
+  engine restarted): the tokens since the reset are the new count."""
+  if previous is None:
+    return 0.0
+  last_tokens, last_t = previous
+  new = tokens - last_tokens if tokens >= last_tokens else tokens
+  return new / max(t - last_t, 1e-9)
 
 
 def bucket_rows(num_rows: int, multiple: int) -> int:
@@ -81,7 +98,10 @@ class Trainer:
     self.samples_trained = 0
     self.stale_dropped = 0
     self.max_lag_seen = 0
+    self.skipped_updates = 0
+    self._skipped_in_a_row = 0
     self.start_time = time.monotonic()
+    self.time_offset = 0.0   # a resumed run's time_s continues from its last record
     self._last_gen = None
 
   @property
@@ -95,7 +115,8 @@ class Trainer:
     the data position (which groups are finished with) and the counters."""
     return dict(step=self.step, policy_version=self.step, data=self.stream.ledger.position(),
                 counters=dict(samples_trained=self.samples_trained,
-                              stale_dropped=self.stale_dropped, max_lag_seen=self.max_lag_seen))
+                              stale_dropped=self.stale_dropped, max_lag_seen=self.max_lag_seen,
+                              skipped_updates=self.skipped_updates))
 
   def restore(self, meta: dict[str, Any]) -> None:
     """The counters of `checkpoint_meta` (the state and the data position are restored by the
@@ -104,6 +125,7 @@ class Trainer:
     self.samples_trained = counters['samples_trained']
     self.stale_dropped = counters['stale_dropped']
     self.max_lag_seen = counters['max_lag_seen']
+    self.skipped_updates = counters.get('skipped_updates', 0)  # (older checkpoints lack it)
 
   def _take_fresh(self, n: int) -> list[stream_lib.Group]:
     """n samples whose lag at the current step is within max_lag; stale ones are dropped."""
@@ -127,9 +149,15 @@ class Trainer:
     self.state, metrics = self.train_step(self.state, self.put_batch(batch))
     self._step = int(self.state.step)  # not step + 1: a skipped (non-finite) update keeps it
     metrics = jax.device_get(metrics)
+    # A skipped update's samples are finished with too: training on them again would give the
+    # same non-finite update.
     self.stream.ledger.mark(g.group_id for g in groups)
     t1 = time.monotonic()
     self.busy_intervals.append((t0, t1))
+    time_s = t1 - self.start_time + self.time_offset
+    if self._step == step:
+      return self._skipped(step, metrics, time_s)
+    self._skipped_in_a_row = 0
     self.samples_trained += pstats.num_samples
     self.max_lag_seen = max(self.max_lag_seen, int(lags.max()) if lags.size else 0)
     rewards = np.concatenate([g.rewards for g in groups])
@@ -137,7 +165,8 @@ class Trainer:
     masked = sum(g.num_masked for g in groups)
     record = {k: float(v) for k, v in metrics.items()}
     record.update(
-        step=step + 1, time_s=t1 - self.start_time, samples=self.samples_trained,
+        step=step + 1, time_s=time_s, samples=self.samples_trained,
+        skipped_updates=self.skipped_updates,
         reward_mean=float(rewards.mean()), train_step_s=t1 - t0,
         train_tokens_per_s=pstats.num_tokens / max(t1 - t0, 1e-9),
         pack_fill=pstats.fill, stale_dropped=self.stale_dropped, masked=masked,
@@ -146,18 +175,33 @@ class Trainer:
       record[f'frac_{status}'] = statuses.count(status) / len(statuses)
     return record
 
+  def _skipped(self, step: int, metrics: dict[str, Any], time_s: float) -> dict[str, Any]:
+    """The record of an update that was not applied (see the module docstring)."""
+    self.skipped_updates += 1
+    self._skipped_in_a_row += 1
+    loss, grad_norm = float(metrics['loss']), float(metrics['grad_norm'])
+    if self._skipped_in_a_row >= MAX_SKIPPED_IN_A_ROW:
+      raise RuntimeError(
+          f'{self._skipped_in_a_row} updates in a row were skipped as non-finite (last: loss '
+          f'{loss:.4g}, grad_norm {grad_norm:.4g}); the params stay those of step {step}: lower '
+          'config.optimizer.lr or check the data')
+    return dict(event='skipped_update', update=step + 1, policy_version=step, time_s=time_s,
+                loss=loss, grad_norm=grad_norm, skipped_updates=self.skipped_updates)
+
   def _gen_rate(self) -> dict[str, float]:
     """Generated tokens/s since the previous log line."""
     stats, t = self.gen_stats(), time.monotonic()
     tokens = float(stats.get('tokens_generated', 0))
-    rate = 0.0
-    if self._last_gen is not None:
-      rate = (tokens - self._last_gen[0]) / max(t - self._last_gen[1], 1e-9)
+    rate = gen_rate(self._last_gen, tokens, t)
     self._last_gen = (tokens, t)
     return dict(gen_tokens_per_s=rate, busy_slots=float(stats.get('busy_slots', 0)))
 
-  def _maybe_evaluate(self, record: dict[str, Any]) -> dict[str, Any]:
-    """Every eval_every_steps steps, the evaluation's metrics join that step's record."""
+  def _complete(self, record: dict[str, Any]) -> dict[str, Any]:
+    """A step record gets the generation rate and, every eval_every_steps steps, the
+    evaluation's metrics; a skipped update's record stays as it is."""
+    if 'step' not in record:
+      return record
+    record = {**record, **self._gen_rate()}
     every = self.config.eval_every_steps
     if self.evaluate is not None and every and self.step % every == 0:
       record = {**record, **self.evaluate(self.state.params, self.step)}
@@ -176,10 +220,11 @@ class Trainer:
       if self.config.mode == 'pipeline':
         groups = self._take_fresh(b)
         record = self._one_step(groups)
-        self.publish(self.state.params, self.step)
+        if 'step' in record:  # (a skipped update left the engine's weights current)
+          self.publish(self.state.params, self.step)
         # Every sample taken, not b: groups whose masked samples were dropped make the count vary.
         self.stream.release(sum(len(g.samples) for g in groups))
-        self.log(self._maybe_evaluate({**record, **self._gen_rate()}))
+        self.log(self._complete(record))
         self.after_publish()
       else:
         # Conventional: the whole B*G batch was generated by one policy; G steps on it, then sync.
@@ -189,7 +234,7 @@ class Trainer:
         bounds = np.linspace(0, len(groups), k + 1).round().astype(int)  # all groups, k parts
         for i in range(k):
           record = self._one_step(groups[bounds[i]:bounds[i + 1]])
-          self.log(self._maybe_evaluate({**record, **self._gen_rate()}))
+          self.log(self._complete(record))
           if self._done() and i < k - 1:
             break
         self.publish(self.state.params, self.step)

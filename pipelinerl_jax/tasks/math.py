@@ -22,6 +22,7 @@ whose samples are all masked is dropped. Its `status` is still counted in the me
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import os
 import random
@@ -96,6 +97,8 @@ def load_problems(path: str, problem_field: str | None = None,
     raise ValueError(f'{path}: unknown format (expected .jsonl, .json or .parquet)')
   if not os.path.isfile(path):
     raise FileNotFoundError(f'{path}: no such file')
+  if path.lower().endswith('.jsonl'):
+    _check_jsonl(path)  # `datasets` names neither the bad line nor an empty file
   import datasets  # imported here: slow, and only the loader needs it
   try:
     ds = datasets.load_dataset(kind, data_files=path, split='train')
@@ -120,7 +123,28 @@ def load_problems(path: str, problem_field: str | None = None,
     if not answer:
       raise ValueError(f'{where}: field {af!r} is empty')
     problems.append(Problem(id=f'{stem}-{row}', prompt=text, answer=answer))
+  if not problems:
+    raise ValueError(f'{path}: holds no problems')
   return problems
+
+
+def _check_jsonl(path: str) -> None:
+  """Every non-blank line is a JSON object, and there is one at least; errors name the line."""
+  count = 0
+  with open(path, encoding='utf-8', errors='replace') as f:
+    for lineno, line in enumerate(f, 1):
+      if not line.strip():
+        continue
+      try:
+        record = json.loads(line.rstrip('\n'))
+      except json.JSONDecodeError as e:
+        raise ValueError(f'{path}: line {lineno}: not valid JSON ({e.msg} at column {e.colno})'
+                         ) from None
+      if not isinstance(record, dict):
+        raise ValueError(f'{path}: line {lineno}: not a JSON object: {line.strip()[:80]}')
+      count += 1
+  if not count:
+    raise ValueError(f'{path}: holds no problems (the file is empty)')
 
 
 def _pick_field(path, columns, given, candidates, what):

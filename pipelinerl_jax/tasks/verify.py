@@ -11,6 +11,13 @@ multiprocessing children: those would re-import the parent's `__main__` (the act
 in every worker, or fork a process that has JAX's threads running. A replacement starts in the
 background (about 0.5 s to import math_verify) while the other workers carry on.
 
+A worker dies with the process that started it, however that ends (kill -9 included): it asks
+the kernel for SIGKILL when its parent goes (Linux's PR_SET_PDEATHSIG), and checks at start
+that the parent is still the one that spawned it. The kernel sends that signal when the
+*thread* that forked the worker exits, so the pool forks every worker from one thread of its
+own that lives as long as the pool. Elsewhere a worker notices the parent's end at its next
+read (EOF), and the CPU backstop below ends one stuck in C.
+
 Verdicts, one per (gold, answer) pair:
   'correct' | 'wrong'  math-verify's judgement
   'unparsable'         the answer did not parse to any math object
@@ -24,6 +31,8 @@ This file imports nothing from the project: it runs as a script in the workers.
 from __future__ import annotations
 
 import collections
+import concurrent.futures
+import ctypes
 import dataclasses
 import functools
 import logging
@@ -72,8 +81,22 @@ def judge(gold: str, answer: str) -> str:
   return 'wrong' if _has_math(parsed) else 'unparsable'
 
 
-def _worker_main(fd: int, memory_limit_mb: int, cpu_backstop_s: int) -> None:
+_PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+
+
+def die_with_parent(parent_pid: int) -> None:
+  """SIGKILL this process when its parent exits (Linux); exits now if the parent already has
+  (this process was re-parented before it could ask)."""
+  if sys.platform.startswith('linux'):
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+  if os.getppid() != parent_pid:
+    os._exit(0)
+
+
+def _worker_main(fd: int, memory_limit_mb: int, cpu_backstop_s: int, parent_pid: int) -> None:
   import resource
+  die_with_parent(parent_pid)
   # Ctrl-C reaches the whole process group; the parent, not the signal, ends workers.
   signal.signal(signal.SIGINT, signal.SIG_IGN)
   if memory_limit_mb > 0:  # a runaway bignum raises MemoryError instead of OOM-ing the host
@@ -133,9 +156,12 @@ class VerifyPool:
     self.start_timeout_s = start_timeout_s
     self.counters = {'timeout': 0, 'error': 0, 'restarts': 0, 'start_failures': 0}
     self._lock = threading.Lock()
+    # Workers are forked from this one thread (see the module docstring: the parent-death
+    # signal follows the forking thread).
+    self._forker = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix='verify-fork')
     # A slot is None after a failed start; it is retried at the next batch, not in a tight loop.
     self._workers: list[_Worker | None] = [None] * num_workers
-    self._finalizer = weakref.finalize(self, _kill_all, self._workers)  # also runs at exit
+    self._finalizer = weakref.finalize(self, _shut_down, self._workers, self._forker)  # at exit too
     self._fill_slots()
 
   def verify_many(self, pairs: list[tuple[str, str]]) -> list[str]:
@@ -249,10 +275,11 @@ class VerifyPool:
       cpu_backstop_s = int(2 * self.timeout_s) + 10
       # -P: the script's directory (pipelinerl_jax/tasks, which holds math.py) must not shadow
       # the standard library.
-      proc = subprocess.Popen(
+      proc = self._forker.submit(
+          subprocess.Popen,
           [sys.executable, '-P', os.path.abspath(__file__), str(child_sock.fileno()),
-           str(self.memory_limit_mb), str(cpu_backstop_s)],
-          pass_fds=(child_sock.fileno(),), stdin=subprocess.DEVNULL)
+           str(self.memory_limit_mb), str(cpu_backstop_s), str(os.getpid())],
+          pass_fds=(child_sock.fileno(),), stdin=subprocess.DEVNULL).result()
     finally:
       child_sock.close()  # the child holds its copy; ours must go so its death reads as EOF
     return _Worker(proc, mp_connection.Connection(parent_sock.detach()))
@@ -285,5 +312,10 @@ def _kill_all(workers: list) -> None:
     workers[slot] = None
 
 
+def _shut_down(workers: list, forker: concurrent.futures.ThreadPoolExecutor) -> None:
+  _kill_all(workers)
+  forker.shutdown(wait=False)
+
+
 if __name__ == '__main__':
-  _worker_main(int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]))
+  _worker_main(int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]))
