@@ -402,8 +402,9 @@ class DistributedConfig(_Section):
   process_id: int = -1            # this process's index, 0 = the one that runs the pipeline;
                                   # -1 = the scheduler's
   initialization_timeout_s: int = 300  # every process must have joined by then
-  # A process that sends no heartbeat for this long is dead, and every other one stops. A
-  # failed collective is reported at once; this bounds a hang (a peer stuck, or lost).
+  # A process that sends no heartbeat for this long is dead, and every other one stops. A peer
+  # lost during a collective is reported at once; this bounds the wait for one lost between
+  # collectives (or with its host).
   heartbeat_timeout_s: int = 30
 
   def _check_values(self):
