@@ -160,7 +160,9 @@ class Checkpointer:
     except Exception as e:
       raise ValueError(f'{step_dir}: cannot restore this checkpoint ({_first_line(e)})'
                        ) from None
-    if not bool(train.all_finite(restored[STATE])):
+    # One jitted program: leaf by leaf, each sharded leaf would be its own collective (on 8
+    # simulated CPU devices under load, XLA's 40 s rendezvous timeout then aborted the process).
+    if not bool(jax.jit(train.all_finite)(restored[STATE])):
       raise ValueError(f'{step_dir}: the checkpoint holds non-finite params or optimizer state')
     return restored[STATE], restored[META]
 

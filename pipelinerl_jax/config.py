@@ -434,6 +434,31 @@ class OptimizerConfig(_Section):
 
 
 @dataclasses.dataclass(frozen=True)
+class DistributedConfig(_Section):
+  """How a trainer process joins the others (train.num_processes != 1), through
+  `jax.distributed`. Under a scheduler JAX detects (SLURM, Open MPI, ...) leave the address and
+  the id unset: JAX reads them from the job's environment. Elsewhere give both, per process."""
+  coordinator_address: str = ''   # 'HOST:PORT' of process 0; '' = $JAX_COORDINATOR_ADDRESS or
+                                  # the scheduler's
+  process_id: int = -1            # this process's index, 0 = the one that runs the pipeline;
+                                  # -1 = the scheduler's
+  initialization_timeout_s: int = 300  # every process must have joined by then
+  # A process that sends no heartbeat for this long is dead, and every other one stops. A peer
+  # lost during a collective is reported at once; this bounds the wait for one lost between
+  # collectives (or with its host).
+  heartbeat_timeout_s: int = 30
+
+  def _check_values(self):
+    a = self.coordinator_address
+    _check(a == '' or (':' in a and a.rsplit(':', 1)[1].isdigit() and bool(a.rsplit(':', 1)[0])),
+           'coordinator_address', f"must be 'HOST:PORT' ('' = the scheduler's), got {a!r}")
+    _check(self.process_id >= -1, 'process_id',
+           f"must be >= 0 (-1 = the scheduler's), got {self.process_id}")
+    for name in ('initialization_timeout_s', 'heartbeat_timeout_s'):
+      _check(getattr(self, name) >= 1, name, f'must be >= 1, got {getattr(self, name)}')
+
+
+@dataclasses.dataclass(frozen=True)
 class TrainConfig(_Section):
   seq_len: int = 256              # packed row length
   micro_batches: int = 1          # gradient-accumulation steps per optimizer step
@@ -443,6 +468,10 @@ class TrainConfig(_Section):
   mesh: str = '1,-1,1'            # data,fsdp,tensor sizes; -1 = the remaining devices
   overlong: Literal['error', 'truncate'] = 'error'  # samples longer than seq_len: 'truncate'
                                                     # cuts and counts them
+  # Trainer processes that form one mesh (one per host, jax.distributed; see
+  # pipeline/multiprocess.py): 1 = this process alone; 0 = as many as the scheduler started.
+  num_processes: int = 1
+  distributed: DistributedConfig = DistributedConfig()
 
   def _check_values(self):
     _check(self.micro_batches >= 1, 'micro_batches', f'must be >= 1, got {self.micro_batches}')
@@ -451,6 +480,13 @@ class TrainConfig(_Section):
     _check(self.micro_batch_rows == 0 or self.micro_batches == 1, 'micro_batch_rows',
            f'set it or train.micro_batches (={self.micro_batches}), not both')
     _check(self.seq_len >= 1, 'seq_len', f'must be >= 1, got {self.seq_len}')
+    _check(self.num_processes >= 0, 'num_processes',
+           f"must be >= 1 (0 = the scheduler's count), got {self.num_processes}")
+    _check(self.num_processes != 1 or self.distributed == DistributedConfig(), 'distributed',
+           'applies to several trainer processes: set train.num_processes')
+    d = self.distributed
+    _check(self.num_processes == 0 or d.process_id < self.num_processes, 'distributed.process_id',
+           f'{d.process_id} is not below num_processes={self.num_processes}')
     sizes = self.mesh_sizes
     _check(sizes is not None and all(s >= 1 or s == -1 for s in sizes)
            and list(sizes).count(-1) <= 1, 'mesh',
@@ -541,6 +577,11 @@ class Config(_Section):
     _check(self.train.seq_len >= longest, 'train.seq_len',
            f'{self.train.seq_len} < max_prompt_len + max_new_tokens - 1 = {longest}: samples '
            'would not fit')
+    _check(self.train.num_processes == 1 or (g.placement, g.backend) == ('inline', 'jax'),
+           'train.num_processes',
+           f'{self.train.num_processes} trainer processes generate with the JAX engine on process '
+           f"0 (placement 'inline', backend 'jax'), not placement {g.placement!r} with backend "
+           f'{g.backend!r}')
     _check(self.eval.num_problems >= 1 or t.name == 'math', 'eval.num_problems',
            'must be >= 1 for an endless problem stream (0 = whole test sets is for math)')
 

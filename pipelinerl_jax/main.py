@@ -34,7 +34,9 @@ def main(argv):
   logging.set_verbosity(logging.WARNING)  # orbax logs every checkpoint step at INFO
   # Imported after the signal handlers are in: importing JAX takes seconds, and a signal
   # meanwhile must stop the run like any other.
+  from pipelinerl_jax import distributed
   from pipelinerl_jax.pipeline import metrics as metrics_lib
+  from pipelinerl_jax.pipeline import multiprocess
   from pipelinerl_jax.pipeline import run as run_lib
   try:
     summary = run_lib.run_experiment(_CONFIG.value, _WORKDIR.value, interrupt=_STOP.request)
@@ -42,8 +44,11 @@ def main(argv):
     print(f'\nInterrupted by {signal.Signals(e.signum).name} during start-up; nothing was '
           'trained.', flush=True)
     sys.exit(signals.exit_code(e.signum))
-  except (ValueError, OSError, run_lib.RunError) as e:  # OSError: a full or read-only disk
-    exit_now(f'error: {one_line(e)}')
+  except (ValueError, OSError, run_lib.RunError, multiprocess.TrainerProcessError) as e:
+    exit_now(f'error: {one_line(e)}')  # OSError: a full or read-only disk
+  if summary.get('follower'):  # another process of the trainer (pipeline/multiprocess.py)
+    print(f"{distributed.describe()}: followed process 0 to step {summary['steps']}")
+    sys.exit(signals.exit_code(_STOP.request.signum) if summary['interrupted'] else 0)
   if summary['interrupted']:
     print(f"\nInterrupted: actor and trainer stopped after {summary['steps']} steps; "
           f'metrics so far are in {_WORKDIR.value}.')
@@ -58,8 +63,12 @@ def main(argv):
 
 def exit_now(status: int | str) -> None:
   """sys.exit, unless a loop of the run was abandoned mid-step (inside XLA, see run.supervise):
-  interpreter shutdown would abort under it, so the process ends at once (output flushed)."""
-  if not any(t.name in ('actor', 'trainer') and t.is_alive() for t in threading.enumerate()):
+  interpreter shutdown would abort under it, so the process ends at once (output flushed). So
+  does an error in a trainer of several processes: a normal exit would wait at jax.distributed's
+  shutdown barrier for peers that may be gone (then abort with a stack trace)."""
+  from pipelinerl_jax import distributed
+  abandoned = any(t.name in ('actor', 'trainer') and t.is_alive() for t in threading.enumerate())
+  if not abandoned and not (isinstance(status, str) and distributed.several_processes()):
     sys.exit(status)
   if isinstance(status, str):
     print(status, file=sys.stderr)

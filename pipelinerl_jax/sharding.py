@@ -116,6 +116,18 @@ def batch_sharding(mesh: Mesh, leading_dims: int = 0) -> NamedSharding:
   return NamedSharding(mesh, P(*([None] * leading_dims), BATCH_AXES))
 
 
+def local_block(sharding: NamedSharding, shape: tuple[int, ...], axis: int) -> slice:
+  """The indices along `axis` of an array of `shape` that this process's devices hold under
+  `sharding`: one block, as when the mesh lists devices process by process (make_mesh does)."""
+  spans = {index[axis].indices(shape[axis])[:2]
+           for index in sharding.addressable_devices_indices_map(shape).values()}
+  start, stop = min(a for a, _ in spans), max(b for _, b in spans)
+  if sum(b - a for a, b in spans) != stop - start:
+    raise ValueError(f'this process holds the blocks {sorted(spans)} of axis {axis}, not one '
+                     'block: list the mesh devices process by process')
+  return slice(start, stop)
+
+
 def replicated(mesh: Mesh) -> NamedSharding:
   return NamedSharding(mesh, P())
 

@@ -21,6 +21,7 @@ import numpy as np
 
 from pipelinerl_jax import checkpoint as checkpoint_lib
 from pipelinerl_jax import config as config_lib
+from pipelinerl_jax import distributed
 from pipelinerl_jax import evaluation
 from pipelinerl_jax import packing
 from pipelinerl_jax import sharding as sharding_lib
@@ -71,6 +72,52 @@ def check_backend_installed(config: config_lib.Config) -> None:
                      "install -e '.[ray]'; or use placement 'inline')")
 
 
+@dataclasses.dataclass
+class Learner:
+  """The training side of a run: what every trainer process builds, the same way (with several
+  processes, see pipeline/multiprocess.py)."""
+  model_config: transformer.ModelConfig
+  mesh: jax.sharding.Mesh
+  state: train.TrainState              # restored or fresh, in the trainer's shardings
+  train_step: Callable                 # jitted (state, batch) -> (state, metrics), state donated
+  checkpoints: checkpoint_lib.Checkpointer
+  resumed: dict[str, Any] | None       # the restored checkpoint's meta; None for a fresh start
+
+
+def build_learner(config: config_lib.Config, workdir: str, model_dir: str,
+                  started: contextlib.ExitStack | None = None) -> Learner:
+  """Model, mesh, train state (restored from the latest checkpoint, or loaded from model_dir)
+  and the jitted train step. `started` gets the checkpointer's close (see `build`)."""
+  model_config = hf_io.load_config(
+      model_dir, param_dtype=config.model.param_dtype, dtype=config.model.dtype,
+      lm_head_fp32=config.model.lm_head_fp32, remat=config.model.remat,
+      attention=config.model.attention, attention_block_q=config.model.attention_block_q,
+      attention_block_kv=config.model.attention_block_kv)
+  mesh = sharding_lib.make_mesh(*config.train.mesh_sizes)
+  optimizer = train.make_optimizer(config.optimizer)
+  checkpoints = checkpoint_lib.Checkpointer(checkpoint_lib.directory(config, workdir),
+                                            config.checkpoint.keep, config.checkpoint.every_steps)
+  if started is not None:
+    started.callback(_quietly, checkpoints.close)
+  restored = checkpoint_lib.restore_latest(config, checkpoints, model_config, optimizer, mesh)
+  if restored:
+    state, state_sh, resumed = restored
+  else:
+    shapes = jax.eval_shape(lambda k: transformer.init_params(model_config, k),
+                            jax.random.PRNGKey(0))
+    params = hf_io.load_params(model_dir, model_config,
+                               shardings=sharding_lib.param_shardings(shapes, mesh))
+    state, state_sh = train.create_sharded_state(params, optimizer, mesh)
+    resumed = None
+  train_step = train.jit_train_step(
+      train.make_train_step(model_config, config.loss, optimizer,
+                            train.lr_schedule(config.optimizer),
+                            temperature=config.generation.temperature or 1.0),
+      state_sh, mesh)
+  return Learner(model_config=model_config, mesh=mesh, state=state, train_step=train_step,
+                 checkpoints=checkpoints, resumed=resumed)
+
+
 def build(config: config_lib.Config, workdir: str, model_dir: str,
           interrupt: threading.Event | None = None) -> Parts:
   """Loads (or restores) everything; the engine starts from the trainer's policy version.
@@ -102,36 +149,14 @@ def _build(config: config_lib.Config, workdir: str, model_dir: str,
   task = registry.make_task(config.task, tokenizer)
   started.callback(_quietly, task.close)
   check_interrupt()
-  model_config = hf_io.load_config(
-      model_dir, param_dtype=config.model.param_dtype, dtype=config.model.dtype,
-      lm_head_fp32=config.model.lm_head_fp32, remat=config.model.remat,
-      attention=config.model.attention, attention_block_q=config.model.attention_block_q,
-      attention_block_kv=config.model.attention_block_kv)
-  mesh = sharding_lib.make_mesh(*config.train.mesh_sizes)
-  optimizer = train.make_optimizer(config.optimizer)
-  checkpoints = checkpoint_lib.Checkpointer(checkpoint_lib.directory(config, workdir),
-                                            config.checkpoint.keep, config.checkpoint.every_steps)
-  started.callback(_quietly, checkpoints.close)
-  restored = checkpoint_lib.restore_latest(config, checkpoints, model_config, optimizer, mesh)
-  if restored:
-    state, state_sh, resumed = restored
-  else:
-    shapes = jax.eval_shape(lambda k: transformer.init_params(model_config, k),
-                            jax.random.PRNGKey(0))
-    params = hf_io.load_params(model_dir, model_config,
-                               shardings=sharding_lib.param_shardings(shapes, mesh))
-    state, state_sh = train.create_sharded_state(params, optimizer, mesh)
-    resumed = None
-  train_step = train.jit_train_step(
-      train.make_train_step(model_config, config.loss, optimizer,
-                            train.lr_schedule(config.optimizer),
-                            temperature=config.generation.temperature or 1.0),
-      state_sh, mesh)
+  learner = build_learner(config, workdir, model_dir, started)
+  model_config, mesh, state = learner.model_config, learner.mesh, learner.state
+  train_step, checkpoints, resumed = learner.train_step, learner.checkpoints, learner.resumed
   check_interrupt()
   version = int(state.step)
   engine = ENGINE_PLACEMENTS[config.generation.placement](
       config, model_config, model_dir, mesh=mesh, eos_token_id=tokenizer.eos_token_id,
-      params=state.params, version=version)
+      params=distributed.whole(state.params), version=version)  # collective, see whole()
   started.callback(_quietly, engine.close)
   check_interrupt()
   publish = publisher(config, mesh, engine)
@@ -192,8 +217,8 @@ def make_trainer(parts: Parts, stream: stream_lib.SampleStream, stop: threading.
 
 def generation_device(mesh) -> jax.Device:
   """The in-process engine's device: the first one the train mesh leaves free, else the first."""
-  free = [d for d in jax.devices() if d not in set(mesh.devices.flat)]
-  return free[0] if free else jax.devices()[0]
+  free = [d for d in jax.local_devices() if d not in set(mesh.devices.flat)]
+  return free[0] if free else jax.local_devices()[0]
 
 
 def copy_params_fn(device=None) -> Callable:
@@ -315,7 +340,13 @@ def batch_placer(config: config_lib.TrainConfig, mesh) -> Callable:
     num_micro = packing.num_micro_batches(len(batch['tokens']), data_parallel,
                                           config.micro_batches, config.micro_batch_rows)
     micro = packing.split_microbatches({k: batch[k] for k in train.BATCH_KEYS}, num_micro)
-    return jax.device_put(micro, {k: batch_sh for k in micro})
+    if jax.process_count() == 1:
+      return jax.device_put(micro, {k: batch_sh for k in micro})
+    # Several processes: each places the rows its devices hold. (device_put would first check
+    # that every process passed the same batch, by gathering it whole.)
+    rows = sharding_lib.local_block(batch_sh, micro['tokens'].shape, axis=1)
+    return {k: jax.make_array_from_process_local_data(batch_sh, x[:, rows], x.shape)
+            for k, x in micro.items()}
   return put_batch
 
 

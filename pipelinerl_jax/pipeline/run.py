@@ -9,6 +9,9 @@ Before anything heavy starts, the run checks its outputs (workdir and checkpoint
 room for the checkpoints) and locks them (pipeline/workdir.py); a stop request (a signal, see
 pipeline/signals.py) is honoured between start-up phases. Whatever fails, every part that was
 started is closed, and a failure while closing never hides the error that ended the run.
+
+With several trainer processes (train.num_processes), process 0 runs this lifecycle and the
+others follow its calls (pipeline/multiprocess.py).
 """
 
 from __future__ import annotations
@@ -24,11 +27,13 @@ import ml_collections
 
 from pipelinerl_jax import checkpoint as checkpoint_lib
 from pipelinerl_jax import config as config_lib
+from pipelinerl_jax import distributed
 from pipelinerl_jax import train
 from pipelinerl_jax.demo import warmstart
 from pipelinerl_jax.models import hf_io
 from pipelinerl_jax.pipeline import build as build_lib
 from pipelinerl_jax.pipeline import metrics as metrics_lib
+from pipelinerl_jax.pipeline import multiprocess
 from pipelinerl_jax.pipeline import signals
 from pipelinerl_jax.pipeline import stream as stream_lib
 from pipelinerl_jax.pipeline import workdir as workdir_lib
@@ -47,9 +52,10 @@ def run_experiment(config: ml_collections.ConfigDict | config_lib.Config, workdi
                    interrupt: threading.Event | None = None) -> dict[str, Any]:
   """What `main` runs: validate, find or build the model, then RL."""
   config = config_lib.validate(config)
+  distributed.initialize(config.train)  # before any JAX computation; nothing for one process
   build_lib.check_backend_installed(config)  # before the demo model is built
   workdir_lib.check_dir(workdir, '--workdir')
-  model_dir = warmstart.model_dir_for(config)
+  model_dir = distributed.primary_first(lambda: warmstart.model_dir_for(config), 'demo model')
   signals.check(interrupt)
   stamp = warmstart.read_stamp(model_dir)
   if stamp:
@@ -72,9 +78,13 @@ def run(config: ml_collections.ConfigDict | config_lib.Config, workdir: str, *,
   model_dir = model_dir or config.model.path
   if not model_dir:
     raise ValueError('config.model.path: no model directory given')
+  distributed.initialize(config.train)  # (run_experiment joined already, to build the model)
+  if not distributed.is_primary():  # another trainer process: it follows process 0's calls
+    return multiprocess.follow(config, workdir, model_dir, interrupt)
   locks = claim_outputs(config, workdir, model_dir)
   try:
-    return _run(config, workdir, model_dir, on_ready, interrupt)
+    with multiprocess.Followers(config, interrupt) as followers:  # none with one process
+      return _run(config, workdir, model_dir, on_ready, interrupt, followers.announce)
   finally:
     for lock in reversed(locks):
       lock.release()
@@ -112,10 +122,10 @@ def claim_outputs(config: config_lib.Config, workdir: str, model_dir: str
 
 
 def _run(config: config_lib.Config, workdir: str, model_dir: str,
-         on_ready: Callable[[dict], None] | None, interrupt: threading.Event | None
-         ) -> dict[str, Any]:
+         on_ready: Callable[[dict], None] | None, interrupt: threading.Event | None,
+         announce: Callable[[build_lib.Parts], build_lib.Parts]) -> dict[str, Any]:
   signals.check(interrupt)
-  parts = build_lib.build(config, workdir, model_dir, interrupt=interrupt)
+  parts = announce(build_lib.build(config, workdir, model_dir, interrupt=interrupt))
   start_step = int(parts.resumed['step']) if parts.resumed else 0
   try:
     writer = metrics_lib.MetricsWriter(
