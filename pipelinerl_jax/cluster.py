@@ -91,6 +91,20 @@ def alive(tracked: dict[int, int]) -> dict[int, int]:
   return out
 
 
+def pin_threads(cores: Sequence[int]) -> None:
+  """Pins every thread of this process to `cores` (threads started later inherit it) and sizes
+  the thread pools that read their size from the environment: for an actor's process, before
+  JAX (XLA) or torch size their pools from the cores they may use."""
+  cores = tuple(sorted(int(c) for c in cores))
+  for tid in os.listdir('/proc/self/task'):
+    try:
+      os.sched_setaffinity(int(tid), cores)
+    except ProcessLookupError:  # the thread ended meanwhile
+      pass
+  n = str(len(cores))
+  os.environ.update(OMP_NUM_THREADS=n, MKL_NUM_THREADS=n, OPENBLAS_NUM_THREADS=n)
+
+
 # --- the watchdog ------------------------------------------------------------------------------
 
 

@@ -447,6 +447,12 @@ class DistributedConfig(_Section):
   # lost during a collective is reported at once; this bounds the wait for one lost between
   # collectives (or with its host).
   heartbeat_timeout_s: int = 30
+  # Trainer processes the run starts as Ray actors (generation.placement 'ray'; see
+  # pipeline/trainer_actors.py), each on a node of its own while the cluster has them:
+  cpus_per_process: int = 1       # CPUs each reserves; on a node without GPUs it is pinned
+                                  # to that many cores of its own
+  gpus_per_process: int = -1      # GPUs each owns; -1 = as many as process 0's host shows
+                                  # (CUDA_VISIBLE_DEVICES, else its /dev/nvidiaN), 0 on CPU
 
   def _check_values(self):
     a = self.coordinator_address
@@ -454,8 +460,10 @@ class DistributedConfig(_Section):
            'coordinator_address', f"must be 'HOST:PORT' ('' = the scheduler's), got {a!r}")
     _check(self.process_id >= -1, 'process_id',
            f"must be >= 0 (-1 = the scheduler's), got {self.process_id}")
-    for name in ('initialization_timeout_s', 'heartbeat_timeout_s'):
+    for name in ('initialization_timeout_s', 'heartbeat_timeout_s', 'cpus_per_process'):
       _check(getattr(self, name) >= 1, name, f'must be >= 1, got {getattr(self, name)}')
+    _check(self.gpus_per_process >= -1, 'gpus_per_process',
+           f'must be >= 0 (-1 = as many as process 0 has), got {self.gpus_per_process}')
 
 
 @dataclasses.dataclass(frozen=True)
@@ -577,11 +585,24 @@ class Config(_Section):
     _check(self.train.seq_len >= longest, 'train.seq_len',
            f'{self.train.seq_len} < max_prompt_len + max_new_tokens - 1 = {longest}: samples '
            'would not fit')
-    _check(self.train.num_processes == 1 or (g.placement, g.backend) == ('inline', 'jax'),
+    tr = self.train
+    _check(tr.num_processes == 1 or g.placement == 'ray' or g.backend == 'jax',
            'train.num_processes',
-           f'{self.train.num_processes} trainer processes generate with the JAX engine on process '
-           f"0 (placement 'inline', backend 'jax'), not placement {g.placement!r} with backend "
-           f'{g.backend!r}')
+           f'{tr.num_processes} trainer processes generate with the JAX engine on process 0 '
+           f"(placement 'inline', backend 'jax') or in Ray actors (placement 'ray'), not with "
+           f'backend {g.backend!r} inline')
+    d = tr.distributed
+    _check(tr.num_processes == 1 or g.placement != 'ray' or (
+        tr.num_processes >= 2 and d.coordinator_address == '' and d.process_id == -1),
+           'train.num_processes',
+           f"with generation.placement='ray' the run starts its {tr.num_processes or 'N'} trainer "
+           'processes itself, as Ray actors, and hands out their addresses and ids: give N >= 2 '
+           'and leave train.distributed.coordinator_address and process_id unset (under SLURM, '
+           'start a Ray cluster in the allocation: tools/slurm_multihost.sh)')
+    _check(tr.num_processes == 1 or g.placement != 'ray'
+           or g.remote.weight_transport == 'object_store', 'generation.remote.weight_transport',
+           f'{g.remote.weight_transport!r} from {tr.num_processes} trainer processes is not '
+           "written yet; use 'object_store' (each process puts its pieces of the params)")
     _check(self.eval.num_problems >= 1 or t.name == 'math', 'eval.num_problems',
            'must be >= 1 for an endless problem stream (0 = whole test sets is for math)')
 

@@ -14,6 +14,7 @@ uses NCCL whatever that setting says.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import socket
 import subprocess
@@ -33,10 +34,16 @@ BARRIER_TIMEOUT_S = 3600
 _gathered = False             # whole() ran once in this process
 
 
-def initialize(config: config_lib.TrainConfig) -> None:
-  """Joins the trainer's other processes (train.num_processes != 1), once per process."""
+def initialize(config: config_lib.TrainConfig, coordinator_address: str | None = None,
+               process_id: int | None = None) -> None:
+  """Joins the trainer's other processes (train.num_processes != 1), once per process.
+  `coordinator_address` and `process_id` replace train.distributed's: what the driver hands out
+  to the trainer processes it starts as Ray actors (pipeline/trainer_actors.py)."""
   if config.num_processes == 1 or jax.distributed.is_initialized():
     return
+  if coordinator_address is not None:
+    config = dataclasses.replace(config, distributed=dataclasses.replace(
+        config.distributed, coordinator_address=coordinator_address, process_id=process_id))
   jax.config.update('jax_cpu_collectives_implementation', 'gloo')
   # JAX's preemption service would take SIGTERM for itself (a notice that every process must
   # poll at the same training steps); here a stop request goes to process 0, which decides.

@@ -119,16 +119,19 @@ def build_learner(config: config_lib.Config, workdir: str, model_dir: str,
 
 
 def build(config: config_lib.Config, workdir: str, model_dir: str,
-          interrupt: threading.Event | None = None) -> Parts:
+          interrupt: threading.Event | None = None, trainers=None) -> Parts:
   """Loads (or restores) everything; the engine starts from the trainer's policy version.
 
   The tokenizer and the task's data come first, so a bad file is reported before the model
   loads. `interrupt` set (a signal) stops the build at its next phase (signals.Interrupted);
   whatever fails, the parts already started (the task's worker pool, the engine) are closed.
+  `trainers` (process 0 of trainer processes as Ray actors: a trainer_actors.Launch): weights
+  go to the generators from every process, each with its own pieces.
   """
   started = contextlib.ExitStack()
   try:
-    return _build(config, workdir, model_dir, started, lambda: signals.check(interrupt))
+    return _build(config, workdir, model_dir, started, lambda: signals.check(interrupt),
+                  trainers)
   except BaseException:
     started.close()
     raise
@@ -143,7 +146,8 @@ def _quietly(close: Callable[[], None]) -> None:
 
 
 def _build(config: config_lib.Config, workdir: str, model_dir: str,
-           started: contextlib.ExitStack, check_interrupt: Callable[[], None]) -> Parts:
+           started: contextlib.ExitStack, check_interrupt: Callable[[], None],
+           trainers=None) -> Parts:
   check_backend_installed(config)
   tokenizer = hf_io.load_tokenizer(model_dir)
   task = registry.make_task(config.task, tokenizer)
@@ -154,12 +158,17 @@ def _build(config: config_lib.Config, workdir: str, model_dir: str,
   train_step, checkpoints, resumed = learner.train_step, learner.checkpoints, learner.resumed
   check_interrupt()
   version = int(state.step)
+  if trainers is None:
+    params = distributed.whole(state.params)  # collective, see whole(); one process: the params
+  else:
+    params = trainers.publication(state.params, version)  # each process's pieces
   engine = ENGINE_PLACEMENTS[config.generation.placement](
       config, model_config, model_dir, mesh=mesh, eos_token_id=tokenizer.eos_token_id,
-      params=distributed.whole(state.params), version=version)  # collective, see whole()
+      params=params, version=version, cores=trainers and trainers.cores)
+  del params
   started.callback(_quietly, engine.close)
   check_interrupt()
-  publish = publisher(config, mesh, engine)
+  publish = publisher(config, mesh, engine, trainers)
   if resumed and config.generation.backend != 'jax' and config.generation.placement == 'inline':
     publish(state.params, version)  # inline vLLM loaded model_dir's weights
   evaluate = (evaluator(config, workdir, model_config, tokenizer, task, mesh)
@@ -229,13 +238,17 @@ def copy_params_fn(device=None) -> Callable:
   return copy if device is None else lambda params: jax.device_put(copy(params), device)
 
 
-def publisher(config: config_lib.Config, mesh, engine: api.Engine
+def publisher(config: config_lib.Config, mesh, engine: api.Engine, trainers=None
               ) -> Callable[[Any, int], None]:
   """What the trainer calls after a step: a fresh copy of the params to the engine (for the
   in-process JAX engine, on its device; vLLM copies into its own tensors). Generator actors
   over the object store copy to host before `update_params` returns: no copy needed here; over a
-  collective the pool keeps the params to re-send after a restart: a copy on one device."""
+  collective the pool keeps the params to re-send after a restart: a copy on one device. With
+  trainer actors (`trainers`), every process puts its own pieces into the object store."""
   g = config.generation
+  if trainers is not None:
+    return lambda params, version: engine.update_params(trainers.publication(params, version),
+                                                        version)
   if g.placement == 'ray' and g.remote.weight_transport == 'object_store':
     return engine.update_params
   if g.placement == 'ray':
@@ -247,9 +260,10 @@ def publisher(config: config_lib.Config, mesh, engine: api.Engine
 
 
 def _inline_engine(config: config_lib.Config, model_config, model_dir: str, *, mesh,
-                   eos_token_id: int, params, version: int) -> api.Engine:
+                   eos_token_id: int, params, version: int, cores=None) -> api.Engine:
   """The engine in the trainer's process: the JAX engine on a device the mesh leaves free, or
   vLLM (which starts from the checkpoint on disk, what `params` were loaded from)."""
+  del cores
   g = config.generation
   if g.backend == 'jax':
     device = generation_device(mesh)
@@ -263,8 +277,9 @@ def _inline_engine(config: config_lib.Config, model_config, model_dir: str, *, m
 
 
 def _ray_engine(config: config_lib.Config, model_config, model_dir: str, *, mesh,
-                eos_token_id: int, params, version: int) -> api.Engine:
-  """Generator actors on a Ray cluster (joined, or started here), each on its own devices."""
+                eos_token_id: int, params, version: int, cores=None) -> api.Engine:
+  """Generator actors on a Ray cluster (joined, or started here), each on its own devices.
+  `cores`: the placement.CoreAllocator that trainer actors took their cores from."""
   from pipelinerl_jax import cluster as cluster_lib  # imports Ray
   from pipelinerl_jax.generation.actors import generator
   from pipelinerl_jax.generation.actors import placement
@@ -298,7 +313,7 @@ def _ray_engine(config: config_lib.Config, model_config, model_dir: str, *, mesh
     return pool.RayGenerators(
         spec, model_config, num_generators=g.num_generators, params=params, version=version,
         cpus_per_generator=remote.cpus_per_generator, gpus_per_generator=gpus_each,
-        max_restarts=remote.max_restarts, session=session)
+        max_restarts=remote.max_restarts, session=session, cores=cores)
   except BaseException:
     session.close()
     raise

@@ -7,8 +7,10 @@ each such call process 0 announces it with a small JSON command in jax.distribut
 store and, for a train step, broadcasts the packed batch. The calls:
 
   train     the packed batch -> every process places the rows its devices hold; one step
-  publish   the new weights gathered whole on every process; process 0's go to the engine
-  evaluate  the same gather; process 0 evaluates
+  publish   the new weights gathered whole on every process; process 0's go to the engine. With
+            trainer processes as Ray actors (pipeline/trainer_actors.py): each process puts the
+            pieces it holds into Ray's object store instead, for the generator actors
+  evaluate  the gather; process 0 evaluates
   save      orbax writes every process's shards, and the meta JSON once
   stop      the run is over
 
@@ -171,25 +173,26 @@ class _AnnouncedCheckpoints:
     return getattr(self._checkpoints, name)
 
 
-def lead(parts: build_lib.Parts, commands: Commands) -> build_lib.Parts:
+def lead(parts: build_lib.Parts, commands: Commands, sharded: bool = False) -> build_lib.Parts:
   """Process 0's parts, each call that involves every process announced to the followers
-  first. The engine and the evaluation get the params whole (`distributed.whole`)."""
+  first. The evaluation gets the params whole (`distributed.whole`); so does the engine, unless
+  `sharded`: generator actors get every process's pieces (pipeline/trainer_actors.py)."""
   put_batch, publish, evaluate = parts.put_batch, parts.publish, parts.evaluate
 
   def put_batch_everywhere(batch: dict[str, np.ndarray]):
     commands.send('train', arrays={k: batch[k] for k in train.BATCH_KEYS})
     return put_batch(batch)
 
-  def publish_whole(params, version: int) -> None:
+  def publish_announced(params, version: int) -> None:
     commands.send('publish', version=version)
-    publish(distributed.whole(params), version)
+    publish(params if sharded else distributed.whole(params), version)
 
   def evaluate_whole(params, step: int) -> dict:
     commands.send('evaluate', step=step)
     return evaluate(distributed.whole(params), step)
 
   return dataclasses.replace(
-      parts, put_batch=put_batch_everywhere, publish=publish_whole,
+      parts, put_batch=put_batch_everywhere, publish=publish_announced,
       evaluate=evaluate_whole if evaluate else None,
       checkpoints=_AnnouncedCheckpoints(parts.checkpoints, commands))
 
@@ -197,14 +200,17 @@ def lead(parts: build_lib.Parts, commands: Commands) -> build_lib.Parts:
 class Followers:
   """Process 0's side of the other trainer processes (with one process, nothing):
   `announce(parts)` makes every call that involves them announced (`lead`); leaving the block
-  ends them, and after a failure names any that is gone (TrainerProcessError)."""
+  ends them, and after a failure names any that is gone (TrainerProcessError). `sharded`: they
+  publish their own pieces of the params (trainer actors)."""
 
-  def __init__(self, config: config_lib.Config, stop_request: threading.Event | None = None):
+  def __init__(self, config: config_lib.Config, stop_request: threading.Event | None = None,
+               sharded: bool = False):
     self._grace_s = grace_seconds(config)
+    self._sharded = sharded
     self._commands = Commands(stop_request) if distributed.several_processes() else None
 
   def announce(self, parts: build_lib.Parts) -> build_lib.Parts:
-    return parts if self._commands is None else lead(parts, self._commands)
+    return parts if self._commands is None else lead(parts, self._commands, self._sharded)
 
   def __enter__(self) -> 'Followers':
     return self
@@ -244,10 +250,12 @@ def _watch_stop_flag(client) -> None:
 
 
 def follow(config: config_lib.Config, workdir: str, model_dir: str,
-           interrupt: threading.Event | None = None) -> dict[str, Any]:
+           interrupt: threading.Event | None = None, stash=None) -> dict[str, Any]:
   """A follower's whole run: its shards of the train state, the same calls as process 0.
   `interrupt` set (a signal here: main's handlers) asks process 0 to stop the run, which it does
-  as after its own Ctrl-C, saving first; this process keeps following until then."""
+  as after its own Ctrl-C, saving first; this process keeps following until then. `stash` (a
+  trainer actor's, trainer_actors.Stash): where it publishes its own pieces of the params, for
+  the generator actors; without it, a publication is a gather of the whole params."""
   client = distributed.coordination_client()
   threading.Thread(target=_watch_stop_flag, args=(client,), name='stop-flag', daemon=True).start()
   forwarded = []
@@ -260,9 +268,13 @@ def follow(config: config_lib.Config, workdir: str, model_dir: str,
       print(f'{distributed.describe()}: stop requested; process 0 stops the run',
             file=sys.stderr, flush=True)
 
+  if stash is None:
+    publish = lambda params, version: distributed.whole(params)  # noqa: E731 (a collective)
+  else:
+    publish = stash.publish
   try:
     learner = build_lib.build_learner(config, workdir, model_dir)
-    distributed.whole(learner.state.params)  # what process 0's build hands its engine
+    publish(learner.state.params, int(learner.state.step))  # what process 0's build hands its engine
     put_batch = build_lib.batch_placer(config.train, learner.mesh)
     commands = Commands()
     state = learner.state
@@ -271,7 +283,9 @@ def follow(config: config_lib.Config, workdir: str, model_dir: str,
       if op == 'train':
         state, _ = learner.train_step(state, put_batch(arrays))
         jax.block_until_ready(state.step)  # a failure shows in its own call
-      elif op in ('publish', 'evaluate'):
+      elif op == 'publish':
+        publish(state.params, fields['version'])
+      elif op == 'evaluate':
         distributed.whole(state.params)
       elif op == 'save':
         learner.checkpoints.save(state, fields['meta'])

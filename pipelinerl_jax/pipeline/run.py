@@ -49,9 +49,17 @@ class RunError(RuntimeError):
 
 
 def run_experiment(config: ml_collections.ConfigDict | config_lib.Config, workdir: str,
-                   interrupt: threading.Event | None = None) -> dict[str, Any]:
-  """What `main` runs: validate, find or build the model, then RL."""
+                   interrupt: threading.Event | None = None, trainers=None) -> dict[str, Any]:
+  """What `main` runs: validate, find or build the model, then RL. With several trainer
+  processes and generator actors, this process (the driver) starts the others as Ray actors
+  first (`trainers`: see `run`)."""
   config = config_lib.validate(config)
+  if trainers is None and launches_trainers(config):
+    build_lib.check_backend_installed(config)  # Ray
+    workdir_lib.check_dir(workdir, '--workdir')
+    from pipelinerl_jax.pipeline import trainer_actors  # imports Ray
+    with trainer_actors.launch(config, workdir) as launched:
+      return run_experiment(config, workdir, interrupt, trainers=launched)
   distributed.initialize(config.train)  # before any JAX computation; nothing for one process
   build_lib.check_backend_installed(config)  # before the demo model is built
   workdir_lib.check_dir(workdir, '--workdir')
@@ -61,30 +69,41 @@ def run_experiment(config: ml_collections.ConfigDict | config_lib.Config, workdi
   if stamp:
     print(f"model: {model_dir} (warm start: greedy accuracy {stamp['greedy_accuracy']:.2f}, "
           f"sampled {stamp['sampled_accuracy']:.2f})")
-  return run(config, workdir, model_dir=model_dir, interrupt=interrupt)
+  return run(config, workdir, model_dir=model_dir, interrupt=interrupt, trainers=trainers)
+
+
+def launches_trainers(config: config_lib.Config) -> bool:
+  """Whether this run starts its other trainer processes itself, as Ray actors."""
+  return config.train.num_processes > 1 and config.generation.placement == 'ray'
 
 
 def run(config: ml_collections.ConfigDict | config_lib.Config, workdir: str, *,
         model_dir: str | None = None, on_ready: Callable[[dict], None] | None = None,
-        interrupt: threading.Event | None = None) -> dict[str, Any]:
+        interrupt: threading.Event | None = None, trainers=None) -> dict[str, Any]:
   """RL to config.rl.total_steps (or max_time_s); returns a summary dict.
 
   `model_dir` overrides config.model.path (the demo passes the model it built). `on_ready`
   (tests) gets the live objects once both loops run. `interrupt` (main's signal handlers set
   it): start-up stops with signals.Interrupted at its next phase; running loops stop as after
-  Ctrl-C.
+  Ctrl-C. `trainers`, with trainer processes as Ray actors (pipeline/trainer_actors.py): on
+  process 0, the `Launch` of the others (which `run_experiment` makes); on the others, their
+  actor's `Stash`.
   """
   config = config_lib.validate(config)
   model_dir = model_dir or config.model.path
   if not model_dir:
     raise ValueError('config.model.path: no model directory given')
+  if trainers is None and launches_trainers(config):
+    raise ValueError('config.train.num_processes: trainer processes as Ray actors are started by '
+                     'run_experiment (the main command), not by run()')
   distributed.initialize(config.train)  # (run_experiment joined already, to build the model)
   if not distributed.is_primary():  # another trainer process: it follows process 0's calls
-    return multiprocess.follow(config, workdir, model_dir, interrupt)
+    return multiprocess.follow(config, workdir, model_dir, interrupt, stash=trainers)
   locks = claim_outputs(config, workdir, model_dir)
   try:
-    with multiprocess.Followers(config, interrupt) as followers:  # none with one process
-      return _run(config, workdir, model_dir, on_ready, interrupt, followers.announce)
+    with multiprocess.Followers(config, interrupt,  # none with one process
+                                sharded=trainers is not None) as followers:
+      return _run(config, workdir, model_dir, on_ready, interrupt, followers.announce, trainers)
   finally:
     for lock in reversed(locks):
       lock.release()
@@ -123,9 +142,10 @@ def claim_outputs(config: config_lib.Config, workdir: str, model_dir: str
 
 def _run(config: config_lib.Config, workdir: str, model_dir: str,
          on_ready: Callable[[dict], None] | None, interrupt: threading.Event | None,
-         announce: Callable[[build_lib.Parts], build_lib.Parts]) -> dict[str, Any]:
+         announce: Callable[[build_lib.Parts], build_lib.Parts], trainers) -> dict[str, Any]:
   signals.check(interrupt)
-  parts = announce(build_lib.build(config, workdir, model_dir, interrupt=interrupt))
+  parts = announce(build_lib.build(config, workdir, model_dir, interrupt=interrupt,
+                                   trainers=trainers))
   start_step = int(parts.resumed['step']) if parts.resumed else 0
   try:
     writer = metrics_lib.MetricsWriter(
@@ -162,17 +182,21 @@ def _run(config: config_lib.Config, workdir: str, model_dir: str,
   trainer.time_offset = writer.time_offset
   live = dict(actor=actor, trainer=trainer, engine=parts.engine, stream=stream, stop=stop,
               task=parts.task)
+  loops = {'actor': actor.run, 'trainer': trainer.run}
+  if trainers is not None:  # a trainer actor lost between collectives ends the run at once
+    loops['trainer processes'] = lambda: trainers.watch(stop)
   outcome = None
   try:
-    outcome = supervise({'actor': actor.run, 'trainer': trainer.run}, stop,
-                        on_ready=on_ready and (lambda: on_ready(live)), interrupt=interrupt)
+    outcome = supervise(loops, stop, on_ready=on_ready and (lambda: on_ready(live)),
+                        interrupt=interrupt)
   finally:
     closing = close_all([('closing the engine', parts.engine.close),
                          ('closing the task', parts.task.close),
                          ('closing the metrics', writer.close)])
     if outcome is None:  # supervise itself raised: that error goes on, after the parts closed
       close_all([('checkpoints', parts.checkpoints.close)])
-  if 'trainer' not in outcome.alive + [name for name, _ in outcome.errors]:
+  lost = any(isinstance(e, multiprocess.TrainerProcessError) for _, e in outcome.errors)
+  if 'trainer' not in outcome.alive + [name for name, _ in outcome.errors] and not lost:
     try:
       save(final=True)  # also after Ctrl-C or the time budget: nothing trained is lost
     except OSError as e:
@@ -189,7 +213,7 @@ def _run(config: config_lib.Config, workdir: str, model_dir: str,
     name, e = outcome.errors[0]
     for what, problem in closing:  # secondary: the loop's error is the one to report
       print(f'[run] also: {what} failed: {problem}', file=sys.stderr, flush=True)
-    where = name if name == 'exit save' else f'{name} loop'
+    where = name if name in ('exit save', 'trainer processes') else f'{name} loop'
     raise RunError(f'{where} failed: {type(e).__name__}: {e}') from e
   if outcome.alive and not outcome.interrupted:
     raise RunError(f'{", ".join(outcome.alive)} did not stop within {STOP_TIMEOUT_S:.0f} s')

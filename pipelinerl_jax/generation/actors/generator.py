@@ -5,6 +5,7 @@ decoding continuously in a thread, fed and drained by the pool (pool.py) through
   update(tree, v, d)   weights through Ray's object store: `tree` arrives as read-only numpy views
                        of the one shared copy; checked against its digest `d`, then handed whole
                        to the engine, which applies it between two token steps
+  update_shards(...)   the same from several trainer processes, each with its pieces
   join / receive(v)    the same over a collective (gloo on CPU, NCCL on GPUs; transport/collective)
   submit(requests)     into the engine's queue
   poll(ack, wait_s)    completions finished since the last acknowledged one, and the stats
@@ -34,6 +35,7 @@ from typing import Any, Sequence
 
 import ray
 
+from pipelinerl_jax import cluster
 from pipelinerl_jax.generation import api
 
 CONCURRENCY_GROUPS = {'io': 1, 'control': 1, 'weights': 1}
@@ -143,13 +145,7 @@ class Generator:
     if self._engine is not None:
       raise RuntimeError(f'{self.name}: pin() after the engine started has no effect on its pools')
     cores = tuple(sorted(int(c) for c in cores))
-    for tid in os.listdir('/proc/self/task'):
-      try:
-        os.sched_setaffinity(int(tid), cores)
-      except ProcessLookupError:  # the thread ended meanwhile
-        pass
-    n = str(len(cores))
-    os.environ.update(OMP_NUM_THREADS=n, MKL_NUM_THREADS=n, OPENBLAS_NUM_THREADS=n)
+    cluster.pin_threads(cores)
     self._cores = cores
     return thread_affinity()
 
@@ -179,6 +175,17 @@ class Generator:
                        f'(sent as {digest}) is not this model\'s {want}')
     self._apply(tree, version, hf_views=None)
     return version
+
+  @ray.method(concurrency_group='weights')
+  def update_shards(self, refs: Sequence[Any], version: int, digest: str,
+                    incarnation: str) -> int | None:
+    """`update`, from several trainer processes: `refs[i]` holds process i's pieces of the params
+    (transport/shards.py), which are assembled into whole leaves first; pieces that leave a gap
+    or overlap refuse the update whole, as a wrong layout does."""
+    if incarnation != self.incarnation:
+      return None
+    from pipelinerl_jax.generation.transport import shards
+    return self.update(shards.assemble(ray.get(list(refs))), version, digest, incarnation)
 
   @ray.method(concurrency_group='weights')
   def join(self, endpoint) -> None:

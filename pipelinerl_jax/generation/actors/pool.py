@@ -6,7 +6,8 @@
                        flight, which returns as soon as it has something (or after `poll_s`)
   update_params     -> every actor, same version: one `ray.put` of the params as host arrays,
                        which every actor on a node reads zero-copy from Ray's object store; or a
-                       bucketed gloo / NCCL broadcast per actor (transport/collective.py)
+                       bucketed gloo / NCCL broadcast per actor (transport/collective.py); or,
+                       from several trainer processes, their pieces (`shards.Published`)
   num_unfinished    =  requests submitted and not yet returned, wherever they are
 
 Newest update wins: an actor has at most one update in flight; when it finishes, the actor is
@@ -42,6 +43,7 @@ from pipelinerl_jax.generation import api
 from pipelinerl_jax.generation import routing as routing_lib
 from pipelinerl_jax.generation.actors import generator as generator_lib
 from pipelinerl_jax.generation.actors import placement
+from pipelinerl_jax.generation.transport import shards
 
 
 class GeneratorDied(RuntimeError):
@@ -84,16 +86,17 @@ class RayGenerators(api.Engine):
   def __init__(self, spec: generator_lib.GeneratorSpec, model_config, *, num_generators: int,
                params, version: int, cpus_per_generator: int = 1, gpus_per_generator: int = 0,
                max_restarts: int = 3, session=None, poll_s: float = 0.05,
-               start_timeout_s: float = 600.0):
+               start_timeout_s: float = 600.0, cores: placement.CoreAllocator | None = None):
     """Starts the actors and sends them `params` as `version`; returns once all serve.
-    `session` (a `cluster.Session`) is closed by `close()`."""
+    `session` (a `cluster.Session`) is closed by `close()`. `cores`: the allocator other actors
+    of the run (trainer processes) took their cores from."""
     self.spec, self.model_config = spec, model_config
     self.max_restarts, self.poll_s, self._session = max_restarts, poll_s, session
     self._cpus, self._gpus = cpus_per_generator, gpus_per_generator
     self._lock = threading.RLock()
     self._routing = routing_lib.Routing(num_generators)
     self._unplaced: dict[str, api.Request] = {}  # no actor served when these came
-    self._cores = placement.CoreAllocator()
+    self._cores = cores or placement.CoreAllocator()
     self._latest: tuple[Any, int, str] | None = None  # (object ref or params, version, digest)
     self._closed = False
     self.restarts = self.requeued = 0
@@ -162,6 +165,11 @@ class RayGenerators(api.Engine):
     caller may then donate them); the actors load them as soon as they are free. Collective:
     broadcasts to each serving actor in turn, each within transport_timeout_s."""
     self._check_open()
+    if isinstance(params, shards.Published):  # several trainer processes: their pieces
+      with self._lock:
+        self._latest = (params, version, params.digest)
+        self._dispatch_updates()
+      return
     if self.spec.transport == 'object_store':
       host = jax.tree.map(np.asarray, jax.device_get(params))
       latest = (ray.put(host), version, generator_lib.tree_digest(host))
@@ -308,7 +316,10 @@ class RayGenerators(api.Engine):
     ref, version, digest = self._latest
     for m in self._members:
       if m.update is None and m.recover is None and m.version < version:
-        m.update = m.handle.update.remote(ref, version, digest, m.info['incarnation'])
+        if isinstance(ref, shards.Published):
+          m.update = m.handle.update_shards.remote(ref.refs, version, digest, m.info['incarnation'])
+        else:
+          m.update = m.handle.update.remote(ref, version, digest, m.info['incarnation'])
 
   def _place_unplaced(self) -> None:
     for rid in list(self._unplaced):
