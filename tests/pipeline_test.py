@@ -213,6 +213,8 @@ def test_stream_credits_order_and_stop():
     ('cluster.address', 'localhost', "must be '' (start Ray locally), 'auto' or 'HOST:PORT'"),
     ('cluster.num_cpus', 2, "applies to generation.placement='ray' only"),
     ('generation.vllm.kv_cache_mb', 0, 'must be >= 1'),
+    ('generation.vllm.gpu_memory_utilization', 1.5, 'must be in [0, 1] (0 = use kv_cache_mb)'),
+    ('generation.vllm.cuda_graphs', 1, 'must be true/false'),
     ('train.micro_batch_rows', -1, 'must be >= 0'),
     ('model.attention', 'flash', "must be one of 'blockwise', 'dense'"),
     ('model.attention_block_kv', 0, 'must be >= 1'),
