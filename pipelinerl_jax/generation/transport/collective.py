@@ -325,8 +325,9 @@ class Receiver:
                src: int = 0):
     self.comm, self.plan, self.src = comm, plan, src
     self.device = torch.device(device)
-    self.staging = torch.empty(plan.nbytes, dtype=torch.uint8, device=self.device)
     self._worker = _Worker('weights-receiver', self.device)
+    self.staging = self._worker.run(  # on the stream that fills it
+        lambda: torch.empty(plan.nbytes, dtype=torch.uint8, device=self.device), 60.0)
     self._free = threading.Event()
     self._free.set()
 
