@@ -52,6 +52,7 @@ import json
 import queue
 import socket
 import threading
+import time
 from typing import Any, Callable, Iterable, Iterator, Protocol
 
 import torch
@@ -342,6 +343,7 @@ class Receiver:
     `timeout_s`, the wait for the previous update's release included. ValueError for a
     mismatched header, TimeoutError past the deadline; on any failure the communicator is
     destroyed first (the group is unusable; restart the generator)."""
+    deadline = time.monotonic() + timeout_s
     try:
       if not self._free.wait(timeout_s):
         raise TimeoutError(f'the previous weight update was not released by the engine within '
@@ -350,7 +352,8 @@ class Receiver:
       try:
         version, views = self._worker.run(
             lambda: receive_into(self.comm, self.plan, self.staging, src=self.src,
-                                 stream=self._worker.stream), timeout_s)
+                                 stream=self._worker.stream),
+            max(0.0, deadline - time.monotonic()))
       except concurrent.futures.TimeoutError:
         raise TimeoutError(f'weight update not received within {timeout_s:.0f}s (trainer dead '
                            'or stuck?); the communicator is destroyed, restart the generator'
