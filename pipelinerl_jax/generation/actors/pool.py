@@ -299,10 +299,7 @@ class RayGenerators(api.Engine):
         self._sender.send(comm, self._plan, lambda: hf_tensors.gathered_torch_tensors(
             params, self.model_config, self._gather_device, self.spec.wire_dtype), version,
             timeout_s=self.spec.transport_timeout_s)
-        error = None
-      except Exception as e:
-        error = e
-      if error is not None:
+      except Exception as error:  # the sender has destroyed the communicator
         m.comm = None
         if self._incarnation_changed(m):  # it died and came back: the restart re-joins it
           return
