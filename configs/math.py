@@ -129,7 +129,11 @@ def _gpu_placement(c):
   c.generation.backend = 'vllm'
   c.generation.placement = 'ray'
   c.generation.num_generators = 4   # GPUs 4, 5, 6, 7
+  # Updates in bf16 (vLLM's serving dtype) from the trainer's GPU 0, one staging buffer each.
   c.generation.remote.weight_transport = 'nccl'
+  # Each generator GPU 90% used once vLLM started: CUDA context, staging buffer, weights,
+  # activations, CUDA graphs (on), and the KV cache from what is left (generation/budget.py).
+  c.generation.vllm.gpu_memory_utilization = 0.9
 
 
 def _gpu_model(c):

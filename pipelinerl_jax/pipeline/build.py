@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import importlib.util
+import json
 import os
 import threading
 from typing import Any, Callable
@@ -168,7 +169,8 @@ def _build(config: config_lib.Config, workdir: str, model_dir: str,
   del params
   started.callback(_quietly, engine.close)
   check_interrupt()
-  publish = publisher(config, mesh, engine, trainers)
+  publish = publisher(config, mesh, engine, transport_dtype(config, model_config, model_dir),
+                      trainers)
   if resumed and config.generation.backend != 'jax' and config.generation.placement == 'inline':
     publish(state.params, version)  # inline vLLM loaded model_dir's weights
   evaluate = (evaluator(config, workdir, model_config, tokenizer, task, mesh)
@@ -238,13 +240,15 @@ def copy_params_fn(device=None) -> Callable:
   return copy if device is None else lambda params: jax.device_put(copy(params), device)
 
 
-def publisher(config: config_lib.Config, mesh, engine: api.Engine, trainers=None
-              ) -> Callable[[Any, int], None]:
+def publisher(config: config_lib.Config, mesh, engine: api.Engine, wire_dtype: str,
+              trainers=None) -> Callable[[Any, int], None]:
   """What the trainer calls after a step: a fresh copy of the params to the engine (for the
   in-process JAX engine, on its device; vLLM copies into its own tensors). Generator actors
-  over the object store copy to host before `update_params` returns: no copy needed here; over a
-  collective the pool keeps the params to re-send after a restart: a copy on one device. With
-  trainer actors (`trainers`), every process puts its own pieces into the object store."""
+  over the object store copy to host before `update_params` returns: no copy needed here. Over a
+  collective the pool keeps the params to re-send after a restart: a copy in the wire dtype
+  (`wire_dtype`, bf16 to vLLM on GPUs), sharded as the params are, from which the sender gathers
+  one tensor at a time. With trainer actors (`trainers`), every process puts its own pieces into
+  the object store."""
   g = config.generation
   if trainers is not None:
     return lambda params, version: engine.update_params(trainers.publication(params, version),
@@ -252,11 +256,22 @@ def publisher(config: config_lib.Config, mesh, engine: api.Engine, trainers=None
   if g.placement == 'ray' and g.remote.weight_transport == 'object_store':
     return engine.update_params
   if g.placement == 'ray':
-    device = mesh.devices.flat[0]
+    dtype = jnp.dtype(wire_dtype)
+    copy = jax.jit(lambda p: jax.tree.map(lambda x: jnp.copy(x).astype(dtype), p))
   else:
-    device = generation_device(mesh) if g.backend == 'jax' else None
-  copy = copy_params_fn(device)
+    copy = copy_params_fn(generation_device(mesh) if g.backend == 'jax' else None)
   return lambda params, version: engine.update_params(copy(params), version)
+
+
+def transport_dtype(config: config_lib.Config, model_config, model_dir: str) -> str:
+  """The dtype weight updates travel in to generator actors over a collective
+  (`budget.wire_dtype`: the serving dtype of vLLM over nccl, else the param dtype)."""
+  from pipelinerl_jax.generation import budget
+  with open(os.path.join(model_dir, hf_io.CONFIG_FILE)) as f:
+    serving = budget.serving_dtype(json.load(f))
+  g = config.generation
+  return budget.wire_dtype(g.remote.weight_transport, g.backend, serving,
+                           model_config.param_dtype)
 
 
 def _inline_engine(config: config_lib.Config, model_config, model_dir: str, *, mesh,
@@ -273,7 +288,8 @@ def _inline_engine(config: config_lib.Config, model_config, model_dir: str, *, m
                                 eos_token_ids=(eos_token_id,), recompute_kv=g.recompute_kv),
         version=version, device=device)
   from pipelinerl_jax.generation.vllm import engine as vllm_engine  # imports vLLM
-  return vllm_engine.VllmEngine(model_dir, vllm_engine_config(config, model_dir, eos_token_id))
+  return vllm_engine.VllmEngine(model_dir, vllm_engine_config(config, model_config,
+                                                               eos_token_id))
 
 
 def _ray_engine(config: config_lib.Config, model_config, model_dir: str, *, mesh,
@@ -308,8 +324,10 @@ def _ray_engine(config: config_lib.Config, model_config, model_dir: str, *, mesh
         num_slots=g.slots_per_generator, max_seq_len=g.max_seq_len,
         eos_token_ids=(eos_token_id,),
         recompute_kv=g.recompute_kv, kv_cache_mb=g.vllm.kv_cache_mb,
+        gpu_memory_utilization=g.vllm.gpu_memory_utilization, cuda_graphs=g.vllm.cuda_graphs,
         lm_head_fp32=config.model.lm_head_fp32, transport=remote.weight_transport,
-        transport_timeout_s=remote.transport_timeout_s)
+        transport_timeout_s=remote.transport_timeout_s,
+        wire_dtype=transport_dtype(config, model_config, model_dir))
     return pool.RayGenerators(
         spec, model_config, num_generators=g.num_generators, params=params, version=version,
         cpus_per_generator=remote.cpus_per_generator, gpus_per_generator=gpus_each,
@@ -322,13 +340,20 @@ def _ray_engine(config: config_lib.Config, model_config, model_dir: str, *, mesh
 ENGINE_PLACEMENTS = {'inline': _inline_engine, 'ray': _ray_engine}
 
 
-def vllm_engine_config(config: config_lib.Config, model_dir: str, eos_token_id: int):
+def vllm_engine_config(config: config_lib.Config, model_config, eos_token_id: int):
+  """The in-process vLLM engine's settings (`model_config`: the trainer's, for its dtypes)."""
+  from pipelinerl_jax.generation import budget
+  from pipelinerl_jax.generation.transport import hf_tensors
   from pipelinerl_jax.generation.vllm import engine as vllm_engine  # imports vLLM
   g = config.generation
+  # Each published tensor goes to the GPU on its own after vLLM started (via the host).
+  reserve = budget.largest_tensor_bytes(hf_tensors.expected_shapes(model_config).values(),
+                                        model_config.param_dtype)
   return vllm_engine.VllmEngineConfig(
       max_num_seqs=g.slots_per_generator, max_model_len=g.max_seq_len,
       eos_token_ids=(eos_token_id,), kv_cache_bytes=g.vllm.kv_cache_mb << 20,
-      lm_head_fp32=config.model.lm_head_fp32)
+      gpu_memory_utilization=g.vllm.gpu_memory_utilization, reserve_bytes=reserve,
+      cuda_graphs=g.vllm.cuda_graphs, lm_head_fp32=config.model.lm_head_fp32)
 
 
 def prompt_encoder(tokenizer, max_len: int) -> Callable[[tasks_base.Problem], list[int]]:

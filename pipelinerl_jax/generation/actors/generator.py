@@ -6,7 +6,8 @@ decoding continuously in a thread, fed and drained by the pool (pool.py) through
                        of the one shared copy; checked against its digest `d`, then handed whole
                        to the engine, which applies it between two token steps
   update_shards(...)   the same from several trainer processes, each with its pieces
-  join / receive(v)    the same over a collective (gloo on CPU, NCCL on GPUs; transport/collective)
+  join / receive(v)    the same over a collective (gloo on CPU, NCCL on GPUs; transport/collective):
+                       one receiver thread and one staging buffer for the actor's life
   submit(requests)     into the engine's queue
   poll(ack, wait_s)    completions finished since the last acknowledged one, and the stats
 
@@ -51,11 +52,14 @@ class GeneratorSpec:
   max_seq_len: int
   eos_token_ids: tuple[int, ...]  # stop every request
   recompute_kv: bool = False       # JAX engine
-  kv_cache_mb: int = 256           # vLLM
+  kv_cache_mb: int = 256           # vLLM on CPU (or on CUDA with gpu_memory_utilization 0)
+  gpu_memory_utilization: float = 0.9  # vLLM on CUDA: generation/budget.py
+  cuda_graphs: bool = True         # vLLM on CUDA
   lm_head_fp32: bool = False       # vLLM
   transport: str = 'object_store'  # 'object_store' | 'gloo' | 'nccl'
   transport_timeout_s: float = 120.0
   bucket_mb: int = 256             # collective transports
+  wire_dtype: str = 'float32'      # collective transports: budget.wire_dtype
 
 
 def tree_digest(tree) -> str:
@@ -119,7 +123,7 @@ class Generator:
     self._closed = False
     self._thread: threading.Thread | None = None
     self._comm = None
-    self._plan = None
+    self._receiver = None
     self._cores: tuple[int, ...] = ()
     self._updates = 0
     self._update_s = 0.0
@@ -189,56 +193,66 @@ class Generator:
 
   @ray.method(concurrency_group='weights')
   def join(self, endpoint) -> None:
-    """Joins the trainer's two-rank group (rank 1) for a collective weight transport."""
+    """Joins the trainer's two-rank group (rank 1) for a collective weight transport, and
+    allocates the staging buffer for the actor's life (before the engine starts, whose memory
+    budget then sees it)."""
     from pipelinerl_jax.generation.transport import collective
     from pipelinerl_jax.generation.transport import hf_tensors
     device = 'cuda:0' if endpoint.backend == 'nccl' else 'cpu'
-    self._comm = collective.join(endpoint, 1, self.spec.transport_timeout_s, device)
-    model = self._model()
-    self._plan = collective.make_plan(hf_tensors.expected_shapes(model), model.param_dtype,
-                                      self.spec.bucket_mb << 20)
+    comm = collective.join(endpoint, 1, self.spec.transport_timeout_s, device)
+    try:
+      model = self._model()
+      plan = collective.make_plan(hf_tensors.expected_shapes(model), self.spec.wire_dtype,
+                                  self.spec.bucket_mb << 20)
+      self._receiver = collective.Receiver(comm, plan, device)
+    except BaseException:
+      collective.destroy(comm)
+      raise
+    self._comm = comm
 
   @ray.method(concurrency_group='weights')
   def receive(self, version: int, incarnation: str) -> int | None:
-    """Receives the update the trainer is broadcasting into one staging buffer, then applies it
-    whole. A receive that fails or passes its deadline leaves the group unusable: the process
-    exits, and Ray restarts the actor (which joins a new group). None: meant for another
-    incarnation, which had that group."""
+    """Receives the update the trainer is broadcasting into the staging buffer, then applies it
+    whole. A receive that fails or passes its deadline leaves the group unusable: its
+    communicator is destroyed, the process exits, and Ray restarts the actor (which joins a new
+    group). None: meant for another incarnation, which had that group."""
     if incarnation != self.incarnation or self._comm is None:
       return None
     from pipelinerl_jax.generation.transport import collective
-    device = 'cuda:0' if self.spec.transport == 'nccl' else 'cpu'
     try:
-      got, views = collective.receive(self._comm, self._plan, device=device,
-                                      timeout_s=self.spec.transport_timeout_s)
+      got, views, release = self._receiver.receive(self.spec.transport_timeout_s)
       if got != version:
         raise ValueError(f'announced version {version}, received {got}')
     except BaseException as e:
       print(f'[{self.name}] weight transport failed, exiting for a restart: '
             f'{type(e).__name__}: {e}', flush=True)
+      collective.destroy(self._comm)  # (the receiver has, for a failed transfer)
       os._exit(1)
-    self._apply(None, version, hf_views=views)
+    self._apply(None, version, hf_views=views, release=release)
     return version
 
-  def _apply(self, tree, version: int, hf_views) -> None:
+  def _apply(self, tree, version: int, hf_views, release=None) -> None:
+    """`release()` (collective transports) is called once `hf_views` are no longer read."""
     start = time.perf_counter()
     if self._engine is None:
       # The decode thread builds the engine: every call into it (vLLM's start-up, steps and
       # weight reloads; OpenMP sizes its pool per thread) then runs in that one thread.
       built = threading.Event()
-      self._thread = threading.Thread(target=self._decode, args=(tree, version, hf_views, built),
+      self._thread = threading.Thread(target=self._decode,
+                                      args=(tree, version, hf_views, release, built),
                                       name=f'{self.name}-decode', daemon=True)
       self._thread.start()
       built.wait()
       if self._error is not None:
         raise RuntimeError(self._error)
     elif hf_views is not None and self.spec.backend == 'vllm':
-      self._engine.update_hf_tensors(hf_views, version)
+      self._engine.update_hf_tensors(hf_views, version, release)  # released once loaded
     else:
       import jax
       if hf_views is not None:
         from pipelinerl_jax.generation.transport import hf_tensors
-        tree = hf_tensors.params_from_hf(hf_views, self._model())
+        tree = hf_tensors.params_from_hf(hf_views, self._model())  # a copy: the views are free
+        release()
       # On the device before this returns, so "version v applied" means it is there. (On CPU
       # the device array may alias the object store's copy, which it then keeps alive.)
       tree = jax.block_until_ready(jax.device_put(tree, jax.local_devices()[0]))
@@ -248,7 +262,7 @@ class Generator:
     with self._cond:
       self._cond.notify_all()
 
-  def _build(self, tree, version: int, hf_views) -> api.Engine:
+  def _build(self, tree, version: int, hf_views, release) -> api.Engine:
     """The engine, on this actor's device, serving `version` (imports JAX or vLLM now)."""
     spec, model = self.spec, self._model()
     if spec.backend == 'jax':
@@ -262,13 +276,21 @@ class Generator:
               num_slots=spec.num_slots, max_seq_len=spec.max_seq_len,
               eos_token_ids=spec.eos_token_ids, recompute_kv=spec.recompute_kv),
           version=version, device=jax.local_devices()[0])
+    from pipelinerl_jax.generation import budget
+    from pipelinerl_jax.generation.transport import hf_tensors
     from pipelinerl_jax.generation.vllm import engine as vllm_engine
+    # Object store: each tensor of an update comes to the GPU on its own, after vLLM started
+    # (a collective's staging buffer was allocated before, at `join`).
+    reserve = budget.largest_tensor_bytes(hf_tensors.expected_shapes(model).values(),
+                                          model.param_dtype) \
+        if spec.transport == 'object_store' else 0
     engine = vllm_engine.VllmEngine(spec.model_dir, vllm_engine.VllmEngineConfig(
         max_num_seqs=spec.num_slots, max_model_len=spec.max_seq_len,
         eos_token_ids=spec.eos_token_ids, kv_cache_bytes=spec.kv_cache_mb << 20,
-        lm_head_fp32=spec.lm_head_fp32), version=-1)
+        gpu_memory_utilization=spec.gpu_memory_utilization, reserve_bytes=reserve,
+        cuda_graphs=spec.cuda_graphs, lm_head_fp32=spec.lm_head_fp32), version=-1)
     if hf_views is not None:
-      engine.update_hf_tensors(hf_views, version)
+      engine.update_hf_tensors(hf_views, version, release)
     else:
       engine.update_params(tree, version)
     engine.apply_update()  # serves `version`, not the checkpoint, from its first token
@@ -321,14 +343,17 @@ class Generator:
     stats.setdefault('version', -1)
     return stats
 
-  def _decode(self, tree, version: int, hf_views, built: threading.Event) -> None:
-    """Builds the engine from the first weights, then steps it while there is work."""
+  def _decode(self, tree, version: int, hf_views, release, built: threading.Event) -> None:
+    """Builds the engine from the first weights, then steps it while there is work; an idle
+    vLLM engine still loads a pending update (which frees the staging buffer for the next)."""
     refused = ()
     try:
       try:
-        engine = self._build(tree, version, hf_views)
+        engine = self._build(tree, version, hf_views, release)
       finally:
         del tree, hf_views
+        if release is not None:
+          release()  # loaded (or failed): no-op when the engine released it already
       if self.spec.backend == 'vllm':
         from pipelinerl_jax.generation.vllm import engine as vllm_engine
         refused = vllm_engine.WeightUpdateError  # not loaded; still serving the previous one
@@ -340,6 +365,11 @@ class Generator:
       built.set()
       while not self._closed:
         if engine.num_unfinished == 0:
+          if self.spec.backend == 'vllm':
+            try:
+              engine.apply_update()
+            except refused:
+              pass
           with self._cond:
             self._cond.wait(0.01)
           continue

@@ -6,8 +6,9 @@
                        flight, which returns as soon as it has something (or after `poll_s`)
   update_params     -> every actor, same version: one `ray.put` of the params as host arrays,
                        which every actor on a node reads zero-copy from Ray's object store; or a
-                       bucketed gloo / NCCL broadcast per actor (transport/collective.py); or,
-                       from several trainer processes, their pieces (`shards.Published`)
+                       bucketed gloo / NCCL broadcast per actor (transport/collective.py), all
+                       from one sender thread, in the wire dtype (budget.wire_dtype); or, from
+                       several trainer processes, their pieces (`shards.Published`)
   num_unfinished    =  requests submitted and not yet returned, wherever they are
 
 Newest update wins: an actor has at most one update in flight; when it finishes, the actor is
@@ -23,8 +24,8 @@ carry the incarnation they are meant for, so a submit or poll queued for the dea
 is ignored by the new one; completions stay in an actor's outbox until acknowledged, so a lost
 reply is re-sent, and the routing accepts each request id exactly once. When Ray gives up (the
 restarts are used), the run stops with one line naming the actor, its node and the cause.
-A collective transfer that misses its deadline is reported in one line and the actor is killed,
-so that Ray restarts it into a new group.
+A collective transfer that fails or misses its deadline is reported in one line, its
+communicator destroyed, and the actor killed, so that Ray restarts it into a new group.
 """
 
 from __future__ import annotations
@@ -101,6 +102,15 @@ class RayGenerators(api.Engine):
     self._closed = False
     self.restarts = self.requeued = 0
     self.transport_errors: list[str] = []
+    self._sender = self._plan = None
+    if spec.transport != 'object_store':
+      from pipelinerl_jax.generation.transport import collective
+      from pipelinerl_jax.generation.transport import hf_tensors
+      self._plan = collective.make_plan(hf_tensors.expected_shapes(model_config), spec.wire_dtype,
+                                        spec.bucket_mb << 20)
+      # torch's cuda:0 and JAX's first device are the first visible GPU.
+      self._sender = collective.Sender('cuda:0' if spec.transport == 'nccl' else 'cpu')
+      self._gather_device = jax.local_devices()[0]
     have = ray.cluster_resources()
     for kind, each, key in (('CPU', cpus_per_generator, 'cpus_per_generator'),
                             ('GPU', gpus_per_generator, 'gpus_per_generator')):
@@ -210,6 +220,9 @@ class RayGenerators(api.Engine):
           ray.kill(m.handle, no_restart=True)
         except Exception:  # already gone
           pass
+        self._drop_comm(m)
+      if self._sender is not None:
+        self._sender.close()
     finally:
       if self._session is not None:
         self._session.close()
@@ -257,47 +270,50 @@ class RayGenerators(api.Engine):
     m.info['cores'] = list(cores)
 
   def _join(self, m: _Member) -> None:
-    """A new two-rank group with the actor (trainer rank 0), for a collective transport."""
+    """A new two-rank group with the actor (trainer rank 0), for a collective transport; a
+    group that fails to form is torn down before this raises."""
     from pipelinerl_jax.generation.transport import collective
+    self._drop_comm(m)
     rendezvous = collective.Rendezvous(self.spec.transport, self.spec.transport_timeout_s,
                                        host=ray.util.get_node_ip_address())
-    joined = m.handle.join.remote(rendezvous.endpoint)
-    m.comm = rendezvous.connect(device='cuda:0' if self.spec.transport == 'nccl' else None)
-    ray.get(joined, timeout=self.spec.transport_timeout_s)
+    try:
+      joined = m.handle.join.remote(rendezvous.endpoint)
+      m.comm = rendezvous.connect(device='cuda:0' if self.spec.transport == 'nccl' else None)
+      ray.get(joined, timeout=self.spec.transport_timeout_s)
+    except BaseException:
+      self._drop_comm(m)
+      raise
+    finally:
+      rendezvous.close()
+
+  def _drop_comm(self, m: _Member) -> None:
+    """Destroys the trainer's end of the actor's group, if any (bounded: an abort may block)."""
+    comm, m.comm = m.comm, None
+    if comm is not None:
+      from pipelinerl_jax.generation.transport import collective
+      collective.destroy(comm)
 
   def _send(self, m: _Member, params, version: int) -> None:
-    """Broadcasts one update to one actor within the deadline; a transfer that fails or misses
-    it is reported in one line and the actor killed, so Ray restarts it into a new group."""
-    from pipelinerl_jax.generation.transport import collective
+    """Broadcasts one update to one actor within the deadline, from the sender thread; a
+    transfer that fails or misses it is reported in one line (the sender has destroyed the
+    communicator) and the actor killed, so Ray restarts it into a new group."""
     from pipelinerl_jax.generation.transport import hf_tensors
     with m.send_lock:
       comm = m.comm
       if comm is None:
         return
       received = m.handle.receive.remote(version, m.info['incarnation'])
-      plan = collective.make_plan(hf_tensors.expected_shapes(self.model_config),
-                                  self.model_config.param_dtype, self.spec.bucket_mb << 20)
-      out: dict[str, Any] = {}
-
-      def body():
-        try:
-          nccl = self.spec.transport == 'nccl'  # then DLPack views of the params on one GPU
-          collective.send(comm, plan, hf_tensors.hf_torch_tensors(params, self.model_config,
-                                                                  on_gpu=nccl),
-                          version, device='cuda:0' if nccl else 'cpu')
-        except BaseException as e:
-          out['error'] = e
-
-      thread = threading.Thread(target=body, name=f'weights-{m.name}', daemon=True)
-      thread.start()
-      thread.join(self.spec.transport_timeout_s)
-      if thread.is_alive() or 'error' in out:
+      try:
+        self._sender.send(comm, self._plan, lambda: hf_tensors.gathered_torch_tensors(
+            params, self.model_config, self._gather_device, self.spec.wire_dtype), version,
+            timeout_s=self.spec.transport_timeout_s)
+      except Exception as error:  # the sender has destroyed the communicator
         m.comm = None
         if self._incarnation_changed(m):  # it died and came back: the restart re-joins it
           return
         what = (f'did not complete within {self.spec.transport_timeout_s:.0f}s '
-                '(generation.remote.transport_timeout_s)' if thread.is_alive() else
-                f'failed ({type(out["error"]).__name__}: {out["error"]})')
+                '(generation.remote.transport_timeout_s)' if isinstance(error, TimeoutError)
+                else f'failed ({type(error).__name__}: {error})')
         line = (f'{m.name} (node {m.info.get("node_ip")}): weight update {version} over '
                 f'generation.remote.weight_transport={self.spec.transport!r} {what}; the group is '
                 'unusable, the actor is restarted')

@@ -8,7 +8,9 @@ receiver makes into its own parameters (vLLM's loader does `param.copy_(tensor)`
 the serving dtype on the way). `is_zero_copy` says which tensors alias their leaf.
 
 Leaves that live on several devices (sharded) or off the CPU cannot alias a host tensor: they are
-gathered to host (one copy) and reported as not zero-copy.
+gathered to host (one copy) and reported as not zero-copy. Collective transports use
+`gathered_torch_tensors` instead: one HF tensor at a time, made on the device the sender packs
+from.
 
 The tensors alias buffers JAX treats as immutable: receivers must only read them, and the params
 must not be donated or deleted until the receiver is done (the `api.Engine.update_params`
@@ -57,16 +59,14 @@ def expected_shapes(config: transformer.ModelConfig) -> dict[str, tuple[int, ...
   return {name: spec.hf_shape for name, spec, _ in hf_io.checkpoint_order(config)}
 
 
-def leaf_to_torch(x: Any, on_gpu: bool = False) -> torch.Tensor:
-  """One leaf as a torch tensor: an alias of the buffer when the leaf is one CPU buffer (or,
-  with `on_gpu`, one GPU buffer: a CUDA tensor, for an NCCL send), else a host copy (sharded or
-  accelerator-resident leaves)."""
+def leaf_to_torch(x: Any) -> torch.Tensor:
+  """One leaf as a torch tensor: an alias of the buffer when the leaf is one CPU buffer, else a
+  host copy (sharded or accelerator-resident leaves)."""
   if isinstance(x, torch.Tensor):
     return x
   if isinstance(x, jax.Array):
     devices = x.sharding.device_set
-    platform = next(iter(devices)).platform
-    if len(devices) == 1 and (platform == 'cpu' or (on_gpu and platform == 'gpu')):
+    if len(devices) == 1 and next(iter(devices)).platform == 'cpu':
       return torch.from_dlpack(x)  # waits until x is ready; aliases its buffer
   host = np.ascontiguousarray(np.asarray(x))
   with warnings.catch_warnings():  # the gathered copy is read-only; receivers only read it
@@ -76,7 +76,7 @@ def leaf_to_torch(x: Any, on_gpu: bool = False) -> torch.Tensor:
     return torch.from_numpy(host)
 
 
-def hf_torch_tensors(params, config: transformer.ModelConfig, on_gpu: bool = False
+def hf_torch_tensors(params, config: transformer.ModelConfig
                      ) -> Iterator[tuple[str, torch.Tensor]]:
   """Yields (hf_name, tensor in HF layout) in checkpoint order; see the module docstring.
 
@@ -86,13 +86,24 @@ def hf_torch_tensors(params, config: transformer.ModelConfig, on_gpu: bool = Fal
   converted: dict[tuple[str, ...], torch.Tensor] = {}
   for name, spec, i in hf_io.checkpoint_order(config):
     if spec.path not in converted:
-      converted[spec.path] = leaf_to_torch(hf_io.leaf_at(params, spec.path), on_gpu)
+      converted[spec.path] = leaf_to_torch(hf_io.leaf_at(params, spec.path))
     t = converted[spec.path]
     if tuple(t.shape) != spec.shape:
       raise ValueError(f'leaf {"/".join(spec.path)} has shape {tuple(t.shape)}, the config '
                        f'implies {spec.shape}')
     t = t if i is None else t[i]
     yield name, (t.T if spec.transposed else t)
+
+
+def gathered_torch_tensors(params, config: transformer.ModelConfig, device: jax.Device,
+                           dtype: str | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+  """(hf_name, tensor in HF layout) in checkpoint order for a collective transport, each made
+  alone: sliced, transposed and cast to `dtype` where the (sharded) params live, then gathered
+  onto `device` and handed over as a DLPack alias of that one-device array (a CUDA tensor on a
+  GPU). A sender that copies each tensor into its bucket and drops it holds one HF tensor
+  beyond the params at a time, never a gathered model."""
+  for name, x in hf_io.hf_tensors(params, config, dtype):
+    yield name, torch.from_dlpack(jax.device_put(x, device))
 
 
 def params_from_hf(tensors: Iterable[tuple[str, torch.Tensor]], config: transformer.ModelConfig,
@@ -138,11 +149,6 @@ def zero_copy_report(params, config: transformer.ModelConfig) -> dict[str, bool]
 # Layout and grouping for transports.
 
 TORCH_DTYPES = {'float32': torch.float32, 'bfloat16': torch.bfloat16, 'float16': torch.float16}
-
-
-def align(n: int, to: int) -> int:
-  """n rounded up to a multiple of `to` (tensor offsets in a transport buffer)."""
-  return -(-n // to) * to
 
 
 def numel(shape: Sequence[int]) -> int:

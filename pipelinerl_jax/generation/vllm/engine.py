@@ -62,6 +62,7 @@ import torch
 
 
 from pipelinerl_jax.generation import api
+from pipelinerl_jax.generation import budget
 from pipelinerl_jax.generation.transport import hf_tensors
 from pipelinerl_jax.models import hf_io
 
@@ -74,11 +75,37 @@ class WeightUpdateError(RuntimeError):
   """A weight update was not applied; the engine still serves the previous version."""
 
 
+@dataclasses.dataclass
+class _Pending:
+  """An update waiting for the next step: how to make its tensors, and who to tell when they are
+  no longer read (`done`, called once)."""
+  make_tensors: Callable[[], list]
+  version: int
+  keep: bool                       # a rollback source (see `_loaded`)
+  release: Callable[[], None] | None = None
+  tensors: list | None = None      # caller-owned buffers (update_hf_tensors)
+
+  def done(self) -> None:
+    release, self.release = self.release, None
+    if release is None:
+      return
+    # Loads are queued on this thread's CUDA stream: finish them before the buffers are reused.
+    if any(t.device.type == 'cuda' for _, t in self.tensors or ()):
+      torch.cuda.synchronize()
+    self.tensors = None
+    release()
+
+
 @dataclasses.dataclass(frozen=True)
 class VllmEngineConfig:
   max_num_seqs: int = 64            # H: sequences decoded together (vLLM's scheduler queues more)
   max_model_len: int = 1024         # prompt + max_tokens must fit
-  kv_cache_bytes: int = 256 << 20   # given explicitly: vLLM on CPU cannot size it itself
+  # Memory, per device (`device_kwargs`). CUDA: the share of the GPU in use once vLLM has
+  # started (generation/budget.py), vLLM's KV cache getting what is left; 0 = kv_cache_bytes.
+  gpu_memory_utilization: float = 0.9
+  reserve_bytes: int = 0            # CUDA: what this process still allocates on the GPU later
+  kv_cache_bytes: int = 256 << 20   # CPU: vLLM on CPU cannot size its KV cache itself
+  cuda_graphs: bool = True          # CUDA: decode with CUDA graphs; CPU always runs eager
   # Serving dtype. None = the checkpoint's config.json dtype: vLLM's own 'auto' serves an fp32
   # checkpoint in bf16 on CPU, which costs ~2e-3 nats of log mu agreement on a tiny model.
   dtype: str | None = None
@@ -113,8 +140,27 @@ def versions_from_spans(spans) -> list[int] | None:
 
 
 def _checkpoint_dtype(model_dir: Path) -> str:
-  hf = json.loads((model_dir / hf_io.CONFIG_FILE).read_text())
-  return hf.get('dtype') or hf.get('torch_dtype') or 'auto'
+  return budget.serving_dtype(json.loads((model_dir / hf_io.CONFIG_FILE).read_text())) or 'auto'
+
+
+def device_kwargs(config: VllmEngineConfig, on_cuda: bool,
+                  mem_info: tuple[int, int] | None = None) -> dict[str, Any]:
+  """vLLM's memory and graph settings on this device. CUDA: `gpu_memory_utilization` from the
+  configured share and what is free now (`mem_info` = (free, total) bytes, read from the device
+  when None; budget.vllm_memory_fraction), and CUDA graphs unless `cuda_graphs` is off: a weight
+  update keeps them valid, as vLLM's reload copies the new values into the tensors the graphs
+  captured (vllm/model_executor/model_loader/reload/layerwise.py,
+  `_copy_and_restore_kernel_tensors`). CPU, or a share of 0: the explicit KV cache size (vLLM
+  on CPU cannot size it); CPU runs eager, the only mode this project has run vLLM's CPU build in.
+  """
+  if not on_cuda:
+    return dict(kv_cache_memory_bytes=config.kv_cache_bytes, enforce_eager=True)
+  out: dict[str, Any] = dict(enforce_eager=not config.cuda_graphs)
+  if config.gpu_memory_utilization <= 0:
+    return dict(out, kv_cache_memory_bytes=config.kv_cache_bytes)
+  free, total = mem_info if mem_info is not None else torch.cuda.mem_get_info()
+  return dict(out, gpu_memory_utilization=budget.vllm_memory_fraction(
+      config.gpu_memory_utilization, free, total, config.reserve_bytes))
 
 
 def checkpoint_shapes(model_dir: Path) -> dict[str, tuple[int, ...]]:
@@ -148,12 +194,13 @@ class VllmEngine(api.Engine):
     # In-process engine: the worker (and its reload_weights) must live in this process.
     os.environ['VLLM_ENABLE_V1_MULTIPROCESSING'] = '0'
     import vllm
+    from vllm.platforms import current_platform
     dtype = config.dtype or _checkpoint_dtype(self.model_dir)
     kwargs = dict(model=str(self.model_dir), dtype=dtype, skip_tokenizer_init=True,
                   enable_prefix_caching=False, logprobs_mode='processed_logprobs',
-                  async_scheduling=False, kv_cache_memory_bytes=config.kv_cache_bytes,
-                  max_model_len=config.max_model_len, max_num_seqs=config.max_num_seqs,
-                  enforce_eager=True, seed=config.seed)
+                  async_scheduling=False, max_model_len=config.max_model_len,
+                  max_num_seqs=config.max_num_seqs, seed=config.seed,
+                  **device_kwargs(config, current_platform.is_cuda()))
     if config.max_num_batched_tokens is not None:
       kwargs['max_num_batched_tokens'] = config.max_num_batched_tokens
     if config.lm_head_fp32:
@@ -177,7 +224,7 @@ class VllmEngine(api.Engine):
     # How to rebuild the weights now served (for a rollback): None = reload the checkpoint,
     # _NO_ROLLBACK = they came from buffers that may since have been overwritten.
     self._loaded: Callable[[], list] | None | object = None
-    self._next_params: tuple[Callable[[], list], int, bool] | None = None
+    self._next_params: _Pending | None = None
     self._requests = api.RequestQueue()
     self._seqs: dict[str, api.SequenceRecord] = {}  # handed to vLLM, not finished
     self._lock = threading.Lock()  # guards _next_params
@@ -212,18 +259,20 @@ class VllmEngine(api.Engine):
                         f'{spec.shape}')
     if problems:
       raise ValueError(f'update to version {version} rejected: ' + '; '.join(problems[:5]))
-    with self._lock:
-      self._next_params = (lambda: self._weights(params), version, True)
+    self._set_pending(_Pending(lambda: self._weights(params), version, keep=True))
 
-  def update_hf_tensors(self, tensors: list[tuple[str, Any]], version: int) -> None:
-    """Like `update_params`, for weights already in HF layout: (hf_name, CPU torch tensor)
-    pairs, e.g. views of a transport's staging buffer. They must stay unchanged until loaded. As
-    they may be overwritten afterwards, they are no rollback source: should a later load fail
+  def update_hf_tensors(self, tensors: list[tuple[str, Any]], version: int,
+                        release: Callable[[], None] | None = None) -> None:
+    """Like `update_params`, for weights already in HF layout: (hf_name, torch tensor) pairs on
+    the CPU or this engine's GPU, e.g. views of a transport's staging buffer. They must stay
+    unchanged until the engine calls `release()`, once, when it no longer reads them: after the
+    load (its device work finished), or when a newer update replaces this one, or at `close`.
+    As they may be overwritten afterwards, they are no rollback source: should a later load fail
     part-way, the engine is marked broken instead of restored."""
     self._check_usable()
     tensors = list(tensors)
-    with self._lock:
-      self._next_params = (lambda: self._checked(tensors), version, False)
+    self._set_pending(_Pending(lambda: self._checked(tensors), version, keep=False,
+                               release=release, tensors=tensors))
 
   def step(self) -> list[api.Completion]:
     self._check_usable()
@@ -282,8 +331,7 @@ class VllmEngine(api.Engine):
       return
     self._closed = True
     self._requests.clear()
-    with self._lock:
-      self._next_params = None
+    self._set_pending(None)
     self._seqs.clear()
     self._loaded = None
     try:
@@ -292,6 +340,13 @@ class VllmEngine(api.Engine):
       self._llm = self._core = self._worker = None
 
   # --- internals -------------------------------------------------------------------------------
+
+  def _set_pending(self, update: '_Pending | None') -> None:
+    """Newest wins: a pending update that was not loaded yet is dropped (and released)."""
+    with self._lock:
+      dropped, self._next_params = self._next_params, update
+    if dropped is not None:
+      dropped.done()
 
   def _check_usable(self):
     if self._closed:
@@ -338,13 +393,16 @@ class VllmEngine(api.Engine):
       update, self._next_params = self._next_params, None
     if update is None:
       return None
-    make_tensors, version, keep = update
+    make_tensors, version = update.make_tensors, update.version
     start = time.perf_counter()
     try:
-      tensors = make_tensors()  # nothing in vLLM has changed if this raises
-      self._worker.reload_weights(weights_iterator=iter(tensors))
-      if self._head is not None:
-        self._head.set(dict(tensors)['lm_head.weight'])
+      try:
+        tensors = make_tensors()  # nothing in vLLM has changed if this raises
+        self._worker.reload_weights(weights_iterator=iter(tensors))
+        if self._head is not None:
+          self._head.set(dict(tensors)['lm_head.weight'])
+      finally:
+        update.done()
     except Exception as e:
       self._counts['update_errors'] += 1
       self._last_update_error = f'version {version}: {type(e).__name__}: {e}'
@@ -353,7 +411,7 @@ class VllmEngine(api.Engine):
       raise WeightUpdateError(f'weights of version {version} were not loaded ({e!r}); still '
                               f'serving version {self._version}') from e
     del tensors
-    self._loaded = make_tensors if keep else _NO_ROLLBACK
+    self._loaded = make_tensors if update.keep else _NO_ROLLBACK
     self._version = version
     self._core.set_weight_version(str(version))
     self._counts['updates'] += 1

@@ -1,0 +1,85 @@
+"""A generator's device memory, by one rule that the generators apply when they start and the
+memory plan (`memory_plan.py`) computes ahead of a run:
+
+  wire_dtype            the dtype weight updates travel in over a collective transport
+  staged_bytes          what one whole update takes in a transport buffer (tensors aligned)
+  STAGING_BUFFERS       how many whole updates a generator holds staged at once
+  vllm_memory_fraction  the `gpu_memory_utilization` vLLM is given on a CUDA device
+
+vLLM's share. vLLM asks for `gpu_memory_utilization x total` bytes for its own weights,
+activations, CUDA graphs and KV cache (what is left of its budget after a profile run), on top
+of what the device already holds when it starts (vllm/v1/worker/utils.py:request_memory, and
+gpu_worker.determine_available_memory: KV = requested - what vLLM itself consumed). So
+`generation.vllm.gpu_memory_utilization` is here the share of the device in use once vLLM has
+started, by everything on it: other processes, this process's CUDA context, the transport's
+staging buffer (allocated before the engine starts) and vLLM. vLLM gets what remains of that
+share, minus what this process will still allocate later (`reserve_bytes`: the object-store
+transport's tensor on its way in).
+
+Standard library only: the memory plan runs where torch is not installed.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Iterable, Sequence
+
+GIB = 2**30
+ALIGN = 256            # bytes: each tensor's offset in a transport buffer is a multiple of it
+# Whole updates staged on a generator's device at once over nccl/gloo: the receiver owns one
+# buffer, allocated when it joins the trainer's group and reused for every update; the next
+# update waits until the engine has loaded (or dropped) the previous one (transport/collective).
+STAGING_BUFFERS = 1
+MIN_VLLM_BYTES = GIB // 2  # below this vLLM cannot even hold a small model's activations
+ITEMSIZE = {'float32': 4, 'bfloat16': 2, 'float16': 2}
+
+
+def serving_dtype(hf_config: dict) -> str | None:
+  """The dtype vLLM serves a checkpoint in (its config.json's; None when it names none)."""
+  return hf_config.get('dtype') or hf_config.get('torch_dtype')
+
+
+def wire_dtype(transport: str, backend: str, serving: str | None, param_dtype: str) -> str:
+  """The dtype updates travel in over a collective. nccl to vLLM: the serving dtype, which vLLM
+  casts every weight to on load anyway (its CUDA fp32 head, `head_dtype=float32`, multiplies the
+  lm_head weight in the serving dtype: vllm/model_executor/layers/logits_processor.py
+  `_apply_head`, `torch.mm(..., out_dtype=float32)`), so fp32 on the wire would buy nothing and
+  double the staging buffer. gloo (CPU) and the JAX engine: the trainer's param dtype (vLLM on
+  CPU keeps an fp32 lm_head for `lm_head_fp32`; the JAX engine holds the params as trained)."""
+  if transport == 'nccl' and backend == 'vllm' and serving in ITEMSIZE:
+    return serving
+  return param_dtype
+
+
+def align(n: int, to: int = ALIGN) -> int:
+  """n rounded up to a multiple of `to`."""
+  return -(-n // to) * to
+
+
+def staged_bytes(shapes: Iterable[Sequence[int]], dtype: str) -> int:
+  """Bytes of one whole update in a transport buffer: each tensor starts at an ALIGN boundary
+  (equal to `collective.Plan.nbytes`, whatever the bucket size)."""
+  return sum(align(math.prod(s) * ITEMSIZE[dtype]) for s in shapes)
+
+
+def largest_tensor_bytes(shapes: Iterable[Sequence[int]], dtype: str) -> int:
+  return max(math.prod(s) for s in shapes) * ITEMSIZE[dtype]
+
+
+def vllm_memory_fraction(share: float, free_bytes: int, total_bytes: int,
+                         reserve_bytes: int = 0) -> float:
+  """vLLM's `gpu_memory_utilization` on a device with `free_bytes` of `total_bytes` free now, so
+  that the device holds `share` of its memory once vLLM has started and this process has
+  allocated `reserve_bytes` more (see the module doc). Raises a one-line ValueError naming
+  generation.vllm.gpu_memory_utilization when that leaves vLLM less than MIN_VLLM_BYTES."""
+  if not 0 < share <= 1:
+    raise ValueError(f'generation.vllm.gpu_memory_utilization={share}: must be in (0, 1]')
+  used = total_bytes - free_bytes
+  budget = int(share * total_bytes) - used - reserve_bytes
+  if budget < MIN_VLLM_BYTES:
+    raise ValueError(
+        f'generation.vllm.gpu_memory_utilization={share} of {total_bytes / GIB:.1f} GiB leaves '
+        f'vLLM {budget / GIB:.2f} GiB: {used / GIB:.2f} GiB are in use on its GPU already (other '
+        f'processes, the CUDA context, the weight-staging buffer) and {reserve_bytes / GIB:.2f} '
+        'GiB are kept for weight updates; raise the share or free the GPU')
+  return budget / total_bytes
