@@ -1,0 +1,206 @@
+"""Trainer processes as Ray actors (train.num_processes=2, generation.placement='ray'): the driver
+is process 0, process 1 a Ray actor beside it, one generator actor (CPU, gloo collectives).
+
+A short run through the main command ends cleanly, and the last weights the generator was sent,
+assembled from both processes' pieces, equal the params of the final checkpoint exactly; the
+samples' lag shows the generator applied the updates. kill -9 of the trainer actor mid-run stops
+the run with one line naming it, and nothing of the run is left behind. The pieces' assembly
+refuses a gap, an overlap or a wrong layout whole.
+
+Whether such a run learns is not tested here: a reward rise needs ~400 steps (see
+ray_pipeline_test.py), minutes more than this suite can spend on 2 trainer processes.
+
+Run as a script, this file is the driver of the short run (`driver`).
+"""
+
+import os
+import pathlib
+import pickle
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import jax
+import numpy as np
+import pytest
+
+from pipelinerl_jax import config as config_lib
+from pipelinerl_jax.generation.actors import generator as generator_lib
+from pipelinerl_jax.generation.transport import shards
+from pipelinerl_jax.pipeline import metrics as metrics_lib
+from tests import procs as procs_lib
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+STEPS = 4
+# As multihost_test: XLA's CPU backend at -O0 compiles ~3x faster on 2 shared cores; the trainer
+# actor gets these from the driver (XLA_* variables travel with it).
+ENV = {'TOKENIZERS_PARALLELISM': 'false', 'PYTHONPATH': str(ROOT), 'PYTHONUNBUFFERED': '1',
+       'XLA_FLAGS': '--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true'}
+FLAGS = ['--config.generation.placement=ray', '--config.generation.num_generators=1',
+         '--config.train.num_processes=2', '--config.cluster.num_cpus=2',
+         '--config.rl.batch_size=16', '--config.rl.group_size=4',
+         '--config.generation.num_slots=16', '--config.rl.max_time_s=0',
+         '--config.log.tensorboard=False', '--config.log.progress=False']
+
+
+def run_config(workdir: str, model_dir: str) -> config_lib.Config:
+  c = config_lib.load_preset('tiny')
+  c.model.path = model_dir
+  c.generation.placement, c.generation.num_generators = 'ray', 1
+  c.train.num_processes, c.cluster.num_cpus = 2, 2
+  c.rl.batch_size, c.rl.group_size, c.generation.num_slots = 16, 4, 16
+  c.rl.total_steps, c.rl.max_time_s = STEPS, 0.0
+  c.log.tensorboard, c.log.progress = False, False
+  c.checkpoint.dir = os.path.join(workdir, 'checkpoints')
+  return config_lib.validate(c)
+
+
+def driver(workdir: str, model_dir: str, out: str) -> None:
+  """Process 0: the run, recording the last update the generator pool was handed, assembled."""
+  import ray
+  from pipelinerl_jax.generation.actors import pool as pool_lib
+  from pipelinerl_jax.pipeline import run as run_lib
+  real = pool_lib.RayGenerators.update_params
+  last = {}
+
+  def recording(self, params, version):
+    assert isinstance(params, shards.Published), type(params)
+    last.update(version=version, params=shards.assemble(ray.get(list(params.refs))),
+                digest=params.digest)
+    return real(self, params, version)
+
+  pool_lib.RayGenerators.update_params = recording
+  summary = run_lib.run_experiment(run_config(workdir, model_dir), workdir)
+  with open(out, 'wb') as f:
+    pickle.dump(dict(last, steps=summary['steps']), f)
+
+
+def flat(tree) -> dict[str, np.ndarray]:
+  return {jax.tree_util.keystr(p): np.asarray(x)
+          for p, x in jax.tree_util.tree_leaves_with_path(tree)}
+
+
+def trainer_actors_seen(tree) -> list[int]:
+  """Pids of the run's trainer actors (a Ray worker renames itself once it holds an actor)."""
+  found = []
+  for pid, (_, line) in tree.seen.items():
+    if 'TrainerProcess' in line or 'TrainerProcess' in procs_lib.cmdline(pid):
+      found.append(pid)
+  return found
+
+
+def _start(cmd, log):
+  return subprocess.Popen(cmd, cwd=ROOT, env={**os.environ, **ENV}, stdout=log,
+                          stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def test_generator_gets_both_processes_pieces_whole(model_dir, tmp_path):
+  from pipelinerl_jax.pipeline import build as build_lib
+  workdir, out = str(tmp_path / 'run'), str(tmp_path / 'last.pkl')
+  with open(tmp_path / 'log', 'w') as log:
+    proc = _start([sys.executable, __file__, workdir, model_dir, out], log)
+    tree = procs_lib.RunTree(proc.pid).watch()
+    try:
+      code = proc.wait(300)
+    finally:
+      if proc.poll() is None:
+        proc.kill()
+      tree.stop()
+  output = (tmp_path / 'log').read_text()
+  assert code == 0, output[-4000:]
+  tree.assert_clean(timeout_s=20)
+  with open(out, 'rb') as f:
+    last = pickle.load(f)
+  assert last['steps'] == STEPS and last['version'] == STEPS
+  records = [r for r in metrics_lib.read_metrics(os.path.join(workdir, 'metrics.jsonl'))
+             if 'step' in r]
+  assert [r['step'] for r in records] == list(range(1, STEPS + 1))  # one writer
+  # The generator applied the updates: the last step's samples are not all of the first version.
+  assert records[-1]['lag_max'] < STEPS, records[-1]
+  # The final checkpoint (written by both processes), read in this one process.
+  learner = build_lib.build_learner(run_config(workdir, model_dir), workdir, model_dir)
+  assert int(learner.state.step) == STEPS
+  want, got = flat(learner.state.params), flat(last['params'])
+  assert want.keys() == got.keys()
+  for k in want:
+    np.testing.assert_array_equal(got[k], want[k], err_msg=k)
+  assert last['digest'] == generator_lib.tree_digest(last['params'])
+
+
+def test_kill_of_the_trainer_actor_stops_the_run_with_one_line(model_dir, tmp_path):
+  workdir = tmp_path / 'run'
+  cmd = [sys.executable, '-m', 'pipelinerl_jax.main', '--config=configs/math.py:tiny',
+         f'--workdir={workdir}', f'--config.model.path={model_dir}',
+         '--config.rl.total_steps=100000', *FLAGS]
+  with open(tmp_path / 'log', 'w') as log:
+    proc = _start(cmd, log)
+    tree = procs_lib.RunTree(proc.pid).watch()
+    try:
+      deadline = time.monotonic() + 300
+      metrics = workdir / 'metrics.jsonl'
+      while not (metrics.exists() and metrics.read_text().count('\n') >= 1):
+        assert proc.poll() is None, (tmp_path / 'log').read_text()[-4000:]
+        assert time.monotonic() < deadline, 'training never started'
+        time.sleep(0.5)
+      victim = trainer_actors_seen(tree.sample())
+      assert len(victim) == 1, tree.seen
+      os.kill(victim[0], signal.SIGKILL)
+      code = proc.wait(120)  # bounded: never a hang
+    finally:
+      if proc.poll() is None:
+        proc.kill()
+      tree.stop()
+  output = (tmp_path / 'log').read_text()
+  assert code == 1, output[-4000:]
+  last = output.strip().splitlines()[-1]
+  assert re.match(rf'error: .*trainer process 1 of 2 \(host {re.escape(socket.gethostname())}',
+                  last), output[-4000:]
+  tree.assert_clean(timeout_s=20)
+
+
+# --- the pieces, in this process -----------------------------------------------------------------
+
+
+def _two_processes_pieces():
+  """Pieces of a params tree sharded over 4 devices, dealt to 2 'processes' alternately."""
+  rng = np.random.default_rng(0)
+  params = {'a': {'w': rng.standard_normal((8, 6)).astype(np.float32)},
+            'b': rng.standard_normal((4,)).astype(np.float32)}
+  mesh = jax.sharding.Mesh(np.array(jax.devices()[:4]).reshape(2, 2), ('x', 'y'))
+  specs = {'a': {'w': jax.sharding.PartitionSpec('x', 'y')}, 'b': jax.sharding.PartitionSpec()}
+  placed = jax.tree.map(lambda x, s: jax.device_put(x, jax.sharding.NamedSharding(mesh, s)),
+                        params, specs)
+  pieces = shards.local_pieces(placed)  # one process here: it owns every box once
+  return params, [pieces[0::2], pieces[1::2]]
+
+
+def test_pieces_assemble_to_the_whole_params():
+  params, by_process = _two_processes_pieces()
+  assert len(by_process[0]) and len(by_process[1])
+  assert len([p for p in by_process[0] + by_process[1] if p.path == ('a', 'w')]) == 4
+  got = shards.assemble(by_process)
+  for k in params['a']:
+    np.testing.assert_array_equal(got['a'][k], params['a'][k])
+  np.testing.assert_array_equal(got['b'], params['b'])
+  assert generator_lib.tree_digest(got) == generator_lib.tree_digest(params)
+
+
+@pytest.mark.parametrize('change,message', [
+    (lambda ps: ps[1:], 'the pieces cover 36 of its 48 elements'),   # a process's piece lost
+    (lambda ps: ps + ps[:1], 'overlap'),                                # one sent twice
+    (lambda ps: [ps[0].__class__(ps[0].path, (8, 7), ps[0].box, ps[0].data)] + ps[1:],
+     'arrives as'),                                                     # another layout
+])
+def test_a_gap_an_overlap_or_another_layout_is_refused_whole(change, message):
+  _, by_process = _two_processes_pieces()
+  wa = [p for p in by_process[0] + by_process[1] if p.path == ('a', 'w')]
+  rest = [p for p in by_process[0] + by_process[1] if p.path != ('a', 'w')]
+  with pytest.raises(ValueError, match=re.escape(message) if message != 'overlap' else message):
+    shards.assemble([rest, change(wa)])
+
+
+if __name__ == '__main__':
+  driver(*sys.argv[1:])
