@@ -130,10 +130,12 @@ def test_generator_gets_both_processes_pieces_whole(model_dir, tmp_path):
   assert last['digest'] == generator_lib.tree_digest(last['params'])
 
 
-def test_kill_of_the_trainer_actor_stops_the_run_with_one_line(model_dir, tmp_path):
+def _run_main_until_a_step(tmp_path, act):
+  """The main command until its first step is written; then `act(proc, tree)`, and the run's
+  exit code once it ends (bounded: never a hang) and its output."""
   workdir = tmp_path / 'run'
   cmd = [sys.executable, '-m', 'pipelinerl_jax.main', '--config=configs/math.py:tiny',
-         f'--workdir={workdir}', f'--config.model.path={model_dir}',
+         f'--workdir={workdir}', f'--config.model.path={os.environ["MH_MODEL_DIR"]}',
          '--config.rl.total_steps=100000', *FLAGS]
   with open(tmp_path / 'log', 'w') as log:
     proc = _start(cmd, log)
@@ -145,19 +147,43 @@ def test_kill_of_the_trainer_actor_stops_the_run_with_one_line(model_dir, tmp_pa
         assert proc.poll() is None, (tmp_path / 'log').read_text()[-4000:]
         assert time.monotonic() < deadline, 'training never started'
         time.sleep(0.5)
-      victim = trainer_actors_seen(tree.sample())
-      assert len(victim) == 1, tree.seen
-      os.kill(victim[0], signal.SIGKILL)
-      code = proc.wait(120)  # bounded: never a hang
+      act(proc, tree)
+      code = proc.wait(120)
     finally:
       if proc.poll() is None:
         proc.kill()
       tree.stop()
-  output = (tmp_path / 'log').read_text()
+  return code, (tmp_path / 'log').read_text(), tree
+
+
+def test_kill_of_the_trainer_actor_stops_the_run_with_one_line(model_dir, tmp_path, monkeypatch):
+  monkeypatch.setenv('MH_MODEL_DIR', model_dir)
+
+  def kill_the_trainer_actor(proc, tree):
+    victim = trainer_actors_seen(tree.sample())
+    assert len(victim) == 1, tree.seen
+    os.kill(victim[0], signal.SIGKILL)
+
+  code, output, tree = _run_main_until_a_step(tmp_path, kill_the_trainer_actor)
   assert code == 1, output[-4000:]
   last = output.strip().splitlines()[-1]
   assert re.match(rf'error: .*trainer process 1 of 2 \(host {re.escape(socket.gethostname())}',
                   last), output[-4000:]
+  tree.assert_clean(timeout_s=20)
+
+
+def test_ctrl_c_stops_both_processes_saves_and_leaves_nothing(model_dir, tmp_path, monkeypatch):
+  monkeypatch.setenv('MH_MODEL_DIR', model_dir)
+  # What a terminal does: SIGINT to the whole foreground group (the trainer actor is in Ray's).
+  code, output, tree = _run_main_until_a_step(tmp_path, lambda proc, _: os.killpg(proc.pid,
+                                                                                  signal.SIGINT))
+  assert code == 130, output[-4000:]  # 128 + SIGINT
+  steps = [r['step'] for r in metrics_lib.read_metrics(str(tmp_path / 'run' / 'metrics.jsonl'))
+           if 'step' in r]
+  saved = sorted(int(p.name) for p in (tmp_path / 'run' / 'checkpoints').iterdir())
+  assert saved and saved[-1] == steps[-1], (saved, steps)  # the exit save, from both processes
+  assert {p.name for p in (tmp_path / 'run' / 'checkpoints' / str(saved[-1]) / 'state').glob(
+      'ocdbt.process_*')} == {'ocdbt.process_0', 'ocdbt.process_1'}
   tree.assert_clean(timeout_s=20)
 
 
