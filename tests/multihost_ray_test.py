@@ -31,7 +31,8 @@ from pipelinerl_jax import config as config_lib
 from pipelinerl_jax.generation.actors import generator as generator_lib
 from pipelinerl_jax.generation.transport import shards
 from pipelinerl_jax.pipeline import metrics as metrics_lib
-from tests import procs as procs_lib
+
+import procs as procs_lib  # tests/ is on sys.path (pytest, and this file run as a script)
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 STEPS = 4
