@@ -5,7 +5,8 @@ A short run through the main command ends cleanly, and the last weights the gene
 assembled from both processes' pieces, equal the params of the final checkpoint exactly; the
 samples' lag shows the generator applied the updates. kill -9 of the trainer actor mid-run stops
 the run with one line naming it, and nothing of the run is left behind. The pieces' assembly
-refuses a gap, an overlap or a wrong layout whole.
+refuses a gap, an overlap or a wrong layout whole. Bad settings are one-line errors naming
+the key; trainer processes go to nodes of their own, else beside the driver.
 
 Whether such a run learns is not tested here: a reward rise needs ~400 steps (see
 ray_pipeline_test.py), minutes more than this suite can spend on 2 trainer processes.
@@ -189,6 +190,42 @@ def test_ctrl_c_stops_both_processes_saves_and_leaves_nothing(model_dir, tmp_pat
   assert {p.name for p in (tmp_path / 'run' / 'checkpoints' / str(saved[-1]) / 'state').glob(
       'ocdbt.process_*')} == {'ocdbt.process_0', 'ocdbt.process_1'}
   tree.assert_clean(timeout_s=20)
+
+
+# --- checks before anything starts -----------------------------------------------------------
+
+
+@pytest.mark.parametrize('change,message', [
+    (lambda c: c.generation.remote.update(weight_transport='gloo'),
+     "generation.remote.weight_transport: 'gloo' from 2 trainer processes is not written yet"),
+    (lambda c: c.train.distributed.update(coordinator_address='127.0.0.1:1234', process_id=0),
+     'train.num_processes: with generation.placement=\'ray\' the run starts its 2 trainer '
+     'processes itself'),
+    (lambda c: c.train.distributed.update(cpus_per_process=0),
+     'train.distributed.cpus_per_process: must be >= 1'),
+])
+def test_config_errors_name_the_key(change, message):
+  c = config_lib.load_preset('tiny')
+  c.generation.placement, c.train.num_processes = 'ray', 2
+  change(c)
+  with pytest.raises(ValueError) as e:
+    config_lib.validate(c)
+  assert message in str(e.value) and '\n' not in str(e.value), str(e.value)
+
+
+def test_trainer_processes_go_to_other_nodes_else_beside_the_driver():
+  from pipelinerl_jax.pipeline import trainer_actors
+  node = lambda i, cpus, gpus=0: dict(NodeID=f'n{i}', Alive=True, NodeManagerAddress=f'10.0.0.{i}',
+                                      Resources=dict(CPU=cpus, GPU=gpus))
+  nodes = [node(0, 8), node(2, 8, 8), node(1, 8, 8), node(3, 8, 4)]
+  # GPU hosts: one process per other node that has the GPUs, in address order
+  assert trainer_actors.choose_nodes(nodes, 'n0', 2, 1, 8) == ['n1', 'n2']
+  with pytest.raises(ValueError, match=r'^config\.train\.num_processes: 3 trainer processes'):
+    trainer_actors.choose_nodes(nodes, 'n0', 3, 1, 8)
+  # one CPU machine: beside the driver, if its CPUs suffice
+  assert trainer_actors.choose_nodes([node(0, 4)], 'n0', 3, 1, 0) == ['n0'] * 3
+  with pytest.raises(ValueError, match='the Ray cluster has 0'):
+    trainer_actors.choose_nodes([node(0, 2)], 'n0', 3, 1, 0)
 
 
 # --- the pieces, in this process -----------------------------------------------------------------
