@@ -5,6 +5,14 @@ it) and an RL pool (the rest). The warm start imitates a small fixed set drawn f
 RL then only ever sees problems from the RL pool, so whatever it gains is on unseen problems and
 cannot come from memorizing the supervised examples. The split depends on the problem alone,
 not on any seed, so the two sets are disjoint for every pair of seeds.
+
+Scoring: the answer is the last complete `\\boxed{...}` (base.extract_boxed); text around it is
+ignored, so `\\boxed{136}1<eos>` is a correct finished answer. A completion cut at the length
+limit is never judged: `truncated` (base.TRUNCATED_MODES, default 'penalize' with reward 0) says
+what it gets. Why trailing text is not an error: the boxed answer is the answer by the same
+convention the math task and its verifier use ("the last boxed"), and the harm that trailing
+text did -- a policy that never stops -- comes from paying cut-off completions, which the
+truncation rule ends; junk followed by EOS costs its author only a few tokens.
 """
 
 from __future__ import annotations
@@ -15,6 +23,7 @@ import re
 import zlib
 from typing import Iterator
 
+from pipelinerl_jax.tasks import base
 from pipelinerl_jax.tasks.base import Problem, Score, extract_boxed
 
 _OPS = {'+': lambda a, b: a + b, '-': lambda a, b: a - b, '*': lambda a, b: a * b}
@@ -23,12 +32,14 @@ ALPHABET = '0123456789+-*=\\boxed{}'  # every character a prompt or target can h
 
 
 @dataclasses.dataclass(frozen=True)
-class ArithmeticTask:
+class ArithmeticTask(base.PerSampleTask):
   """`a op b`: a has `digits` digits; b too, except for '*' where it has one digit (so products
   stay short). Each problem picks its op uniformly from `ops`."""
   ops: tuple[str, ...] = ('+',)
   digits: int = 2
   sft_pool_mod: int = 8      # 1 / sft_pool_mod of the problem space is reserved for SFT
+  truncated: str = 'penalize'  # completions cut at the length limit (base.TRUNCATED_MODES)
+  truncated_reward: float = 0.0  # their reward under 'penalize'
 
   def __post_init__(self):
     object.__setattr__(self, 'ops', tuple(self.ops))
@@ -38,6 +49,7 @@ class ArithmeticTask:
       raise ValueError(f'digits={self.digits} must be in 1..9')
     if self.sft_pool_mod < 2:
       raise ValueError(f'sft_pool_mod={self.sft_pool_mod} must be >= 2 (RL needs a pool too)')
+    base.check_truncated_mode(self.truncated)
 
   # --- the Task protocol ---------------------------------------------------------------------
 
@@ -45,7 +57,13 @@ class ArithmeticTask:
     """Fresh RL-pool problems, i.i.d. (repeats happen once the stream outgrows the pool)."""
     return self._stream(seed, sft=False, prefix=f'rl{seed}')
 
-  def score(self, problem: Problem, completion_text: str) -> Score:
+  def score(self, problem: Problem, completion_text: str, truncated: bool = False,
+            num_tokens: int | None = None) -> Score:
+    """Never raises. num_tokens is not used (the reward does not depend on length)."""
+    if truncated:
+      cut = base.truncated_score(self.truncated, self.truncated_reward)
+      if cut is not None:
+        return cut
     try:
       boxed = extract_boxed(completion_text)
       if boxed is None:
