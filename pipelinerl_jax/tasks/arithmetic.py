@@ -31,6 +31,43 @@ _INTEGER = re.compile(r'-?\d{1,32}')  # an answer longer than 32 digits is not a
 ALPHABET = '0123456789+-*=\\boxed{}'  # every character a prompt or target can hold
 
 
+def score_integer(problem: Problem, completion_text: str) -> Score:
+  """The last boxed answer read as an integer, against problem.answer. Never raises."""
+  try:
+    boxed = extract_boxed(completion_text)
+    if boxed is None:
+      return Score(0.0, 'no_answer')
+    value = boxed.strip()
+    if not _INTEGER.fullmatch(value):
+      return Score(0.0, 'unparsable')
+    return Score(1.0, 'correct') if int(value) == int(problem.answer) else Score(0.0, 'wrong')
+  except Exception:  # a scorer failure must never take the actor down
+    return Score(0.0, 'unparsable')
+
+
+def in_sft_pool(prompt: str, sft_pool_mod: int) -> bool:
+  """Whether a prompt belongs to the SFT pool (else the RL pool): a property of the prompt alone."""
+  # crc32, not hash(): Python salts str hashes per process.
+  return zlib.crc32(prompt.encode()) % sft_pool_mod == 0
+
+
+def distinct_problems(stream: Iterator[Problem], num: int, pool_size: int) -> list[Problem]:
+  """The first `num` problems of `stream` with distinct prompts; an error naming the pool's size
+  (about `pool_size`) when it does not hold that many."""
+  out, seen = [], set()
+  for _ in range(100 * num + 10_000):  # bounded: the pool may hold fewer than `num`
+    if len(out) == num:
+      return out
+    p = next(stream)
+    if p.prompt not in seen:
+      seen.add(p.prompt)
+      out.append(p)
+  if len(out) < num:
+    raise ValueError(f'found only {len(out)} distinct SFT-pool problems of the {num} asked '
+                     f'for; the pool holds about {pool_size}')
+  return out
+
+
 @dataclasses.dataclass(frozen=True)
 class ArithmeticTask(base.PerSampleTask):
   """`a op b`: a has `digits` digits; b too, except for '*' where it has one digit (so products
@@ -64,34 +101,14 @@ class ArithmeticTask(base.PerSampleTask):
       cut = base.truncated_score(self.truncated, self.truncated_reward)
       if cut is not None:
         return cut
-    try:
-      boxed = extract_boxed(completion_text)
-      if boxed is None:
-        return Score(0.0, 'no_answer')
-      value = boxed.strip()
-      if not _INTEGER.fullmatch(value):
-        return Score(0.0, 'unparsable')
-      return Score(1.0, 'correct') if int(value) == int(problem.answer) else Score(0.0, 'wrong')
-    except Exception:  # a scorer failure must never take the actor down
-      return Score(0.0, 'unparsable')
+    return score_integer(problem, completion_text)
 
   # --- supervised warm start -----------------------------------------------------------------
 
   def sft_problems(self, seed: int, num: int) -> list[Problem]:
     """`num` distinct SFT-pool problems, a function of (seed, num)."""
-    out, seen = [], set()
-    stream = self._stream(seed, sft=True, prefix=f'sft{seed}')
-    for _ in range(100 * num + 10_000):  # bounded: the pool may hold fewer than `num`
-      if len(out) == num:
-        return out
-      p = next(stream)
-      if p.prompt not in seen:
-        seen.add(p.prompt)
-        out.append(p)
-    if len(out) < num:
-      raise ValueError(f'found only {len(out)} distinct SFT-pool problems of the {num} asked '
-                       f'for; the pool holds about {self.space_size() // self.sft_pool_mod}')
-    return out
+    return distinct_problems(self._stream(seed, sft=True, prefix=f'sft{seed}'), num,
+                             self.space_size() // self.sft_pool_mod)
 
   @staticmethod
   def target(problem: Problem) -> str:
@@ -99,10 +116,6 @@ class ArithmeticTask(base.PerSampleTask):
     return f'\\boxed{{{problem.answer}}}'
 
   # --- internals -----------------------------------------------------------------------------
-
-  def in_sft_pool(self, prompt: str) -> bool:
-    # crc32, not hash(): Python salts str hashes per process.
-    return zlib.crc32(prompt.encode()) % self.sft_pool_mod == 0
 
   def space_size(self) -> int:
     return sum(len(ra) * len(rb) for ra, rb in map(self._operand_ranges, self.ops))
@@ -120,7 +133,7 @@ class ArithmeticTask(base.PerSampleTask):
       ra, rb = self._operand_ranges(op)
       a, b = rng.choice(ra), rng.choice(rb)
       prompt = f'{a}{op}{b}='
-      if self.in_sft_pool(prompt) != sft:
+      if in_sft_pool(prompt, self.sft_pool_mod) != sft:
         continue
       yield Problem(id=f'{prefix}-{index}', prompt=prompt, answer=str(_OPS[op](a, b)))
       index += 1
