@@ -46,7 +46,7 @@ class Task(Protocol):
 
   def score(self, problem: Problem, completion_text: str, truncated: bool = False,
             num_tokens: int | None = None) -> Score:
-    """Never raises. truncated: the completion ended at the length limit, without EOS.
+    """Fast; never raises. truncated: the completion ended at the length limit, without EOS.
     num_tokens: its length in tokens (None: unknown)."""
 
   def score_many(self, problems: Sequence[Problem], texts: Sequence[str],
