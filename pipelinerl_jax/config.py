@@ -164,9 +164,9 @@ class RewardConfig(_Section):
   wrong: float = 0.0
   no_answer: float = 0.0
   unparsable: float = 0.0
-  # Completions cut at the length limit: 'none' (judged as usual) | 'mask' (not trained on)
-  # | 'penalize' (truncated_reward).
-  truncated: Literal['none', 'mask', 'penalize'] = 'none'
+  # Completions cut at the length limit (every task; tasks/base.py): 'penalize' (truncated_reward)
+  # | 'mask' (not trained on) | 'none' (judged as usual: pays a policy that never stops).
+  truncated: Literal['none', 'mask', 'penalize'] = 'penalize'
   truncated_reward: float = 0.0
   overlong_max_len: int = 0       # L, in tokens, for DAPO's soft overlong penalty; 0 = off
   overlong_buffer: int = 0        # Lc
@@ -184,10 +184,13 @@ class RewardConfig(_Section):
 
 @dataclasses.dataclass(frozen=True)
 class TaskConfig(_Section):
-  name: Literal['arithmetic', 'math'] = 'arithmetic'
+  name: Literal['arithmetic', 'reasoning', 'math'] = 'arithmetic'
   # arithmetic (tasks/arithmetic.py): `a op b =`, also the demo model's SFT task.
+  # reasoning (tasks/reasoning.py): the same sums written out digit by digit ('+' and '*' only).
   ops: tuple[str, ...] = ('+',)
-  digits: int = 2
+  digits: int = 2                 # arithmetic: digits of each operand; reasoning: the most
+  min_digits: int = 1             # reasoning: the fewest digits of an operand
+  sft_max_digits: int = 0         # reasoning: the most digits in SFT examples (0 = digits)
   sft_pool_mod: int = 8           # 1 / sft_pool_mod of the problems are reserved for SFT
   # math (tasks/math.py): problems from local .jsonl / .json / .parquet files.
   train_files: tuple[str, ...] = ()   # paths; each is a dataset of the training mix
@@ -205,6 +208,13 @@ class TaskConfig(_Section):
     _check(bool(self.ops) and all(op in ('+', '-', '*') for op in self.ops), 'ops',
            f"must be a non-empty subset of ('+', '-', '*'), got {self.ops}")
     _check(1 <= self.digits <= 9, 'digits', f'must be in 1..9, got {self.digits}')
+    if self.name == 'reasoning':
+      _check('-' not in self.ops, 'ops', f"the reasoning task writes out '+' and '*' only, got "
+             f'{self.ops}')
+      _check(1 <= self.min_digits <= self.digits, 'min_digits',
+             f'need 1 <= min_digits <= digits ({self.digits}), got {self.min_digits}')
+      _check(self.sft_max_digits == 0 or self.min_digits <= self.sft_max_digits <= 9,
+             'sft_max_digits', f'must be 0 or in min_digits..9, got {self.sft_max_digits}')
     _check(self.sft_pool_mod >= 2, 'sft_pool_mod',
            f'must be >= 2 (RL needs a pool too), got {self.sft_pool_mod}')
     _check(all(self.train_files), 'train_files', 'holds an empty path')

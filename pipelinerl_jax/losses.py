@@ -146,7 +146,7 @@ def finalize_metrics(stats: dict) -> dict[str, jax.Array]:
   metrics = {
       # Normalized effective sample size (paper eq. 6): (sum w)^2 / (N sum w^2), 1 on-policy.
       'ess': _div(stats['ratio_sum']**2, tokens * stats['ratio_sq_sum']),
-      'ess_truncated': _div(stats['ratio_truncated_sum']**2,
+      'ess_is_capped': _div(stats['ratio_truncated_sum']**2,
                             tokens * stats['ratio_truncated_sq_sum']),
       'ratio_mean': _div(stats['ratio_sum'], tokens),
       'ratio_max': stats['ratio_max'],
@@ -160,7 +160,7 @@ def finalize_metrics(stats: dict) -> dict[str, jax.Array]:
       'loss': stats['loss'],
   }
   if 'truncated' in stats:
-    metrics['frac_truncated'] = _div(stats['truncated'], tokens)
+    metrics['frac_is_capped'] = _div(stats['truncated'], tokens)
   if 'clipped' in stats:
     metrics['frac_clipped'] = _div(stats['clipped'], stats['clip_units'])
   if 'kl_sum' in stats:

@@ -124,7 +124,7 @@ def test_loss_and_gradients_match_numpy(kind, normalization):
   np.testing.assert_allclose(metrics['loss'], want_loss, rtol=1e-5, atol=1e-6)
   np.testing.assert_allclose(
       metrics['pg_loss'] + metrics['kl_loss'] + metrics['entropy_loss'], loss, rtol=1e-5)
-  frac_key = 'frac_truncated' if kind == 'pipelinerl' else 'frac_clipped'
+  frac_key = 'frac_is_capped' if kind == 'pipelinerl' else 'frac_clipped'
   n_units = num_samples if kind == 'gspo' else num_tokens
   np.testing.assert_allclose(metrics[frac_key], n_clip / n_units, rtol=1e-6)
 
@@ -161,9 +161,9 @@ def test_on_policy_metrics_are_exact():
   batch['behaviour_logprobs'] = np.where(batch['loss_mask'] > 0, logp, 0).astype(np.float32)
   _, stats, _ = _loss_and_grads(logp, entropy, batch, config_lib.LossConfig(), *_totals(batch))
   m = losses.finalize_metrics(stats)
-  for key in ('ess', 'ess_truncated', 'ratio_mean', 'ratio_max'):
+  for key in ('ess', 'ess_is_capped', 'ratio_mean', 'ratio_max'):
     np.testing.assert_allclose(m[key], 1.0, rtol=1e-6)
-  assert m['abs_logp_diff'] == 0 and m['frac_truncated'] == 0
+  assert m['abs_logp_diff'] == 0 and m['frac_is_capped'] == 0
 
 
 def test_off_policy_metrics_match_numpy():
@@ -179,12 +179,12 @@ def test_off_policy_metrics_match_numpy():
   d = batch['ref_logprobs'][on] - logp[on].astype(np.float64)
   want = {
       'ess': w.sum()**2 / (n * (w**2).sum()),
-      'ess_truncated': wc.sum()**2 / (n * (wc**2).sum()),
-      'ratio_mean': w.mean(), 'ratio_max': w.max(), 'frac_truncated': np.mean(w > CAP),
+      'ess_is_capped': wc.sum()**2 / (n * (wc**2).sum()),
+      'ratio_mean': w.mean(), 'ratio_max': w.max(), 'frac_is_capped': np.mean(w > CAP),
       'entropy': entropy[on].mean(), 'kl': np.mean(np.exp(d) - d - 1),
       'abs_logp_diff': np.mean(np.abs(np.log(w))), 'tokens': n, 'samples': 5,
   }
-  assert want['ess'] < want['ess_truncated'] < 1 and want['frac_truncated'] > 0
+  assert want['ess'] < want['ess_is_capped'] < 1 and want['frac_is_capped'] > 0
   for key, value in want.items():
     np.testing.assert_allclose(m[key], value, rtol=1e-5, err_msg=key)
 

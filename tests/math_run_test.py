@@ -14,7 +14,7 @@ from pipelinerl_jax.pipeline import actor as actor_lib
 from pipelinerl_jax.pipeline import metrics as metrics_lib
 from pipelinerl_jax.pipeline import run as run_lib
 from pipelinerl_jax.pipeline import stream as stream_lib
-from pipelinerl_jax.tasks.base import Problem, Score, Task
+from pipelinerl_jax.tasks.base import STATUSES, Problem, Score, Task
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 DATA = ROOT / 'tests' / 'data'
@@ -63,7 +63,7 @@ def test_math_run_counts_statuses_masks_evaluates_and_closes_the_pool(model_dir,
   records = metrics_lib.read_metrics(str(tmp_path / 'metrics.jsonl'))
   assert [r['step'] for r in records] == [1, 2]
   for r in records:
-    fracs = {k: v for k, v in r.items() if k.startswith('frac_')}
+    fracs = {k: v for k, v in r.items() if k.removeprefix('frac_') in STATUSES}
     assert abs(sum(fracs.values()) - 1) < 1e-6  # statuses of every sample, masked ones too
     assert 0 <= r['masked_frac'] < 1  # a group reaching the trainer has an unmasked sample
     assert r['task/worker_restarts'] == 0 and 'task/timeout' in r
@@ -204,7 +204,7 @@ def _filled(preset='tiny', **task):
     ('test_fraction', 1.0, 'must be in [0, 1)'),
     ('verify_timeout_s', 0.0, 'must be > 0'),
     ('verify_workers', 0, 'must be >= 1'),
-    ('name', 'chess', "must be one of 'arithmetic', 'math', got 'chess'"),
+    ('name', 'chess', "must be one of 'arithmetic', 'reasoning', 'math', got 'chess'"),
 ])
 def test_bad_math_fields_name_the_key(key, value, message):
   c = _filled()

@@ -180,7 +180,9 @@ def test_reward_table_truncation_and_overlong():
   make = math_task.make_score
   table = config_lib.RewardConfig(correct=2.0, wrong=-1.0, no_answer=-0.5, unparsable=-0.25)
   assert [make(s, table).reward for s in STATUSES] == [2.0, -1.0, -0.5, -0.25]
-  assert make('correct', table, truncated=True) == Score(2.0, 'correct')  # 'none'
+  assert make('correct', table, truncated=True) == Score(0.0, 'correct')  # 'penalize' (default)
+  none = config_lib.RewardConfig(correct=2.0, truncated='none')
+  assert make('correct', none, truncated=True) == Score(2.0, 'correct')
   mask = config_lib.RewardConfig(truncated='mask')
   assert make('correct', mask, truncated=True) == Score(0.0, 'correct', mask=True)
   assert not make('correct', mask, truncated=False).mask

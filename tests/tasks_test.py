@@ -5,7 +5,9 @@ import time
 
 import pytest
 
+from pipelinerl_jax import config as config_lib
 from pipelinerl_jax.tasks import ArithmeticTask, Problem, Score, extract_boxed
+from pipelinerl_jax.tasks import registry
 
 _OPS = {'+': lambda a, b: a + b, '-': lambda a, b: a - b, '*': lambda a, b: a * b}
 
@@ -125,8 +127,60 @@ def test_sft_set_is_fixed_distinct_and_disjoint_from_rl():
     task.sft_problems(0, 2000)  # the pool holds ~1/8 of 8100
 
 
-def test_config_validation():
-  with pytest.raises(ValueError):
-    ArithmeticTask(ops=('/',))
-  with pytest.raises(ValueError):
-    ArithmeticTask(sft_pool_mod=1)
+def test_config_makes_and_checks_the_task():
+  """The checks live in config.py (TaskConfig, RewardConfig); the registry passes them on."""
+  config = config_lib.validate(dict(task=dict(ops=('+', '*'), digits=3,
+                                              reward=dict(truncated='mask'))))
+  assert registry.make_task(config.task) == ArithmeticTask(ops=('+', '*'), digits=3,
+                                                           truncated='mask')
+  assert registry.make_task(config_lib.validate({}).task).truncated == 'penalize'
+  for bad, key in [(dict(ops=('/',)), 'ops'), (dict(sft_pool_mod=1), 'sft_pool_mod'),
+                   (dict(digits=10), 'digits'), (dict(reward=dict(truncated='zero')), 'truncated')]:
+    with pytest.raises(ValueError, match=key):
+      config_lib.validate(dict(task=bad))
+
+
+P82 = Problem(id='x', prompt='37+45=', answer='82')
+
+
+def test_a_cut_off_completion_is_never_paid_by_default():
+  task = ArithmeticTask()
+  for text in ['\\boxed{82}', '\\boxed{82}1}1}', 'junk \\boxed{82}']:
+    assert task.score(P82, text, truncated=True) == Score(0.0, 'no_answer')
+    assert task.score(P82, text, truncated=False).reward == 1.0
+
+
+def test_truncated_modes():
+  text = '\\boxed{82}'
+  pen = ArithmeticTask(truncated='penalize', truncated_reward=-0.5)
+  assert pen.score(P82, text, truncated=True) == Score(-0.5, 'no_answer')
+  assert pen.score(P82, '\\boxed{1}', truncated=False) == Score(0.0, 'wrong')  # finished: judged
+  mask = ArithmeticTask(truncated='mask')
+  assert mask.score(P82, text, truncated=True) == Score(0.0, 'no_answer', mask=True)
+  assert mask.score(P82, text) == Score(1.0, 'correct')
+  assert not mask.score(P82, text).mask
+  none = ArithmeticTask(truncated='none')  # the old behaviour, for ablations
+  assert none.score(P82, text, truncated=True) == Score(1.0, 'correct')
+  assert none.score(P82, 'x', truncated=True) == Score(0.0, 'no_answer')
+
+
+def test_text_after_the_boxed_answer_is_ignored_when_finished():
+  """The demo model's `86+50=` -> `\\boxed{136}1`: the last complete box is the answer."""
+  task = ArithmeticTask()
+  p = Problem(id='y', prompt='86+50=', answer='136')
+  assert task.score(p, '\\boxed{136}1') == Score(1.0, 'correct')
+  assert task.score(p, '\\boxed{136}1', truncated=True) == Score(0.0, 'no_answer')
+  assert task.score(p, '\\boxed{136}1}1}') == Score(1.0, 'correct')
+  assert task.score(p, '\\boxed{136}\\boxed{1}') == Score(0.0, 'wrong')  # a later box wins
+
+
+def test_score_many_is_score_per_sample():
+  task = ArithmeticTask()
+  texts = ['\\boxed{82}', '\\boxed{82}', '\\boxed{81}', '82']
+  flags = [False, True, False, True]
+  got = task.score_many([P82] * 4, texts, flags, [5, 12, 5, 12])
+  assert got == [task.score(P82, t, f) for t, f in zip(texts, flags)]
+  assert [s.reward for s in got] == [1.0, 0.0, 0.0, 0.0]
+  assert task.score_many([P82] * 4, texts) == [task.score(P82, t) for t in texts]
+  with pytest.raises(ValueError, match='score_many: 4 problems, 4 texts, 3 truncated flags'):
+    task.score_many([P82] * 4, texts, flags[:3])

@@ -159,7 +159,9 @@ def summarize(result: dict[str, Any], targets: Iterable[float]) -> dict[str, Any
       lag_min=min((r['lag_min'] for r in records), default=None),
       lag_mean=_stats([r['lag_mean'] for r in records])['mean'],
       lag_max=max((r['lag_max'] for r in records), default=None),
-      frac_truncated=_stats([r.get('frac_truncated', 0.0) for r in records])['mean'],
+      frac_is_capped=_stats([r.get('frac_is_capped', 0.0) for r in records])['mean'],
+      frac_hit_length_limit=_stats([r.get('frac_hit_length_limit', 0.0) for r in records])['mean'],
+      frac_multi_version=_stats([r.get('frac_multi_version', 0.0) for r in records])['mean'],
       stale_dropped=result['stale_dropped'],
       samples_per_s=result['samples'] / last['time_s'] if records else None,
       # Every mode runs the same train step (B samples, same shapes): its duration is a gauge

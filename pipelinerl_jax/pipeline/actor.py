@@ -50,6 +50,7 @@ def make_group(group_id: int, problem: tasks_base.Problem, completions: list[api
   """The group of the unmasked samples, advantages computed over them alone; None when every
   sample is masked. `statuses` keeps all G samples' statuses (the metrics count them all)."""
   statuses = [s.status for s in scores]
+  hit_length_limit = [c.finish_reason == 'length' for c in completions]
   kept = [(c, s) for c, s in zip(completions, scores) if not s.mask]
   if not kept:
     return None
@@ -65,7 +66,8 @@ def make_group(group_id: int, problem: tasks_base.Problem, completions: list[api
       for c, a, r in zip(completions, adv_G, rewards_G)]
   return stream_lib.Group(group_id=group_id, problem_id=problem.id, samples=samples,
                           rewards=rewards_G, statuses=statuses,
-                          num_masked=len(statuses) - len(samples), finished_at=time.monotonic())
+                          num_masked=len(statuses) - len(samples), finished_at=time.monotonic(),
+                          hit_length_limit=hit_length_limit)
 
 
 class Actor:

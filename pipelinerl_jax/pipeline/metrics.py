@@ -214,26 +214,40 @@ def smooth(values: Sequence[float], window: int) -> list[float]:
 
 
 def plot_curves(records: list[dict[str, Any]], path: str, title: str = '') -> None:
-  """Reward, ESS and lag (min / mean / max) against wall-clock time."""
+  """Reward, ESS, lag (per token; a sample's first and last token), policy versions per sample
+  and the shares of multi-version, length-limited and IS-capped samples, against time."""
   import matplotlib
   matplotlib.use('Agg')
   import matplotlib.pyplot as plt
 
   t = [r['time_s'] for r in records]
-  fig, axes = plt.subplots(1, 3, figsize=(14, 3.8))
+  fig, axes = plt.subplots(1, 5, figsize=(23, 3.8))
   axes[0].plot(t, [r['reward_mean'] for r in records], alpha=0.35, label='per step')
   axes[0].plot(t, smooth([r['reward_mean'] for r in records], 10), label='mean of 10')
   axes[0].set(title='reward', xlabel='time (s)', ylim=(-0.02, 1.02))
   axes[0].legend()
   axes[1].plot(t, [r['ess'] for r in records], label='ESS')
-  if 'ess_truncated' in records[0]:
-    axes[1].plot(t, [r['ess_truncated'] for r in records], label='ESS (truncated w)')
+  if 'ess_is_capped' in records[0]:
+    axes[1].plot(t, [r['ess_is_capped'] for r in records], label='ESS (IS-capped w)')
   axes[1].set(title='effective sample size', xlabel='time (s)', ylim=(0, 1.02))
   axes[1].legend()
-  for key in ('lag_max', 'lag_mean', 'lag_min'):
-    axes[2].plot(t, [r[key] for r in records], label=key)
+  for key in ('lag_max', 'lag_mean', 'lag_min', 'lag_first_token_mean', 'lag_last_token_mean'):
+    if key in records[0]:  # (records of older runs lack the per-sample ones)
+      axes[2].plot(t, [r[key] for r in records], label=key)
   axes[2].set(title='token lag (optimizer steps)', xlabel='time (s)')
   axes[2].legend()
+  # In-flight weight updates at work: policy versions among one sample's tokens.
+  for key in ('versions_per_sample_max', 'versions_per_sample_mean'):
+    if key in records[0]:
+      axes[3].plot(t, [r[key] for r in records], label=key)
+  axes[3].set(title='policy versions per sample', xlabel='time (s)')
+  axes[3].legend()
+  for key in ('frac_multi_version', 'frac_hit_length_limit', 'frac_is_capped'):
+    if key in records[0]:
+      axes[4].plot(t, [r[key] for r in records], label=key)
+  axes[4].set(title='shares of samples (IS-capped: of tokens)', xlabel='time (s)',
+              ylim=(-0.02, 1.02))
+  axes[4].legend()
   if title:
     fig.suptitle(title)
   fig.tight_layout()

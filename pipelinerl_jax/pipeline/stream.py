@@ -44,6 +44,7 @@ class Group:
   statuses: list[str]              # the task's score status per sample
   finished_at: float = 0.0         # time.monotonic() when the last sample finished
   num_masked: int = 0              # samples the task masked (dropped; statuses still listed)
+  hit_length_limit: list[bool] = dataclasses.field(default_factory=list)  # per sample, all G
 
   @property
   def start_version(self) -> int:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 import threading
 import time
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import jax
 import numpy as np
@@ -64,6 +64,30 @@ def lag_stats(lags: np.ndarray) -> dict[str, float]:
   if lags.size == 0:
     return dict(lag_min=0.0, lag_mean=0.0, lag_max=0.0)
   return dict(lag_min=float(lags.min()), lag_mean=float(lags.mean()), lag_max=float(lags.max()))
+
+
+def version_stats(versions: Sequence[np.ndarray], step: int) -> dict[str, float]:
+  """How many policy versions wrote each sample, and the lag of its first and last token at
+  `step`: what shows in-flight weight updates at work (a sample decoded across updates has
+  tokens of several versions, its first token older than its last). Pure. `versions`: one array
+  per trained sample, the version of each completion token in order; empty ones are skipped."""
+  versions = [np.asarray(v) for v in versions if len(v)]
+  if not versions:
+    return dict(versions_per_sample_mean=0.0, versions_per_sample_max=0.0,
+                frac_multi_version=0.0, lag_first_token_mean=0.0, lag_last_token_mean=0.0)
+  distinct = np.array([len(np.unique(v)) for v in versions])
+  return dict(versions_per_sample_mean=float(distinct.mean()),
+              versions_per_sample_max=float(distinct.max()),
+              frac_multi_version=float(np.mean(distinct >= 2)),
+              lag_first_token_mean=float(np.mean([step - v[0] for v in versions])),
+              lag_last_token_mean=float(np.mean([step - v[-1] for v in versions])))
+
+
+def length_limit_stats(hit_length_limit: Sequence[bool]) -> dict[str, float]:
+  """Share of completions cut at the length limit (finish_reason 'length', no EOS): a policy
+  that stops ending its answers shows here first. Not IS truncation (`frac_is_capped`)."""
+  n = len(hit_length_limit)
+  return dict(frac_hit_length_limit=float(sum(map(bool, hit_length_limit))) / n if n else 0.0)
 
 
 def prepare_batch(groups: list[stream_lib.Group], config: TrainerConfig):
@@ -170,7 +194,9 @@ class Trainer:
         reward_mean=float(rewards.mean()), train_step_s=t1 - t0,
         train_tokens_per_s=pstats.num_tokens / max(t1 - t0, 1e-9),
         pack_fill=pstats.fill, stale_dropped=self.stale_dropped, masked=masked,
-        masked_frac=masked / max(len(statuses), 1), **lag_stats(lags))
+        masked_frac=masked / max(len(statuses), 1), **lag_stats(lags),
+        **version_stats([smp.versions for g in groups for smp in g.samples], step),
+        **length_limit_stats([h for g in groups for h in g.hit_length_limit]))
     for status in sorted(set(statuses)):
       record[f'frac_{status}'] = statuses.count(status) / len(statuses)
     return record

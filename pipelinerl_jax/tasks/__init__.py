@@ -2,3 +2,4 @@
 
 from pipelinerl_jax.tasks.arithmetic import ArithmeticTask
 from pipelinerl_jax.tasks.base import STATUSES, Problem, Score, Task, extract_boxed
+from pipelinerl_jax.tasks.reasoning import ReasoningTask

@@ -5,6 +5,14 @@ it) and an RL pool (the rest). The warm start imitates a small fixed set drawn f
 RL then only ever sees problems from the RL pool, so whatever it gains is on unseen problems and
 cannot come from memorizing the supervised examples. The split depends on the problem alone,
 not on any seed, so the two sets are disjoint for every pair of seeds.
+
+Scoring: the answer is the last complete `\\boxed{...}` (base.extract_boxed); text around it is
+ignored, so `\\boxed{136}1<eos>` is a correct finished answer. A completion cut at the length
+limit is never judged: `truncated` (config.RewardConfig.truncated, default 'penalize' with reward
+0; base.truncated_score) says what it gets. Why trailing text is not an error: the boxed answer is the answer by the same
+convention the math task and its verifier use ("the last boxed"), and the harm that trailing
+text did -- a policy that never stops -- comes from paying cut-off completions, which the
+truncation rule ends; junk followed by EOS costs its author only a few tokens.
 """
 
 from __future__ import annotations
@@ -15,29 +23,64 @@ import re
 import zlib
 from typing import Iterator
 
-from pipelinerl_jax.tasks.base import Problem, Score, Task, extract_boxed
+from pipelinerl_jax.tasks import base
+from pipelinerl_jax.tasks.base import Problem, Score, extract_boxed
 
 _OPS = {'+': lambda a, b: a + b, '-': lambda a, b: a - b, '*': lambda a, b: a * b}
 _INTEGER = re.compile(r'-?\d{1,32}')  # an answer longer than 32 digits is not a number we asked for
 ALPHABET = '0123456789+-*=\\boxed{}'  # every character a prompt or target can hold
 
 
+def score_integer(problem: Problem, completion_text: str) -> Score:
+  """The last boxed answer read as an integer, against problem.answer. Never raises."""
+  try:
+    boxed = extract_boxed(completion_text)
+    if boxed is None:
+      return Score(0.0, 'no_answer')
+    value = boxed.strip()
+    if not _INTEGER.fullmatch(value):
+      return Score(0.0, 'unparsable')
+    return Score(1.0, 'correct') if int(value) == int(problem.answer) else Score(0.0, 'wrong')
+  except Exception:  # a scorer failure must never take the actor down
+    return Score(0.0, 'unparsable')
+
+
+def in_sft_pool(prompt: str, sft_pool_mod: int) -> bool:
+  """Whether a prompt belongs to the SFT pool (else the RL pool): a property of the prompt alone."""
+  # crc32, not hash(): Python salts str hashes per process.
+  return zlib.crc32(prompt.encode()) % sft_pool_mod == 0
+
+
+def distinct_problems(stream: Iterator[Problem], num: int, pool_size: int) -> list[Problem]:
+  """The first `num` problems of `stream` with distinct prompts; an error naming the pool's size
+  (about `pool_size`) when it does not hold that many."""
+  out, seen = [], set()
+  for _ in range(100 * num + 10_000):  # bounded: the pool may hold fewer than `num`
+    if len(out) == num:
+      return out
+    p = next(stream)
+    if p.prompt not in seen:
+      seen.add(p.prompt)
+      out.append(p)
+  if len(out) < num:
+    raise ValueError(f'found only {len(out)} distinct SFT-pool problems of the {num} asked '
+                     f'for; the pool holds about {pool_size}')
+  return out
+
+
 @dataclasses.dataclass(frozen=True)
-class ArithmeticTask(Task):
+class ArithmeticTask(base.Task):
   """`a op b`: a has `digits` digits; b too, except for '*' where it has one digit (so products
-  stay short). Each problem picks its op uniformly from `ops`."""
+  stay short). Each problem picks its op uniformly from `ops`. The values are checked where the
+  knobs live (config.TaskConfig, config.RewardConfig)."""
   ops: tuple[str, ...] = ('+',)
   digits: int = 2
   sft_pool_mod: int = 8      # 1 / sft_pool_mod of the problem space is reserved for SFT
+  truncated: str = 'penalize'  # completions cut at the length limit: penalize | mask | none
+  truncated_reward: float = 0.0  # their reward under 'penalize'
 
   def __post_init__(self):
     object.__setattr__(self, 'ops', tuple(self.ops))
-    if not self.ops or any(op not in _OPS for op in self.ops):
-      raise ValueError(f'ops={self.ops} must be a non-empty subset of {tuple(_OPS)}')
-    if not 1 <= self.digits <= 9:
-      raise ValueError(f'digits={self.digits} must be in 1..9')
-    if self.sft_pool_mod < 2:
-      raise ValueError(f'sft_pool_mod={self.sft_pool_mod} must be >= 2 (RL needs a pool too)')
 
   # --- the Task protocol ---------------------------------------------------------------------
 
@@ -47,44 +90,25 @@ class ArithmeticTask(Task):
 
   def score(self, problem: Problem, completion_text: str, truncated: bool = False,
             num_tokens: int | None = None) -> Score:
-    try:
-      boxed = extract_boxed(completion_text)
-      if boxed is None:
-        return Score(0.0, 'no_answer')
-      value = boxed.strip()
-      if not _INTEGER.fullmatch(value):
-        return Score(0.0, 'unparsable')
-      return Score(1.0, 'correct') if int(value) == int(problem.answer) else Score(0.0, 'wrong')
-    except Exception:  # a scorer failure must never take the actor down
-      return Score(0.0, 'unparsable')
+    """Never raises. num_tokens is not used (the reward does not depend on length)."""
+    if truncated:
+      cut = base.truncated_score(self.truncated, self.truncated_reward)
+      if cut is not None:
+        return cut
+    return score_integer(problem, completion_text)
 
   # --- supervised warm start -----------------------------------------------------------------
 
   def sft_problems(self, seed: int, num: int) -> list[Problem]:
     """`num` distinct SFT-pool problems, a function of (seed, num)."""
-    out, seen = [], set()
-    stream = self._stream(seed, sft=True, prefix=f'sft{seed}')
-    for _ in range(100 * num + 10_000):  # bounded: the pool may hold fewer than `num`
-      if len(out) == num:
-        return out
-      p = next(stream)
-      if p.prompt not in seen:
-        seen.add(p.prompt)
-        out.append(p)
-    if len(out) < num:
-      raise ValueError(f'found only {len(out)} distinct SFT-pool problems of the {num} asked '
-                       f'for; the pool holds about {self.space_size() // self.sft_pool_mod}')
-    return out
+    return distinct_problems(self._stream(seed, sft=True, prefix=f'sft{seed}'), num,
+                             self.space_size() // self.sft_pool_mod)
 
   def target(self, problem: Problem) -> str:
     """The completion SFT imitates (the tokenizer's EOS goes after it)."""
     return f'\\boxed{{{problem.answer}}}'
 
   # --- internals -----------------------------------------------------------------------------
-
-  def in_sft_pool(self, prompt: str) -> bool:
-    # crc32, not hash(): Python salts str hashes per process.
-    return zlib.crc32(prompt.encode()) % self.sft_pool_mod == 0
 
   def space_size(self) -> int:
     return sum(len(ra) * len(rb) for ra, rb in map(self._operand_ranges, self.ops))
@@ -102,7 +126,7 @@ class ArithmeticTask(Task):
       ra, rb = self._operand_ranges(op)
       a, b = rng.choice(ra), rng.choice(rb)
       prompt = f'{a}{op}{b}='
-      if self.in_sft_pool(prompt) != sft:
+      if in_sft_pool(prompt, self.sft_pool_mod) != sft:
         continue
       yield Problem(id=f'{prefix}-{index}', prompt=prompt, answer=str(_OPS[op](a, b)))
       index += 1

@@ -4,6 +4,16 @@ A task hands out `Problem`s (an id, the prompt text the model continues, the ref
 and scores the decoded completion text. Scoring runs on the actor's hot path, once per sample,
 on text written by a policy that may be degenerate, so it must be fast, must never raise, and
 its cost must stay linear in the text length whatever the text holds.
+
+Every task is told, per sample, whether the completion was cut at the length limit (the
+engine's finish_reason 'length': no EOS) and how many tokens it has. A cut-off completion never
+gave a final answer, whatever its text holds, so it must not be paid as a finished one: a reward
+that pays it teaches the policy to never stop. `config.RewardConfig.truncated` says how a task
+treats it (`truncated_score`):
+  'penalize'  reward = truncated_reward (0 by default, as for a missing answer), status no_answer
+  'mask'      no learning signal either way (DAPO's overlong filtering): `Score.mask`, reward 0,
+              status no_answer; the actor drops it before the group's advantages
+  'none'      judged like a finished completion (ablations only: the failure described above)
 """
 
 from __future__ import annotations
@@ -52,6 +62,9 @@ class Task(abc.ABC):
     n = len(texts)
     truncated = [False] * n if truncated is None else truncated
     num_tokens = [None] * n if num_tokens is None else num_tokens
+    if not len(problems) == len(truncated) == len(num_tokens) == n:
+      raise ValueError(f'score_many: {len(problems)} problems, {n} texts, {len(truncated)} '
+                       f'truncated flags, {len(num_tokens)} lengths (must all be equal)')
     return [self.score(p, t, tr, nt) for p, t, tr, nt in zip(problems, texts, truncated,
                                                              num_tokens)]
 
@@ -91,6 +104,16 @@ class Task(abc.ABC):
   def target(self, problem: Problem) -> str:
     """The completion SFT imitates (the tokenizer's EOS goes after it)."""
     raise NotImplementedError(f'{type(self).__name__} has no SFT targets for a warm start')
+
+
+def truncated_score(mode: str, truncated_reward: float) -> Score | None:
+  """The score of a completion cut at the length limit, or None under 'none' (judge it as usual).
+  Pure; the rule a task applies before looking at the text."""
+  if mode == 'mask':
+    return Score(0.0, 'no_answer', mask=True)
+  if mode == 'penalize':
+    return Score(float(truncated_reward), 'no_answer')
+  return None
 
 
 _BOX_OPEN = '\\boxed{'
