@@ -2,7 +2,8 @@
 
   tiny             the CPU demo (the default): arithmetic on a tiny locally built model
   reasoning        the paper's regime on CPU: long worked solutions (~20-150 tokens) that span
-                   several weight updates each; 15 minutes of RL on 2 cores
+                   several weight updates each; 15 minutes of RL on 2 cores (it reaches the
+                   regime but is not yet shown to learn: see the README)
   qwen1p5b_8xh100  Qwen2.5-Math-1.5B on one 8xH100 host, vLLM generation
   paper_7b         the paper's Qwen2.5-7B run (B=1024, G=8, lr 1e-6, 8192 new tokens)
 
