@@ -113,8 +113,10 @@ class DemoModelConfig(_Section):
   init_seed: int = 0
   sft_examples: int = 1000        # the fixed supervised set, from the task's SFT pool
   sft_seed: int = 0
-  batch_size: int = 128
+  batch_size: int = 128           # examples per SFT step (at most, when rows_per_step is set)
+  rows_per_step: int = 0          # packed rows per step; 0 = room for batch_size of the longest
   lr: float = 1e-3
+  warmup_steps: int = 0           # linear lr warmup
   max_steps: int = 2000
   eval_every: int = 25
   eval_problems: int = 128        # unseen RL-pool problems, sampled at temperature 1
@@ -127,6 +129,8 @@ class DemoModelConfig(_Section):
     _check(self.max_steps >= 0, 'max_steps', f'must be >= 0, got {self.max_steps}')
     _check(self.eval_every >= 1, 'eval_every', f'must be >= 1, got {self.eval_every}')
     _check(self.batch_size >= 1, 'batch_size', f'must be >= 1, got {self.batch_size}')
+    _check(self.rows_per_step >= 0, 'rows_per_step', f'must be >= 0, got {self.rows_per_step}')
+    _check(self.warmup_steps >= 0, 'warmup_steps', f'must be >= 0, got {self.warmup_steps}')
     _check(self.sft_examples >= 1, 'sft_examples', f'must be >= 1, got {self.sft_examples}')
     _check(self.eval_problems >= 1, 'eval_problems', f'must be >= 1, got {self.eval_problems}')
     _check(self.lr > 0, 'lr', f'must be > 0, got {self.lr}')

@@ -35,11 +35,12 @@ def main(argv):
   # Imported after the signal handlers are in: importing JAX takes seconds, and a signal
   # meanwhile must stop the run like any other.
   from pipelinerl_jax import distributed
+  from pipelinerl_jax.pipeline import launch
   from pipelinerl_jax.pipeline import metrics as metrics_lib
   from pipelinerl_jax.pipeline import multiprocess
   from pipelinerl_jax.pipeline import run as run_lib
   try:
-    summary = run_lib.run_experiment(_CONFIG.value, _WORKDIR.value, interrupt=_STOP.request)
+    summary = launch.run_experiment(_CONFIG.value, _WORKDIR.value, interrupt=_STOP.request)
   except signals.Interrupted as e:
     print(f'\nInterrupted by {signal.Signals(e.signum).name} during start-up; nothing was '
           'trained.', flush=True)

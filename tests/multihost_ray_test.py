@@ -64,7 +64,7 @@ def driver(workdir: str, model_dir: str, out: str) -> None:
   """Process 0: the run, recording the last update the generator pool was handed, assembled."""
   import ray
   from pipelinerl_jax.generation.actors import pool as pool_lib
-  from pipelinerl_jax.pipeline import run as run_lib
+  from pipelinerl_jax.pipeline import launch
   real = pool_lib.RayGenerators.update_params
   last = {}
 
@@ -75,7 +75,7 @@ def driver(workdir: str, model_dir: str, out: str) -> None:
     return real(self, params, version)
 
   pool_lib.RayGenerators.update_params = recording
-  summary = run_lib.run_experiment(run_config(workdir, model_dir), workdir)
+  summary = launch.run_experiment(run_config(workdir, model_dir), workdir)
   with open(out, 'wb') as f:
     pickle.dump(dict(last, steps=summary['steps']), f)
 

@@ -10,6 +10,7 @@ fixed number of steps (not time) and the same margin on the 10-step means. Measu
 vllm_reward_test.py) below that rise.
 """
 
+import collections
 import json
 import os
 import pathlib
@@ -25,6 +26,7 @@ import pytest
 
 from pipelinerl_jax import cluster
 from pipelinerl_jax import config as config_lib
+from pipelinerl_jax import evaluate
 from pipelinerl_jax.demo import warmstart
 from pipelinerl_jax.generation.actors import pool as pool_lib
 from pipelinerl_jax.pipeline import run as run_lib
@@ -83,6 +85,13 @@ def test_reward_rises_with_two_generator_actors_one_killed_mid_run(tmp_path, mon
   assert len(completed) == len(set(completed))  # no request id completed twice
   assert summary['samples'] == STEPS * c.rl.batch_size  # no sample lost or counted twice
   assert last > first + MARGIN
+  # Cut-off answers are never paid (task.reward.truncated='penalize'), so RL keeps the EOS the
+  # warm start learned: greedy answers of the trained policy stop on their own.
+  c.eval.temperature = 0.0
+  result = evaluate.evaluate_checkpoint(c, summary['checkpoint'], k=1)
+  reasons = collections.Counter(s['finish_reason'] for s in result['samples'])
+  print(f'greedy finish reasons after RL: {dict(reasons)}')
+  assert reasons['stop'] >= 0.9 * len(result['samples']), reasons
 
 
 def _main(workdir, model_dir, *extra):

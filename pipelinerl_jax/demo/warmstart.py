@@ -22,7 +22,7 @@ import os
 import shutil
 import time
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -145,6 +145,36 @@ def pack_examples(examples: Sequence[tuple[list[int], list[int]]], seq_len: int,
   return {k: batch[k] for k in ('tokens', 'targets', 'positions', 'segment_ids', 'loss_mask')}
 
 
+def next_packed_batch(examples: Sequence[tuple[list[int], list[int]]], stream: Iterator[int],
+                      carried: list[int], seq_len: int, num_rows: int, max_examples: int
+                      ) -> tuple[dict[str, np.ndarray], list[int]]:
+  """The next SFT batch: examples in stream order (`carried` ones first) while they fit the
+  [num_rows, seq_len] batch and number at most max_examples. Returns (batch, indices drawn but
+  left for the next batch)."""
+  picks, budget = [], num_rows * seq_len
+  while len(picks) < max_examples:
+    i = carried.pop(0) if carried else next(stream)
+    positions = len(examples[i][0]) + len(examples[i][1]) - 1
+    if positions > budget:
+      carried.insert(0, i)
+      break
+    picks.append(i)
+    budget -= positions
+  while True:  # the token budget is necessary, not sufficient: first-fit may need one row more
+    try:
+      return pack_examples([examples[i] for i in picks], seq_len, num_rows), carried
+    except ValueError:
+      if len(picks) == 1:
+        raise
+      carried.insert(0, picks.pop())
+
+
+def _epochs(n: int, rng: np.random.Generator) -> Iterator[int]:
+  """Indices 0..n-1 in a fresh shuffled order each epoch, forever."""
+  while True:
+    yield from (int(i) for i in rng.permutation(n))
+
+
 def packed_shape(max_example_len: int, batch_size: int) -> tuple[int, int]:
   """(num_rows, seq_len) that always holds `batch_size` examples of up to max_example_len
   tokens (each takes max_example_len - 1 positions)."""
@@ -206,13 +236,17 @@ def train_sft(params, model_config: transformer.ModelConfig, demo: config_lib.De
   sft_set = task.sft_problems(demo.sft_seed, demo.sft_examples)
   examples = encode_examples(tokenizer, task, sft_set)
   eval_set = list(_take(task.problems(demo.eval_seed), demo.eval_problems))
-  num_rows, seq_len = packed_shape(max(len(p) + len(c) for p, c in examples), demo.batch_size)
+  max_example_len = max(len(p) + len(c) for p, c in examples)
+  num_rows, seq_len = packed_shape(max_example_len, demo.batch_size)
+  if demo.rows_per_step:  # first-fit into fewer rows: short examples share a row
+    num_rows = demo.rows_per_step
 
-  optimizer = train.make_optimizer(config_lib.OptimizerConfig(lr=demo.lr, max_grad_norm=1.0))
+  optimizer = train.make_optimizer(config_lib.OptimizerConfig(
+      lr=demo.lr, max_grad_norm=1.0, warmup_steps=demo.warmup_steps))
   state = train.init_train_state(params, optimizer)
   step_fn = jax.jit(make_sft_step(model_config, optimizer), donate_argnums=(0,))
-  rng = np.random.default_rng(demo.sft_seed)
-  order, cursor = rng.permutation(len(examples)), 0
+  stream = _epochs(len(examples), np.random.default_rng(demo.sft_seed))
+  carried: list[int] = []  # drawn but left out of a full step: first in the next one
   history, start, losses = [], time.perf_counter(), []
 
   def evaluate(step):
@@ -228,13 +262,9 @@ def train_sft(params, model_config: transformer.ModelConfig, demo: config_lib.De
 
   step = 0
   while step < demo.max_steps:
-    picks = []
-    for _ in range(min(demo.batch_size, len(examples))):  # epochs of a shuffled fixed set
-      if cursor == len(order):
-        order, cursor = rng.permutation(len(examples)), 0
-      picks.append(examples[order[cursor]])
-      cursor += 1
-    state, metrics = step_fn(state, pack_examples(picks, seq_len, num_rows))
+    batch, carried = next_packed_batch(examples, stream, carried, seq_len, num_rows,
+                                       demo.batch_size)
+    state, metrics = step_fn(state, batch)
     losses.append(float(metrics['loss']))
     step += 1
     if step % demo.eval_every == 0 and evaluate(step) >= demo.target_sampled_accuracy:

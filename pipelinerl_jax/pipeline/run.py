@@ -48,18 +48,12 @@ class RunError(RuntimeError):
   """A loop of the run failed; the message names it and the original error."""
 
 
-def run_experiment(config: ml_collections.ConfigDict | config_lib.Config, workdir: str,
+def run_with_model(config: config_lib.Config, workdir: str,
                    interrupt: threading.Event | None = None, trainers=None) -> dict[str, Any]:
-  """What `main` runs: validate, find or build the model, then RL. With several trainer
-  processes and generator actors, this process (the driver) starts the others as Ray actors
-  first (`trainers`: see `run`)."""
+  """Joins the trainer's processes, finds or builds the model (config.model.path or the demo
+  model), then `run`. What every trainer process runs; `launch.run_experiment` (the main
+  command) starts the others first when they are Ray actors."""
   config = config_lib.validate(config)
-  if trainers is None and launches_trainers(config):
-    build_lib.check_backend_installed(config)  # Ray
-    workdir_lib.check_dir(workdir, '--workdir')
-    from pipelinerl_jax.pipeline import trainer_actors  # imports Ray
-    with trainer_actors.launch(config, workdir) as launched:
-      return run_experiment(config, workdir, interrupt, trainers=launched)
   distributed.initialize(config.train)  # before any JAX computation; nothing for one process
   build_lib.check_backend_installed(config)  # before the demo model is built
   workdir_lib.check_dir(workdir, '--workdir')
@@ -86,7 +80,7 @@ def run(config: ml_collections.ConfigDict | config_lib.Config, workdir: str, *,
   (tests) gets the live objects once both loops run. `interrupt` (main's signal handlers set
   it): start-up stops with signals.Interrupted at its next phase; running loops stop as after
   Ctrl-C. `trainers`, with trainer processes as Ray actors (pipeline/trainer_actors.py): on
-  process 0, the `Launch` of the others (which `run_experiment` makes); on the others, their
+  process 0, the `Launch` of the others (which `launch.run_experiment` makes); on the others, their
   actor's `Stash`.
   """
   config = config_lib.validate(config)
@@ -95,8 +89,8 @@ def run(config: ml_collections.ConfigDict | config_lib.Config, workdir: str, *,
     raise ValueError('config.model.path: no model directory given')
   if trainers is None and launches_trainers(config):
     raise ValueError('config.train.num_processes: trainer processes as Ray actors are started by '
-                     'run_experiment (the main command), not by run()')
-  distributed.initialize(config.train)  # (run_experiment joined already, to build the model)
+                     'launch.run_experiment (the main command), not by run()')
+  distributed.initialize(config.train)  # (run_with_model joined already, to build the model)
   if not distributed.is_primary():  # another trainer process: it follows process 0's calls
     return multiprocess.follow(config, workdir, model_dir, interrupt, stash=trainers)
   locks = claim_outputs(config, workdir, model_dir)

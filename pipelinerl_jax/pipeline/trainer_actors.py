@@ -149,7 +149,7 @@ class TrainerProcess:
     from pipelinerl_jax import distributed
     from pipelinerl_jax.pipeline import run as run_lib
     distributed.initialize(config.train, coordinator_address=address, process_id=self.index)
-    summary = run_lib.run_experiment(config, workdir, trainers=self.stash)
+    summary = run_lib.run_with_model(config, workdir, trainers=self.stash)
     jax.distributed.shutdown()  # meets process 0's (Launch.close)
     return dict(steps=summary['steps'], interrupted=summary['interrupted'])
 
