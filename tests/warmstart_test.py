@@ -1,6 +1,7 @@
 """Character tokenizer, the demo model build (HF dir, cache) and the SFT warm start."""
 
 import dataclasses
+import itertools
 import json
 import time
 
@@ -125,6 +126,28 @@ def test_evaluate_accuracy_greedy_is_deterministic_sampling_is_seeded(built):
   assert run(1.0, 3) == run(1.0, 3)
   samples = [run(5.0, s) for s in (0, 1)]  # hot enough that two seeds must differ somewhere
   assert samples[0] != samples[1]
+
+
+def _ids_in(batch) -> list[int]:
+  """Example ids in a packed batch (example i's completion tokens are all i + 1)."""
+  return sorted(t - 1 for t in set(batch['targets'][batch['loss_mask'] > 0].tolist()))
+
+
+def test_packed_batches_share_rows_in_stream_order_and_lose_nothing():
+  # 50 examples of 5..40 positions into 2 rows of 64: several share a row, and those that no
+  # longer fit a step open the next one, in stream order, none dropped or repeated.
+  lengths = np.random.default_rng(0).integers(3, 39, size=50)
+  examples = [([1] * 3, [i + 1] * int(n)) for i, n in enumerate(lengths)]
+  stream = itertools.chain(range(50), itertools.repeat(49))
+  carried, steps = [], []
+  while not steps or 49 not in steps[-1]:
+    batch, carried = warmstart.next_packed_batch(examples, stream, carried, 64, 2, 100)
+    assert batch['tokens'].shape == (2, 64)
+    steps.append(_ids_in(batch))
+  assert sum(steps, [])[:49] == list(range(49))  # each once, in order
+  assert len(steps) < 25  # more than one example per row on average
+  batch, carried = warmstart.next_packed_batch(examples, iter(range(50)), [], 64, 2, 3)
+  assert _ids_in(batch) == [0, 1, 2] and carried == []  # the example cap holds
 
 
 def test_demo_settings_are_checked():
