@@ -125,32 +125,42 @@ def test_logprob_agreement_quick_runs_fp32_and_bf16_with_fp32_head(tmp_path):
 
 def test_learning_speed_smoke_writes_json_and_png(tmp_path):
   """The learning-speed benchmark end to end in --smoke mode (untrained model, 3 steps per
-  mode): the JSON has its keys and the figure exists. Its numbers mean nothing."""
+  mode and seed) on 2 seeds: the JSON has its keys and a per-seed entry for each mode, and the
+  figure exists. Its numbers mean nothing."""
   out = tmp_path / 'learning_speed.json'
   env = {k: v for k, v in os.environ.items() if k != 'XLA_FLAGS'}
   proc = subprocess.run(
-      [sys.executable, '-m', 'pipelinerl_jax.bench.learning_speed', '--smoke',
+      [sys.executable, '-m', 'pipelinerl_jax.bench.learning_speed', '--smoke', '--seeds=0,1',
        '--modes=pipeline,conv2', f'--out={out}', f'--cache_dir={tmp_path / "cache"}',
        f'--workdir={tmp_path / "runs"}'],
       cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
   assert proc.returncode == 0, proc.stderr[-3000:]
 
   report = json.loads(out.read_text())
-  assert {'speedup_vs_best_conventional', 'speedup', 'modes', 'curves', 'target',
-          'definitions'} <= report.keys()
+  assert {'speedup_vs_best_conventional', 'speedup', 'modes', 'curves', 'target', 'seeds',
+          'preset', 'definitions'} <= report.keys()
+  assert report['seeds'] == [0, 1] and report['preset'] == 'tiny'
   # An untrained model never reaches the target: no speedup, and the note says why.
   assert report['speedup_vs_best_conventional'] is None and report['speedup']['note']
+  assert report['speedup']['seeds'] == 2
   assert [m['name'] for m in report['modes']] == ['pipeline', 'conv2']
-  for m in report['modes']:
-    assert m['steps'] == 3 and m['samples'] == 48
-    assert 0 <= m['lag_min'] <= m['lag_mean'] <= m['lag_max']
-    assert 0 < m['ess']['min'] <= m['ess']['max'] <= 1 + 1e-6
-    assert set(m['to_target']) >= {'0.8'}
+  for mode in report['modes']:
+    assert mode['seeds'] == [0, 1]
+    assert mode['time_to_target'] == mode['samples_to_target'] == [None, None]
+    assert mode['time_to_target_stats'] == dict(median=None, min=None, max=None, n=0, seeds=2)
+    assert [s['seed'] for s in mode['per_seed']] == [0, 1]
+    for s in mode['per_seed']:
+      assert s['name'] == mode['name'] and s['steps'] == 3 and s['samples'] == 48
+      assert 0 <= s['lag_min'] <= s['lag_mean'] <= s['lag_max']
+      assert 0 < s['ess']['min'] <= s['ess']['max'] <= 1 + 1e-6
+      assert set(s['to_target']) >= {'0.8'}
+    assert set(report['curves'][mode['name']]) == {'seed0', 'seed1'}
   pipeline, conv2 = report['modes']
-  assert conv2['num_slots'] == 2 * 16   # conventional H = k * B
-  assert len(report['curves']['conv2']['step']) == 3
+  assert all(s['num_slots'] == 2 * 16 for s in conv2['per_seed'])   # conventional H = k * B
+  assert len(report['curves']['conv2']['seed1']['step']) == 3
+  assert sorted(p.name for p in (tmp_path / 'runs' / 'conv2').iterdir()) == ['seed0', 'seed1']
   assert pathlib.Path(report['png']).stat().st_size > 10_000
-  assert 'speedup_vs_best_conventional' in proc.stdout
+  assert 'speedup_vs_best_conventional' in proc.stdout and 'over seeds [0, 1]' in proc.stdout
 
 
 def _seeds(name, times_to_target, run_s=300.0):
