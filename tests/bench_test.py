@@ -13,6 +13,7 @@ import jax
 import numpy as np
 import pytest
 
+from pipelinerl_jax.bench import ablations
 from pipelinerl_jax.bench import train_step as bench
 from pipelinerl_jax.models import transformer
 
@@ -124,32 +125,132 @@ def test_logprob_agreement_quick_runs_fp32_and_bf16_with_fp32_head(tmp_path):
 
 def test_learning_speed_smoke_writes_json_and_png(tmp_path):
   """The learning-speed benchmark end to end in --smoke mode (untrained model, 3 steps per
-  mode): the JSON has its keys and the figure exists. Its numbers mean nothing."""
+  mode and seed) on 2 seeds: the JSON has its keys and a per-seed entry for each mode, and the
+  figure exists. Its numbers mean nothing."""
   out = tmp_path / 'learning_speed.json'
   env = {k: v for k, v in os.environ.items() if k != 'XLA_FLAGS'}
   proc = subprocess.run(
-      [sys.executable, '-m', 'pipelinerl_jax.bench.learning_speed', '--smoke',
+      [sys.executable, '-m', 'pipelinerl_jax.bench.learning_speed', '--smoke', '--seeds=0,1',
        '--modes=pipeline,conv2', f'--out={out}', f'--cache_dir={tmp_path / "cache"}',
        f'--workdir={tmp_path / "runs"}'],
       cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
   assert proc.returncode == 0, proc.stderr[-3000:]
 
   report = json.loads(out.read_text())
-  assert {'speedup_vs_best_conventional', 'speedup', 'modes', 'curves', 'target',
-          'definitions'} <= report.keys()
+  assert {'speedup_vs_best_conventional', 'speedup', 'modes', 'curves', 'target', 'seeds',
+          'preset', 'definitions'} <= report.keys()
+  assert report['seeds'] == [0, 1] and report['preset'] == 'tiny'
   # An untrained model never reaches the target: no speedup, and the note says why.
   assert report['speedup_vs_best_conventional'] is None and report['speedup']['note']
+  assert report['speedup']['seeds'] == 2
   assert [m['name'] for m in report['modes']] == ['pipeline', 'conv2']
-  for m in report['modes']:
-    assert m['steps'] == 3 and m['samples'] == 48
-    assert 0 <= m['lag_min'] <= m['lag_mean'] <= m['lag_max']
-    assert 0 < m['ess']['min'] <= m['ess']['max'] <= 1 + 1e-6
-    assert set(m['to_target']) >= {'0.8'}
+  for mode in report['modes']:
+    assert mode['seeds'] == [0, 1]
+    assert mode['time_to_target'] == mode['samples_to_target'] == [None, None]
+    assert mode['time_to_target_stats'] == dict(median=None, min=None, max=None, n=0, seeds=2)
+    assert [s['seed'] for s in mode['per_seed']] == [0, 1]
+    for s in mode['per_seed']:
+      assert s['name'] == mode['name'] and s['steps'] == 3 and s['samples'] == 48
+      assert 0 <= s['lag_min'] <= s['lag_mean'] <= s['lag_max']
+      assert 0 < s['ess']['min'] <= s['ess']['max'] <= 1 + 1e-6
+      assert set(s['to_target']) >= {'0.8'}
+    assert set(report['curves'][mode['name']]) == {'seed0', 'seed1'}
   pipeline, conv2 = report['modes']
-  assert conv2['num_slots'] == 2 * 16   # conventional H = k * B
-  assert len(report['curves']['conv2']['step']) == 3
+  assert all(s['num_slots'] == 2 * 16 for s in conv2['per_seed'])   # conventional H = k * B
+  assert len(report['curves']['conv2']['seed1']['step']) == 3
+  assert sorted(p.name for p in (tmp_path / 'runs' / 'conv2').iterdir()) == ['seed0', 'seed1']
   assert pathlib.Path(report['png']).stat().st_size > 10_000
-  assert 'speedup_vs_best_conventional' in proc.stdout
+  assert 'speedup_vs_best_conventional' in proc.stdout and 'over seeds [0, 1]' in proc.stdout
+
+
+def _seeds(name, times_to_target, run_s=300.0):
+  """Hand-made `summarize` dicts of one mode, one per seed: time to 0.8 (None: never reached)
+  and 1000 samples per second."""
+  return [dict(name=name, time_s=run_s,
+               to_target={'0.8': None if t is None else dict(time_s=t, samples=int(t) * 1000,
+                                                             step=int(t))})
+          for t in times_to_target]
+
+
+def test_seed_stats_skip_seeds_that_never_reached_the_target():
+  assert ablations.seed_stats([30.0, None, 10.0, 20.0]) == dict(median=20.0, min=10.0, max=30.0,
+                                                                n=3, seeds=4)
+  assert ablations.seed_stats([None, None]) == dict(median=None, min=None, max=None, n=0,
+                                                    seeds=2)
+  over = ablations.to_target_over_seeds(_seeds('conv1', [40.0, None]), 0.8)
+  assert over['time_s'] == [40.0, None] and over['samples'] == [40_000, None]
+  assert over['samples_stats']['median'] == 40_000 and over['samples_stats']['n'] == 1
+
+
+def test_speedup_over_seeds_best_conventional_by_median_among_modes_reaching_every_seed():
+  pipeline = _seeds('pipeline', [80.0, 50.0, 125.0])
+  conventional = {'conv1': _seeds('conv1', [100.0, 100.0, 100.0]),
+                  # Faster in its best seed, slower in median: not the best.
+                  'conv2': _seeds('conv2', [40.0, 200.0, 200.0]),
+                  # Lowest median, but it missed a seed: not a candidate.
+                  'conv4': _seeds('conv4', [30.0, None, 30.0])}
+  out = ablations.speedup_over_seeds(pipeline, conventional, 0.8)
+  assert out['best_conventional'] == 'conv1'
+  assert out['value'] == pytest.approx(100.0 / 80.0)
+  assert out['per_seed_ratios'] == pytest.approx([1.25, 2.0, 0.8])
+  assert (out['ratio_min'], out['ratio_max']) == pytest.approx((0.8, 2.0))
+  assert out['spread_crosses_1'] is True
+  assert out['lower_bound'] is None and out['pipeline_time_s']['median'] == 80.0
+
+  faster = ablations.speedup_over_seeds(_seeds('pipeline', [50.0, 50.0, 90.0]),
+                                        {'conv1': conventional['conv1']}, 0.8)
+  assert faster['value'] == pytest.approx(2.0) and faster['spread_crosses_1'] is False
+
+
+def test_speedup_over_seeds_when_a_side_misses_seeds():
+  # The pipeline missed seed 1: no value (its median would flatter it); ratios where both hit.
+  out = ablations.speedup_over_seeds(_seeds('pipeline', [50.0, None, 50.0]),
+                                     {'conv1': _seeds('conv1', [100.0, 100.0, 40.0])}, 0.8)
+  assert out['value'] is None and 'pipeline reached 0.8 in 2 of 3 seeds' in out['note']
+  assert out['per_seed_ratios'] == pytest.approx([2.0, None, 0.8])
+  assert out['spread_crosses_1'] is True
+
+  # No conventional mode reached it in every seed: the one reaching it in the most seeds.
+  out = ablations.speedup_over_seeds(
+      _seeds('pipeline', [50.0, 50.0, 50.0]),
+      {'conv1': _seeds('conv1', [100.0, None, 100.0]),
+       'conv2': _seeds('conv2', [40.0, None, None])}, 0.8)
+  assert out['best_conventional'] == 'conv1' and out['value'] == pytest.approx(2.0)
+  assert out['per_seed_ratios'] == pytest.approx([2.0, None, 2.0])
+  assert 'in every seed' in out['note']
+
+  # No conventional mode ever reached it: a lower bound from the shortest median run.
+  out = ablations.speedup_over_seeds(
+      _seeds('pipeline', [50.0, 100.0]),
+      {'conv1': _seeds('conv1', [None, None], run_s=300.0),
+       'conv2': _seeds('conv2', [None, None], run_s=200.0)}, 0.8)
+  assert out['value'] is None and out['lower_bound'] == pytest.approx(200.0 / 75.0)
+
+  # The pipeline never reached it: nothing to give.
+  out = ablations.speedup_over_seeds(_seeds('pipeline', [None, None]),
+                                     {'conv1': _seeds('conv1', [100.0, 100.0])}, 0.8)
+  assert out['value'] is None and out['lower_bound'] is None and 'never' in out['note']
+
+
+def test_single_seed_speedup_is_the_seed_aggregate_of_one():
+  (pipeline,) = _seeds('pipeline', [50.0])
+  conventional = _seeds('conv1', [150.0]) + _seeds('conv2', [100.0])
+  out = ablations.speedup(pipeline, conventional, 0.8)
+  assert out['best_conventional'] == 'conv2' and out['value'] == pytest.approx(2.0)
+  assert out['ratio_min'] == out['ratio_max'] == pytest.approx(2.0)
+
+
+def test_median_band_over_the_range_every_seed_covers():
+  grid, median, low, high = ablations.median_band(
+      [[0, 10], [2, 12], [1, 8]], [[0, 10], [2, 12], [11, 18]], num_points=5)
+  assert grid[0] == 2 and grid[-1] == 8   # no seed is extrapolated
+  # At x: the three curves are x, x and x + 10.
+  np.testing.assert_allclose(median, grid)
+  np.testing.assert_allclose(low, grid)
+  np.testing.assert_allclose(high, grid + 10)
+  alone = ablations.median_band([[0, 1, 3]], [[5, 6, 7]])
+  assert [list(a) for a in alone] == [[0, 1, 3], [5, 6, 7], [5, 6, 7], [5, 6, 7]]
+  assert all(a.size == 0 for a in ablations.median_band([[0, 1], [2, 3]], [[0, 1], [0, 1]]))
 
 
 def test_attention_bench_quick_compares_memory_of_both_implementations(tmp_path):

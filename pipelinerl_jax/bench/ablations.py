@@ -174,30 +174,114 @@ def summarize(result: dict[str, Any], targets: Iterable[float]) -> dict[str, Any
 
 def speedup(pipeline: dict[str, Any], conventional: Sequence[dict[str, Any]], target: float
             ) -> dict[str, Any]:
-  """Best conventional time-to-target / pipeline time-to-target, as `summarize` dicts.
+  """Best conventional time-to-target / pipeline time-to-target, as `summarize` dicts of one
+  seed each: `speedup_over_seeds` with one seed.
 
   A mode that never reaches the target has no time: if the pipeline does and no conventional
   mode does, the ratio is unknown but at least (shortest conventional run time) / (pipeline
   time): `value` is None and `lower_bound` holds that. If the pipeline never reaches it,
   `value` is None too and there is no bound.
   """
+  return speedup_over_seeds([pipeline], {c['name']: [c] for c in conventional}, target)
+
+
+# ---------------------------------------------------------------------------------------------
+# Several seeds of each mode: the spread of time to target, and of the speedup.
+
+
+def seed_stats(values: Sequence[float | None]) -> dict[str, Any]:
+  """Median, min and max over the seeds that have a value (None: the target was never reached
+  in that seed), `n` such seeds out of `seeds`. median/min/max are None when n is 0."""
+  reached = [float(v) for v in values if v is not None]
+  if not reached:
+    return dict(median=None, min=None, max=None, n=0, seeds=len(values))
+  return dict(median=float(np.median(reached)), min=min(reached), max=max(reached),
+              n=len(reached), seeds=len(values))
+
+
+def to_target_over_seeds(summaries: Sequence[dict[str, Any]], target: float) -> dict[str, Any]:
+  """One mode's `summarize` dicts, one per seed: time and samples to target per seed (None where
+  never reached), and their `seed_stats`."""
+  hits = [s['to_target'][f'{target:g}'] for s in summaries]
+  time_s = [None if h is None else h['time_s'] for h in hits]
+  samples = [None if h is None else h['samples'] for h in hits]
+  return dict(time_s=time_s, samples=samples, time_s_stats=seed_stats(time_s),
+              samples_stats=seed_stats(samples))
+
+
+def speedup_over_seeds(pipeline: Sequence[dict[str, Any]],
+                       conventional: dict[str, Sequence[dict[str, Any]]], target: float
+                       ) -> dict[str, Any]:
+  """Speedup of the pipeline over the best conventional mode, with its spread over seeds.
+
+  `pipeline` holds `summarize` dicts, one per seed; `conventional` maps each mode's name to
+  its dicts for the same seeds in the same order. The best conventional mode has the lowest
+  median time to target among those that reached it in every seed; `value` = its median /
+  the pipeline's median. The spread is the per-seed ratio (conventional / pipeline time of
+  the same seed): `per_seed_ratios` (None where either side missed), `ratio_min`,
+  `ratio_max`, and `spread_crosses_1` (the spread includes 1.0: some seed shows no speedup).
+
+  The fallbacks lean against the pipeline, never for it:
+  - no conventional mode reached the target in every seed: the best is the lowest median
+    among those that reached it in the most seeds; a median over only its lucky seeds
+    understates its time, hence the speedup.
+  - the pipeline missed a seed: `value` is None, since a median over the seeds it reached
+    would overstate it (the per-seed ratios are still given).
+  - no conventional mode ever reached it, the pipeline in every seed: `value` is None and
+    `lower_bound` = (lowest median conventional run time) / (pipeline median time).
+  `note` says which case applies.
+  """
   key = f'{target:g}'
-  pipe = pipeline['to_target'][key]
-  reached = [(c['to_target'][key]['time_s'], c['name']) for c in conventional
-             if c['to_target'][key] is not None]
-  out = dict(target=target, value=None, lower_bound=None, best_conventional=None, note='')
-  if pipe is None:
-    out['note'] = f'pipeline never reached {target:g}: no speedup can be given'
-  elif reached:
-    best_time, best_name = min(reached)
-    out.update(value=best_time / pipe['time_s'], best_conventional=best_name)
-    out['note'] = f'{best_name} took {best_time:.0f} s, pipeline {pipe["time_s"]:.0f} s'
-  elif conventional:
-    shortest = min(conventional, key=lambda c: c['time_s'])
-    out.update(lower_bound=shortest['time_s'] / pipe['time_s'])
-    out['note'] = (f'no conventional mode reached {target:g} within its budget: the speedup is '
-                   f'at least {out["lower_bound"]:.2f} (shortest conventional run / pipeline '
-                   'time to target)')
+  pipe_times = to_target_over_seeds(pipeline, target)['time_s']
+  pipe_stats = seed_stats(pipe_times)
+  num_seeds = len(pipe_times)
+  out = dict(target=target, seeds=num_seeds, value=None, lower_bound=None,
+             best_conventional=None, pipeline_time_s=pipe_stats, best_conventional_time_s=None,
+             per_seed_ratios=[], ratio_min=None, ratio_max=None, spread_crosses_1=None, note='')
+  if not conventional:
+    out['note'] = 'no conventional mode to compare with'
+    return out
+  if pipe_stats['n'] == 0:
+    out['note'] = f'pipeline never reached {key}: no speedup can be given'
+    return out
+  conv_times = {name: to_target_over_seeds(runs, target)['time_s']
+                for name, runs in conventional.items()}
+  conv_stats = {name: seed_stats(times) for name, times in conv_times.items()}
+  most_seeds = max(s['n'] for s in conv_stats.values())
+  pipe_missed = (f'pipeline reached {key} in {pipe_stats["n"]} of {num_seeds} seeds: no '
+                 'value, a median over those would flatter it')
+  if most_seeds == 0:
+    if pipe_stats['n'] < num_seeds:
+      out['note'] = pipe_missed + '; no conventional mode reached it at all'
+      return out
+    shortest = min(float(np.median([c['time_s'] for c in runs]))
+                   for runs in conventional.values())
+    out['lower_bound'] = shortest / pipe_stats['median']
+    out['note'] = (f'no conventional mode reached {key} within its budget: the speedup is at '
+                   f'least {out["lower_bound"]:.2f} (shortest median conventional run / '
+                   'pipeline median time to target)')
+    return out
+
+  best = min((s['median'], name) for name, s in conv_stats.items() if s['n'] == most_seeds)[1]
+  ratios = [None if c is None or p is None else c / p
+            for c, p in zip(conv_times[best], pipe_times)]
+  ratio_stats = seed_stats(ratios)
+  out.update(best_conventional=best, best_conventional_time_s=conv_stats[best],
+             per_seed_ratios=ratios, ratio_min=ratio_stats['min'], ratio_max=ratio_stats['max'],
+             spread_crosses_1=(None if ratio_stats['n'] == 0
+                               else ratio_stats['min'] <= 1.0 <= ratio_stats['max']))
+  notes = []
+  if most_seeds < num_seeds:
+    notes.append(f'no conventional mode reached {key} in every seed: {best} has the lowest '
+                 f'median of those that reached it in the most ({most_seeds} of {num_seeds}), '
+                 'over those seeds only, which understates the speedup')
+  if pipe_stats['n'] < num_seeds:
+    notes.append(pipe_missed)
+  else:
+    out['value'] = conv_stats[best]['median'] / pipe_stats['median']
+    notes.append(f'{best} took {conv_stats[best]["median"]:.0f} s, pipeline '
+                 f'{pipe_stats["median"]:.0f} s' + (' (medians)' if num_seeds > 1 else ''))
+  out['note'] = '; '.join(notes)
   return out
 
 
@@ -205,27 +289,64 @@ def speedup(pipeline: dict[str, Any], conventional: Sequence[dict[str, Any]], ta
 # Plots.
 
 
+def median_band(xs: Sequence[Sequence[float]], ys: Sequence[Sequence[float]],
+                num_points: int = 200) -> tuple[np.ndarray, ...]:
+  """Several seeds' curves y(x) as (grid, median, low, high) on a common grid: the x range that
+  every seed covers (no seed is extrapolated), each curve linearly interpolated onto it. A lone
+  curve comes back on its own x; empty arrays when the seeds share no range. x increasing."""
+  curves = [(np.asarray(x, np.float64), np.asarray(y, np.float64))
+            for x, y in zip(xs, ys) if len(x)]
+  if not curves:
+    return tuple(np.zeros(0) for _ in range(4))
+  if len(curves) == 1:
+    x, y = curves[0]
+    return x, y, y, y
+  start, stop = max(x[0] for x, _ in curves), min(x[-1] for x, _ in curves)
+  if stop < start:
+    return tuple(np.zeros(0) for _ in range(4))
+  grid = np.linspace(start, stop, num_points)
+  y_SxN = np.stack([np.interp(grid, x, y) for x, y in curves])
+  return grid, np.median(y_SxN, axis=0), y_SxN.min(axis=0), y_SxN.max(axis=0)
+
+
+def _plot_band(ax, xs, ys, label: str, color=None):
+  """One setting's curve on `ax`: the median over seeds and, for several, a min-max band."""
+  grid, median, low, high = median_band(xs, ys)
+  line, = ax.plot(grid, median, color=color, label=label)
+  if len(xs) > 1:
+    ax.fill_between(grid, low, high, color=line.get_color(), alpha=0.2, lw=0)
+  return line.get_color()
+
+
 def plot_comparison(results: Sequence[dict[str, Any]], target: float | None = None,
                     title: str = '', path: str | None = None):
   """Paper Fig. 1/4 style: smoothed reward vs wall-clock time and vs samples, one curve per
-  run; then ESS and mean lag vs samples. `results` are `run_once` results. Returns the figure."""
+  run; then ESS and mean lag vs samples. `results` are `run_once` results. Runs that share a
+  name are seeds of one setting: drawn as their median with a shaded min-max band
+  (`median_band`). Returns the figure."""
   import matplotlib.pyplot as plt
   fig, axes = plt.subplots(1, 4, figsize=(19, 4.2))
+  runs_by_name: dict[str, list[dict[str, Any]]] = {}
   for res in results:
-    records = res['records']
-    if not records:
-      continue
-    t = [r['time_s'] for r in records]
-    s = [r['samples'] for r in records]
-    smooth = smoothed_rewards(records)
-    line, = axes[0].plot(t, smooth, label=res['name'])
-    axes[1].plot(s, smooth, color=line.get_color(), label=res['name'])
-    axes[2].plot(s, metrics_lib.smooth([r['ess'] for r in records], PERIODIC_WINDOW),
-                 color=line.get_color(), label=res['name'])
-    axes[3].plot(s, metrics_lib.smooth([r['lag_mean'] for r in records], PERIODIC_WINDOW),
-                 color=line.get_color(), label=f"{res['name']} (max {res['max_lag_seen']})")
-  axes[0].set(title=f'reward (mean of {SMOOTH_WINDOW} steps) vs time', xlabel='seconds of RL',
-              ylabel='reward')
+    if res['records']:
+      runs_by_name.setdefault(res['name'], []).append(res)
+  for name, runs in runs_by_name.items():
+    records = [r['records'] for r in runs]
+    t = [[x['time_s'] for x in rec] for rec in records]
+    s = [[x['samples'] for x in rec] for rec in records]
+    reward = [smoothed_rewards(rec) for rec in records]
+    ess = [metrics_lib.smooth([x['ess'] for x in rec], PERIODIC_WINDOW) for rec in records]
+    lag = [metrics_lib.smooth([x['lag_mean'] for x in rec], PERIODIC_WINDOW) for rec in records]
+    label = name if len(runs) == 1 else f'{name} ({len(runs)} seeds)'
+    color = _plot_band(axes[0], t, reward, label)
+    _plot_band(axes[1], s, reward, label, color)
+    _plot_band(axes[2], s, ess, label, color)
+    max_lag = max(r['max_lag_seen'] for r in runs)
+    _plot_band(axes[3], s, lag, f'{label} (max {max_lag})', color)
+  seeds_note = ('; median, min-max over seeds'
+                if any(len(runs) > 1 for runs in runs_by_name.values()) else '')
+  axes[0].set(title=f'reward (mean of {SMOOTH_WINDOW} steps) vs time{seeds_note}',
+              xlabel='seconds of RL', ylabel='reward')
   axes[1].set(title='reward vs samples', xlabel='samples trained on')
   axes[2].set(title=f'ESS (eq. 6), mean of {PERIODIC_WINDOW} steps', xlabel='samples trained on',
               ylim=(None, 1.005))

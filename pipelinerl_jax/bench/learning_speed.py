@@ -1,21 +1,29 @@
 """Learning speed: PipelineRL vs conventional RL with k optimizer steps per generated batch
-(the paper's Fig. 1/4 comparison), on the same task, warm-started model, seed and budgets.
+(the paper's Fig. 1/4 comparison), on the same task, warm-started model, seeds and budgets.
 
-  python -m pipelinerl_jax.bench.learning_speed [--budget_s 300] [--target 0.8]
-      [--modes pipeline,conv1,conv2,conv4,conv8] [--out PATH.json] [--seed 0] [--smoke]
+  python -m pipelinerl_jax.bench.learning_speed [--preset tiny] [--seeds 0,1,2]
+      [--budget_s 300] [--target 0.8] [--modes pipeline,conv1,conv2,conv4,conv8]
+      [--out PATH.json] [--smoke]
 
-Each mode is one RL run of the `tiny` preset from the same warm-started model, stopped by the
-same wall-clock cap (--budget_s, compilation included) or sample budget (--budget_samples),
-whichever comes first. Every optimizer step trains on B samples in every mode; conventional
-`conv<k>` generates k*B samples with one policy (on H = k*B slots, the whole batch at once),
-then takes k steps on them, so its lag runs 0..k-1. Reported per mode: time and samples to the
-target reward (10-step trailing mean), ESS and token lag (min / mean / max), and the
-learning curves, as a table, a JSON file and a PNG (reward vs time and vs samples).
+Each mode is one RL run per seed of a configs/math.py preset (--preset, default `tiny`) from the
+same warm-started model, stopped by the same wall-clock cap (--budget_s, compilation included)
+or sample budget (--budget_samples), whichever comes first. The seed varies the RL run
+(problems, sampling), not the warm start. Seeds are the outer loop (seed 0 of every mode, then
+seed 1, ...), so a drift in the machine's load hits every mode alike. Every optimizer step
+trains on B samples in every mode; conventional `conv<k>` generates k*B samples with one policy
+(on H = k*B slots, the whole batch at once), then takes k steps on them, so its lag runs
+0..k-1. Reported per mode and seed: time and samples to the target reward (10-step trailing
+mean), ESS and token lag (min / mean / max), and the learning curves; per mode, the median and
+min-max of time and samples to target over the seeds that reached it. As tables, a JSON file
+and a PNG (reward vs time and vs samples: the median over seeds with a min-max band).
 
-`speedup_vs_best_conventional` = (fastest conventional time to target) / (pipeline time to
-target). It is null when it cannot be measured: `speedup.note` says why, and when only the
-pipeline reached the target, `speedup.lower_bound` is the ratio the budget still proves.
-Nothing here asserts timing.
+`speedup_vs_best_conventional` = (median time to target of the best conventional mode) /
+(pipeline median time to target), the best being the lowest median among the conventional
+modes that reached the target in every seed. Its spread is the per-seed ratio (same seed,
+conventional / pipeline time): `speedup.ratio_min` / `ratio_max` and `spread_crosses_1`. It is
+null when it cannot be measured: `speedup.note` says why, and when only the pipeline reached
+the target, `speedup.lower_bound` is the ratio the budget still proves (the fallbacks are in
+`ablations.speedup_over_seeds`). Nothing here asserts timing.
 """
 
 from __future__ import annotations
@@ -49,14 +57,22 @@ def curve(records: list[dict]) -> dict[str, list[float]]:
               lag_mean=[round(records[i]['lag_mean'], 3) for i in keep])
 
 
-COLUMNS = (('mode', 'name', 's'), ('H', 'num_slots', 'd'), ('steps', 'steps', 'd'),
-           ('samples', 'samples', ',d'), ('run_s', 'time_s', '.0f'),
+# One row per run (mode and seed).
+COLUMNS = (('mode', 'name', 's'), ('seed', 'seed', 'd'), ('H', 'num_slots', 'd'),
+           ('steps', 'steps', 'd'), ('samples', 'samples', ',d'), ('run_s', 'time_s', '.0f'),
            ('t->target', 't_target', '.0f'), ('samples->target', 's_target', ',d'),
            ('reward_final', 'reward_final', '.3f'), ('ess_mean', 'ess_mean', '.3f'),
            ('ess_min', 'ess_min', '.3f'), ('lag_min', 'lag_min', '.0f'),
            ('lag_mean', 'lag_mean', '.2f'), ('lag_max', 'lag_max', '.0f'),
            ('samples/s', 'samples_per_s', '.0f'), ('train_step_s', 'train_step_s', '.2f'),
            ('overlap_s', 'overlap_s', '.0f'), ('load', 'load', '.1f'))
+# One row per mode, over its seeds: median [min-max] to target, medians of the rest.
+SEED_COLUMNS = (('mode', 'name', 's'), ('reached', 'reached', 's'),
+                ('t->target', 't_target', 's'), ('samples->target', 's_target', 's'),
+                ('steps', 'steps', '.0f'), ('reward_final', 'reward_final', '.3f'),
+                ('ess_mean', 'ess_mean', '.3f'), ('lag_mean', 'lag_mean', '.2f'),
+                ('samples/s', 'samples_per_s', '.0f'), ('train_step_s', 'train_step_s', '.2f'),
+                ('load', 'load', '.1f'))
 
 
 def table_row(s: dict, target: float) -> dict:
@@ -66,8 +82,54 @@ def table_row(s: dict, target: float) -> dict:
               load=(s['load_before'] + s['load_after']) / 2)
 
 
+def spread_cell(stats: dict, fmt: str) -> str:
+  """'median [min-max]' of `ablations.seed_stats` (the median alone for one seed); '-' if no
+  seed has a value."""
+  if stats['n'] == 0:
+    return '-'
+  if stats['seeds'] == 1:
+    return format(stats['median'], fmt)
+  return (f"{format(stats['median'], fmt)} "
+          f"[{format(stats['min'], fmt)}-{format(stats['max'], fmt)}]")
+
+
+def mode_over_seeds(name: str, seeds: list[int], summaries: list[dict], target: float) -> dict:
+  """A mode's JSON entry: per seed its time and samples to target and its summary, and their
+  median, min, max and count over the seeds that reached the target."""
+  over = ablations.to_target_over_seeds(summaries, target)
+  return dict(name=name, seeds=seeds, target=target,
+              time_to_target=over['time_s'], samples_to_target=over['samples'],
+              time_to_target_stats=over['time_s_stats'],
+              samples_to_target_stats=over['samples_stats'],
+              per_seed=summaries)
+
+
+def seed_table_row(mode: dict) -> dict:
+  rows = [table_row(s, mode['target']) for s in mode['per_seed']]
+
+  def median(key):
+    return ablations.seed_stats([r[key] for r in rows])['median']
+  time_stats = mode['time_to_target_stats']
+  return dict(name=mode['name'], reached=f"{time_stats['n']}/{time_stats['seeds']}",
+              t_target=spread_cell(time_stats, '.0f'),
+              s_target=spread_cell(mode['samples_to_target_stats'], ',.0f'),
+              **{key: median(key) for key in ('steps', 'reward_final', 'ess_mean', 'lag_mean',
+                                              'samples_per_s', 'train_step_s', 'load')})
+
+
+def parse_seeds(seeds: str) -> list[int]:
+  out = [int(k) for k in seeds.split(',') if k.strip()]
+  if not out or len(set(out)) != len(out):
+    raise ValueError(f'--seeds {seeds!r}: expected distinct integers like 0,1,2')
+  return out
+
+
 def main(argv=None):
   parser = argparse.ArgumentParser(description=__doc__.split('\n\n')[0])
+  parser.add_argument('--preset', default='tiny', help='configs/math.py preset to run')
+  parser.add_argument('--seeds', default='', help='comma-separated RL seeds, e.g. 0,1,2')
+  parser.add_argument('--seed', type=int, default=None,
+                      help='one seed, the same as --seeds K (default: seed 0)')
   parser.add_argument('--budget_s', type=float, default=300.0, help='wall-clock cap per run')
   parser.add_argument('--budget_samples', type=int, default=0,
                       help='sample cap per run (0 = none: the time cap ends the run)')
@@ -76,22 +138,26 @@ def main(argv=None):
                       help="comma-separated: 'pipeline' and/or 'conv<k>' (k steps per batch)")
   parser.add_argument('--conventional_slots', default='batch', choices=('batch', 'same'),
                       help="conventional H: 'batch' = k*B (whole batch at once), 'same' = preset")
-  parser.add_argument('--seed', type=int, default=0)
   parser.add_argument('--out', default='/tmp/pipelinerl_jax_bench/learning_speed.json')
   parser.add_argument('--png', default='', help="figure path ('' = the JSON path with .png)")
   parser.add_argument('--workdir', default='', help="run dirs ('' = a temporary dir)")
   parser.add_argument('--cache_dir', default='', help="demo model cache ('' = the default)")
   parser.add_argument('--smoke', action='store_true',
-                      help='untrained model, 3 steps of 16 samples per mode (tests)')
+                      help='untrained model, 3 steps of 16 samples per mode and seed (tests)')
   args = parser.parse_args(argv)
   import matplotlib
   matplotlib.use('Agg')  # a file, never a window
   modes = [m for m in args.modes.split(',') if m]
   if 'pipeline' not in modes:
     parser.error("--modes must include 'pipeline' (the speedup is relative to it)")
+  if args.seeds and args.seed is not None:
+    parser.error('give --seeds or --seed, not both')
+  try:
+    seeds = parse_seeds(args.seeds) if args.seeds else [args.seed or 0]
+  except ValueError as e:
+    parser.error(str(e))
 
-  base = ablations.preset('tiny')
-  base.seed = args.seed
+  base = ablations.preset(args.preset)
   base.log.tensorboard = False
   if args.cache_dir:
     base.model.cache_dir = args.cache_dir
@@ -101,55 +167,80 @@ def main(argv=None):
     base.rl.max_time_s = args.budget_s
     base.rl.total_steps = (max(1, args.budget_samples // base.rl.batch_size)
                            if args.budget_samples else 10**7)
-  configs = {m: ablations.mode_config(base, m, args.conventional_slots) for m in modes}
-  model_dir = ablations.model_dir_for(base)
+  model_dir = ablations.model_dir_for(base)   # the warm start does not depend on the seed
   workdir = args.workdir or tempfile.mkdtemp(prefix='learning_speed_')
   print(f'device: {jax.devices()[0].device_kind} ({jax.default_backend()}), '
         f'{os.cpu_count()} CPUs, jax {jax.__version__}; model {model_dir}; runs in {workdir}')
-  print(f'B={base.rl.batch_size} (G={base.rl.group_size} samples per prompt), pipeline '
-        f'H={base.generation.num_slots} max_lag={base.rl.max_lag}; per run: '
-        f'{base.rl.max_time_s:.0f} s or {base.rl.total_steps} steps; target {args.target}',
-        flush=True)
+  print(f'{args.preset} preset: B={base.rl.batch_size} (G={base.rl.group_size} samples per '
+        f'prompt), pipeline H={base.generation.num_slots} max_lag={base.rl.max_lag}; per run: '
+        f'{base.rl.max_time_s:.0f} s or {base.rl.total_steps} steps; target {args.target}; '
+        f'seeds {seeds}', flush=True)
 
-  results = []
-  for m in modes:
-    print(f'--- {m}', flush=True)
-    results.append(ablations.run_once(configs[m], os.path.join(workdir, m), model_dir, name=m))
-  summaries = [ablations.summarize(r, sorted({*THRESHOLDS, args.target})) for r in results]
-  pipe = next(s for s in summaries if s['name'] == 'pipeline')
-  conv = [s for s in summaries if s['name'] != 'pipeline']
-  speedup = ablations.speedup(pipe, conv, args.target)
-  by_threshold = {f'{t:g}': ablations.speedup(pipe, conv, t)['value'] for t in THRESHOLDS}
+  targets = sorted({*THRESHOLDS, args.target})
+  results = {m: [] for m in modes}
+  summaries = {m: [] for m in modes}
+  for seed in seeds:   # outer: load drift during the benchmark hits every mode alike
+    for m in modes:
+      print(f'--- {m} seed {seed}', flush=True)
+      config = ablations.mode_config(ablations.override(base, seed=seed), m,
+                                     args.conventional_slots)
+      result = ablations.run_once(config, os.path.join(workdir, m, f'seed{seed}'), model_dir,
+                                  name=m)
+      results[m].append(result)
+      summaries[m].append(dict(seed=seed, **ablations.summarize(result, targets)))
+  conv = {m: summaries[m] for m in modes if m != 'pipeline'}
+  speedup = ablations.speedup_over_seeds(summaries['pipeline'], conv, args.target)
+  by_threshold = {f'{t:g}': ablations.speedup_over_seeds(summaries['pipeline'], conv, t)['value']
+                  for t in THRESHOLDS}
+  mode_reports = [mode_over_seeds(m, seeds, summaries[m], args.target) for m in modes]
 
   print()
-  print(ablations.table([table_row(s, args.target) for s in summaries], COLUMNS))
+  print(ablations.table([table_row(s, args.target) for seed_index in range(len(seeds))
+                         for s in (summaries[m][seed_index] for m in modes)], COLUMNS))
+  print(f'\nover seeds {seeds} (median [min-max] over the seeds that reached {args.target:g}; '
+        'other columns: medians):')
+  print(ablations.table([seed_table_row(r) for r in mode_reports], SEED_COLUMNS))
   value = speedup['value']
-  print(f"\nspeedup_vs_best_conventional (target {args.target:g}): "
-        f"{'null' if value is None else f'{value:.2f}'}  ({speedup['note']})")
+  spread = ('' if speedup['ratio_min'] is None else
+            f", per-seed ratio {speedup['ratio_min']:.2f}-{speedup['ratio_max']:.2f}, "
+            f"crosses 1.0: {'yes' if speedup['spread_crosses_1'] else 'no'}")
+  print(f"\nspeedup_vs_best_conventional (target {args.target:g}, {len(seeds)} seed"
+        f"{'s' if len(seeds) > 1 else ''}): {'null' if value is None else f'{value:.2f}'}"
+        f"{spread}  ({speedup['note']})")
   print('at other targets: ' + ', '.join(
       f"{k}: {'-' if v is None else f'{v:.2f}'}" for k, v in by_threshold.items()))
 
   out = pathlib.Path(args.out)
   png = pathlib.Path(args.png or out.with_suffix('.png'))
+  seeds_text = (f'seed {seeds[0]}' if len(seeds) == 1 else
+                f"seeds {','.join(map(str, seeds))} (median, min-max band)")
   ablations.plot_comparison(
-      results, target=args.target, path=str(png),
+      [r for m in modes for r in results[m]], target=args.target, path=str(png),
       title=f'PipelineRL vs conventional (conv<k> = k optimizer steps per generated batch); '
-            f'tiny preset, B={base.rl.batch_size}, seed {args.seed}, '
+            f'{args.preset} preset, B={base.rl.batch_size}, {seeds_text}, '
             f'{os.cpu_count()} CPUs, {jax.default_backend()}')
   report = dict(
       device=str(jax.devices()[0]), backend=jax.default_backend(), cpus=os.cpu_count(),
-      host=platform.node(), jax=jax.__version__, args=vars(args), model_dir=model_dir,
-      batch_size=base.rl.batch_size, group_size=base.rl.group_size, target=args.target,
+      host=platform.node(), jax=jax.__version__, args=vars(args), preset=args.preset,
+      seeds=seeds, model_dir=model_dir, batch_size=base.rl.batch_size,
+      group_size=base.rl.group_size, target=args.target,
       speedup_vs_best_conventional=value, speedup=speedup,
-      speedup_at_thresholds=by_threshold, modes=summaries,
-      curves={r['name']: curve(r['records']) for r in results}, png=str(png),
+      speedup_at_thresholds=by_threshold, modes=mode_reports,
+      curves={m: {f'seed{seed}': curve(r['records']) for seed, r in zip(seeds, results[m])}
+              for m in modes},
+      png=str(png),
       definitions=dict(
           time_to_target='seconds of RL (trainer clock; first compilation included) until the '
                          '10-step trailing mean of the batch reward first reaches the target; '
-                         'null if never within the budget',
-          speedup_vs_best_conventional='fastest conventional time to target / pipeline time '
-                                       'to target; null if either side never reached it (see '
-                                       'speedup.note and speedup.lower_bound)',
+                         'null if never within the budget. Per mode: one per seed, and their '
+                         'median, min, max and count (n) over the seeds that reached it',
+          speedup_vs_best_conventional='median time to target of the best conventional mode '
+                                       '(lowest median among those reaching the target in '
+                                       'every seed) / pipeline median time to target; null '
+                                       'if it cannot be measured (see speedup.note and '
+                                       'speedup.lower_bound)',
+          per_seed_ratios='conventional / pipeline time to target of the same seed (the best '
+                          'conventional mode); spread_crosses_1: their min <= 1 <= max',
           conv_k='conventional RL: k*B samples generated by one policy, then k optimizer steps '
                  'of B samples each, then a weight sync'))
   out.parent.mkdir(parents=True, exist_ok=True)
