@@ -65,6 +65,7 @@ COLUMNS = (('mode', 'name', 's'), ('seed', 'seed', 'd'), ('H', 'num_slots', 'd')
            ('ess_min', 'ess_min', '.3f'), ('lag_min', 'lag_min', '.0f'),
            ('lag_mean', 'lag_mean', '.2f'), ('lag_max', 'lag_max', '.0f'),
            ('samples/s', 'samples_per_s', '.0f'), ('train_step_s', 'train_step_s', '.2f'),
+           ('gen_busy', 'gen_busy', '.2f'), ('train_busy', 'train_busy', '.2f'),
            ('overlap_s', 'overlap_s', '.0f'), ('load', 'load', '.1f'))
 # One row per mode, over its seeds: median [min-max] to target, medians of the rest.
 SEED_COLUMNS = (('mode', 'name', 's'), ('reached', 'reached', 's'),
@@ -72,6 +73,7 @@ SEED_COLUMNS = (('mode', 'name', 's'), ('reached', 'reached', 's'),
                 ('steps', 'steps', '.0f'), ('reward_final', 'reward_final', '.3f'),
                 ('ess_mean', 'ess_mean', '.3f'), ('lag_mean', 'lag_mean', '.2f'),
                 ('samples/s', 'samples_per_s', '.0f'), ('train_step_s', 'train_step_s', '.2f'),
+                ('gen_busy', 'gen_busy', '.2f'), ('train_busy', 'train_busy', '.2f'),
                 ('load', 'load', '.1f'))
 
 
@@ -79,7 +81,10 @@ def table_row(s: dict, target: float) -> dict:
   reached = s['to_target'][f'{target:g}']
   return dict(s, t_target=reached and reached['time_s'], s_target=reached and reached['samples'],
               ess_mean=s['ess']['mean'], ess_min=s['ess']['min'],
-              load=(s['load_before'] + s['load_after']) / 2)
+              load=(s['load_before'] + s['load_after']) / 2,
+              # each loop's busy share of the run: the idle share is what placement could gain
+              gen_busy=s['gen_busy_s'] / s['time_s'] if s['time_s'] else None,
+              train_busy=s['train_busy_s'] / s['time_s'] if s['time_s'] else None)
 
 
 def spread_cell(stats: dict, fmt: str) -> str:
@@ -114,7 +119,8 @@ def seed_table_row(mode: dict) -> dict:
               t_target=spread_cell(time_stats, '.0f'),
               s_target=spread_cell(mode['samples_to_target_stats'], ',.0f'),
               **{key: median(key) for key in ('steps', 'reward_final', 'ess_mean', 'lag_mean',
-                                              'samples_per_s', 'train_step_s', 'load')})
+                                              'samples_per_s', 'train_step_s', 'gen_busy',
+                                              'train_busy', 'load')})
 
 
 def parse_seeds(seeds: str) -> list[int]:
