@@ -3,7 +3,8 @@
 
   python -m pipelinerl_jax.bench.learning_speed [--preset tiny] [--seeds 0,1,2]
       [--budget_s 300] [--target 0.8] [--modes pipeline,conv1,conv2,conv4,conv8]
-      [--out PATH.json] [--smoke]
+      [--out PATH.json] [--smoke] [--gen_core_scaling 1.0] [--train_core_scaling 1.6]
+  python -m pipelinerl_jax.bench.learning_speed --report PATH.json   # model section only
 
 Each mode is one RL run per seed of a configs/math.py preset (--preset, default `tiny`) from the
 same warm-started model, stopped by the same wall-clock cap (--budget_s, compilation included)
@@ -24,6 +25,14 @@ conventional / pipeline time): `speedup.ratio_min` / `ratio_max` and `spread_cro
 null when it cannot be measured: `speedup.note` says why, and when only the pipeline reached
 the target, `speedup.lower_bound` is the ratio the budget still proves (the fallbacks are in
 `ablations.speedup_over_seeds`). Nothing here asserts timing.
+
+Model vs measurement: the JSON's `model` section calibrates the throughput simulator
+(sim/throughput.py) on the best conventional mode's own rates and puts its predicted
+pipeline/conventional throughput ratio, on shared and on disjoint cores, beside the measured
+throughput ratio and time-to-target speedup (medians over seeds; see bench/throughput_model.py).
+The core scalings it needs are flags, measured earlier, not by this run. `--report PATH.json`
+adds that section to an existing JSON without running anything (summaries without `tokens`
+read them from the runs' metrics.jsonl under the JSON's workdir).
 """
 
 from __future__ import annotations
@@ -38,6 +47,7 @@ import tempfile
 import jax
 
 from pipelinerl_jax.bench import ablations
+from pipelinerl_jax.bench import throughput_model
 
 DEFAULT_MODES = 'pipeline,conv1,conv2,conv4,conv8'
 THRESHOLDS = (0.5, 0.6, 0.7, 0.8, 0.9)
@@ -123,6 +133,21 @@ def seed_table_row(mode: dict) -> dict:
                                               'train_busy', 'load')})
 
 
+MODEL_COLUMNS = (('seed', 'seed', 'd'), ('r_gen', 'r_gen', '.0f'), ('r_train', 'r_train', '.0f'),
+                 ('r_conv', 'r_conv', '.0f'), ('pred_shared', 'speedup_shared', '.2f'),
+                 ('pred_disjoint', 'speedup_disjoint', '.2f'),
+                 ('pred_bound', 'speedup_bound', '.2f'),
+                 ('measured', 'throughput_ratio_measured', '.2f'))
+
+
+def model_text(section: dict) -> str:
+  """The model section as a per-seed table (tokens/s; predicted and measured throughput ratios
+  pipeline / conventional) and its one-line summary of medians."""
+  return (f"model vs measurement ({section['note']}):\n"
+          + ablations.table(section['per_seed'], MODEL_COLUMNS) + '\n'
+          + throughput_model.model_line(section))
+
+
 def parse_seeds(seeds: str) -> list[int]:
   out = [int(k) for k in seeds.split(',') if k.strip()]
   if not out or len(set(out)) != len(out):
@@ -150,7 +175,23 @@ def main(argv=None):
   parser.add_argument('--cache_dir', default='', help="demo model cache ('' = the default)")
   parser.add_argument('--smoke', action='store_true',
                       help='untrained model, 3 steps of 16 samples per mode and seed (tests)')
+  parser.add_argument('--gen_core_scaling', type=float,
+                      default=throughput_model.GEN_CORE_SCALING,
+                      help='for the model: generation tokens/s on 2 cores / on 1 (measured '
+                           'earlier on the 2-core machine, not by this run)')
+  parser.add_argument('--train_core_scaling', type=float,
+                      default=throughput_model.TRAIN_CORE_SCALING,
+                      help='for the model: train tokens/s on 2 cores / on 1 (1.5-1.8 measured '
+                           'earlier on the 2-core machine, not by this run)')
+  parser.add_argument('--report', default='',
+                      help='only add the model section to this existing learning-speed JSON')
   args = parser.parse_args(argv)
+  if args.report:
+    section = throughput_model.add_model_to_report(args.report, args.gen_core_scaling,
+                                                   args.train_core_scaling)
+    print(model_text(section))
+    print(f'wrote the model section into {args.report}')
+    return
   import matplotlib
   matplotlib.use('Agg')  # a file, never a window
   modes = [m for m in args.modes.split(',') if m]
@@ -215,6 +256,13 @@ def main(argv=None):
         f"{spread}  ({speedup['note']})")
   print('at other targets: ' + ', '.join(
       f"{k}: {'-' if v is None else f'{v:.2f}'}" for k, v in by_threshold.items()))
+  try:
+    model = throughput_model.model_section(summaries, speedup, args.gen_core_scaling,
+                                           args.train_core_scaling)
+    print('\n' + model_text(model))
+  except ValueError as e:   # rates it cannot measure must not cost the run its JSON
+    model = dict(note=f'no model: {e}')
+    print(f"\n{model['note']}")
 
   out = pathlib.Path(args.out)
   png = pathlib.Path(args.png or out.with_suffix('.png'))
@@ -231,7 +279,7 @@ def main(argv=None):
       seeds=seeds, model_dir=model_dir, batch_size=base.rl.batch_size,
       group_size=base.rl.group_size, target=args.target,
       speedup_vs_best_conventional=value, speedup=speedup,
-      speedup_at_thresholds=by_threshold, modes=mode_reports,
+      speedup_at_thresholds=by_threshold, model=model, modes=mode_reports,
       curves={m: {f'seed{seed}': curve(r['records']) for seed, r in zip(seeds, results[m])}
               for m in modes},
       png=str(png),
