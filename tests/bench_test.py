@@ -1,5 +1,6 @@
 """Benchmarks: --quick / --smoke runs end to end (train step, generation, log-prob agreement,
-learning speed), and the FLOP count the train-step bench reports."""
+learning speed), the FLOP count the train-step bench reports, and the throughput model
+calibrated on a learning-speed run (bench/throughput_model.py, learning_speed --report)."""
 
 import functools
 import json
@@ -14,8 +15,10 @@ import numpy as np
 import pytest
 
 from pipelinerl_jax.bench import ablations
+from pipelinerl_jax.bench import throughput_model
 from pipelinerl_jax.bench import train_step as bench
 from pipelinerl_jax.models import transformer
+from pipelinerl_jax.sim import throughput as tp
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
@@ -161,6 +164,10 @@ def test_learning_speed_smoke_writes_json_and_png(tmp_path):
   assert sorted(p.name for p in (tmp_path / 'runs' / 'conv2').iterdir()) == ['seed0', 'seed1']
   assert pathlib.Path(report['png']).stat().st_size > 10_000
   assert 'speedup_vs_best_conventional' in proc.stdout and 'over seeds [0, 1]' in proc.stdout
+  # The model is calibrated on conv2 (the only conventional mode) from the summaries' tokens.
+  assert report['model']['conventional_mode'] == 'conv2'
+  assert [s['seed'] for s in report['model']['per_seed']] == [0, 1]
+  assert 'model vs measurement' in proc.stdout
 
 
 def _seeds(name, times_to_target, run_s=300.0):
@@ -251,6 +258,92 @@ def test_median_band_over_the_range_every_seed_covers():
   alone = ablations.median_band([[0, 1, 3]], [[5, 6, 7]])
   assert [list(a) for a in alone] == [[0, 1, 3], [5, 6, 7], [5, 6, 7], [5, 6, 7]]
   assert all(a.size == 0 for a in ablations.median_band([[0, 1], [2, 3]], [[0, 1], [0, 1]]))
+
+
+def _run(name, seed, tokens, gen_busy_s, train_busy_s, time_s):
+  """A hand-made `summarize` dict with what the throughput model reads."""
+  return dict(name=name, seed=seed, tokens=tokens, gen_busy_s=gen_busy_s,
+              train_busy_s=train_busy_s, time_s=time_s)
+
+
+def test_throughput_model_rates_and_shared_core_prediction():
+  # 1200 tokens: generated in 2 s (600 tok/s), trained in 3 s (400 tok/s), alternating.
+  conv = _run('conv1', 0, 1200, 2.0, 3.0, 6.0)
+  out = throughput_model.predict(conv, gen_core_scaling=1.0, train_core_scaling=1.6)
+  assert out['r_gen'] == pytest.approx(600) and out['r_train'] == pytest.approx(400)
+  assert out['r_conv'] == pytest.approx(1 / (1 / 600 + 1 / 400))   # 240: the times add
+  # Time sharing the same cores cannot beat alternating phases.
+  assert out['speedup_shared'] == 1.0 and out['r_shared'] == pytest.approx(out['r_conv'])
+  with pytest.raises(ValueError, match='tokens'):
+    throughput_model.predict(dict(conv, tokens=None))
+  with pytest.raises(ValueError, match='gen_busy_s'):
+    throughput_model.predict(dict(conv, gen_busy_s=0.0))
+
+
+@pytest.mark.parametrize('train_core_scaling, best', [(1.6, 'disjoint'), (2.0, 'shared')])
+def test_throughput_model_disjoint_cores_is_the_simulators_ratio(train_core_scaling, best):
+  conv = _run('conv1', 0, 1200, 2.0, 3.0, 6.0)
+  out = throughput_model.predict(conv, gen_core_scaling=1.0,
+                                 train_core_scaling=train_core_scaling)
+  # One core each: generation at 600 (no gain from a 2nd core), training at 400 / scaling.
+  train_one_core = 400 / train_core_scaling
+  assert out['r_train_one_core'] == pytest.approx(train_one_core)
+  assert out['r_disjoint'] == pytest.approx(min(600, train_one_core))
+  # The same numbers through sim.throughput directly (U flat, so h and B do not matter).
+  pipe = tp.pipeline(N=2, I=1, H=8, points=[(2, 600)], tau=1 / train_one_core, B=4,
+                     lengths=[10, 20])
+  conv_sim = tp.conventional(N=1, B=4, G=2, points=[(2, 600)], tau=1 / 400)
+  assert out['speedup_disjoint'] == pytest.approx(pipe.r_pipe / conv_sim.r_conv)
+  # 250 / 240 beats time sharing; 200 / 240 does not: the bound is the better placement.
+  assert out['speedup_bound'] == pytest.approx(max(1.0, pipe.r_pipe / conv_sim.r_conv))
+  assert out['best_placement'] == best
+  assert (out['speedup_bound'] > 1.0) == (best == 'disjoint')
+
+
+def test_throughput_model_measured_ratio_and_medians_over_seeds():
+  pipeline = [_run('pipeline', 1, 1500, 4.0, 4.0, 5.0), _run('pipeline', 0, 900, 2.0, 2.0, 3.0),
+              _run('pipeline', 2, 100, 1.0, 1.0, 1.0)]   # seed 2: no conventional run
+  conventional = [_run('conv2', 0, 1200, 2.0, 3.0, 6.0), _run('conv2', 1, 1200, 1.0, 3.0, 4.0)]
+  out = throughput_model.compare_over_seeds(pipeline, conventional)
+  assert [s['seed'] for s in out['per_seed']] == [1, 0]   # paired by seed, not by position
+  seed1, seed0 = out['per_seed']
+  assert seed0['throughput_ratio_measured'] == pytest.approx((900 / 3) / (1200 / 6))
+  assert seed1['throughput_ratio_measured'] == pytest.approx((1500 / 5) / (1200 / 4))
+  assert seed1['r_gen'] == pytest.approx(1200)
+  assert out['median']['throughput_ratio_measured'] == pytest.approx((1.5 + 1.0) / 2)
+  assert out['median']['r_gen'] == pytest.approx((600 + 1200) / 2)
+
+
+def test_learning_speed_report_adds_the_model_section(tmp_path):
+  """--report on a hand-written learning-speed JSON: one summary lacks `tokens` (a JSON from
+  before summaries counted them), so it is read from that run's metrics.jsonl."""
+  from pipelinerl_jax.bench import learning_speed
+  workdir = tmp_path / 'runs'
+  run_dir = workdir / 'conv1' / 'seed0'
+  run_dir.mkdir(parents=True)
+  (run_dir / 'metrics.jsonl').write_text(
+      '\n'.join(json.dumps(dict(step=k, time_s=2.0 * k, tokens=400)) for k in (1, 2, 3))
+      + '\n' + json.dumps(dict(event='skipped_update', update=4)) + '\n')
+  conv1 = {k: v for k, v in _run('conv1', 0, None, 2.0, 3.0, 6.0).items() if k != 'tokens'}
+  report = dict(
+      args=dict(workdir=str(workdir)), target=0.8,
+      speedup=dict(value=1.4, best_conventional='conv1', note=''),
+      modes=[dict(name='pipeline', per_seed=[_run('pipeline', 0, 1500, 4.0, 4.0, 5.0)]),
+             dict(name='conv1', per_seed=[conv1]),
+             dict(name='conv4', per_seed=[_run('conv4', 0, 5000, 1.0, 1.0, 5.0)])])
+  path = tmp_path / 'learning_speed.json'
+  path.write_text(json.dumps(report))
+  learning_speed.main(['--report', str(path), '--train_core_scaling=2.0'])
+
+  written = json.loads(path.read_text())
+  assert written['modes'] == report['modes']   # the rest is left as it was
+  model = written['model']
+  assert model['conventional_mode'] == 'conv1'   # the speedup's best, not the fastest
+  assert model['train_core_scaling'] == 2.0 and model['time_to_target_speedup_measured'] == 1.4
+  (seed0,) = model['per_seed']
+  assert seed0['r_gen'] == pytest.approx(600) and seed0['r_train'] == pytest.approx(400)
+  assert seed0['speedup_disjoint'] == pytest.approx(200 / 240)
+  assert model['median']['throughput_ratio_measured'] == pytest.approx(300 / 200)
 
 
 def test_attention_bench_quick_compares_memory_of_both_implementations(tmp_path):
