@@ -2,8 +2,7 @@
 
   tiny             the CPU demo (the default): arithmetic on a tiny locally built model
   reasoning        the paper's regime on CPU: long worked solutions (~20-150 tokens) that span
-                   several weight updates each; 15 minutes of RL on 2 cores (it reaches the
-                   regime but is not yet shown to learn: see the README)
+                   several weight updates each; 15 minutes of RL on 2 cores (README: its run)
   qwen1p5b_8xh100  Qwen2.5-Math-1.5B on one 8xH100 host, vLLM generation
   paper_7b         the paper's Qwen2.5-7B run (B=1024, G=8, lr 1e-6, 8192 new tokens)
 
@@ -47,7 +46,7 @@ def get_config(arg=None):
   elif preset == 'reasoning':
     # Long-hand addition with every carry written out (tasks/reasoning.py): RL on operands of
     # 1-6 digits, the warm start on 1-8 (it has seen every line shape RL asks for). A 3-layer
-    # model SFT-warmed locally on 2000 worked solutions. H = 128 slots of ~70-token samples
+    # model SFT-warmed locally on 2000 worked solutions. H = 128 slots of ~100-token samples
     # against B = 32 per step: a sample is decoded across several optimizer steps.
     c.task.name = 'reasoning'
     c.task.ops = ('+',)
