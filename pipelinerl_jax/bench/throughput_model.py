@@ -12,7 +12,10 @@ Predicted throughputs (`predict`):
   shared cores    the pipeline's loops time-share the same cores, as this benchmark runs them.
                   Time sharing is at best work-conserving: each token still costs 1/r_gen +
                   1/r_train seconds of the whole machine, so the pipeline cannot beat r_conv:
-                  predicted throughput ratio 1.0 (less when sharing costs something).
+                  predicted throughput ratio 1.0 (less when sharing costs something). That
+                  assumes each phase keeps every core busy; a phase that does not (decode with
+                  gen_core_scaling 1.0 leaves a core idle) lets shared cores overlap as well,
+                  up to the disjoint prediction.
   disjoint cores  one core generates while the other trains: sim `pipeline` with N = 2, I = 1,
                   on one-core rates r_gen / gen_core_scaling and r_train / train_core_scaling
                   (a scaling = the rate on all cores / the rate on one core).
