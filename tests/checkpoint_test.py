@@ -2,6 +2,7 @@
 
 import _thread
 import json
+import signal
 import threading
 import types
 import zlib
@@ -104,12 +105,19 @@ def test_interrupt_saves_then_pipeline_resume_continues(model_dir, tmp_path, var
       # (samples_trained, a plain int: the state's step may be a donated buffer mid-step)
       while live['trainer'].samples_trained < 2 * 16 and not live['stop'].is_set():
         live['stop'].wait(0.05)
-      _thread.interrupt_main()
+      if not live['stop'].is_set():
+        _thread.interrupt_main()
     threading.Thread(target=interrupt_after_two_steps, daemon=True).start()
 
-  first = run_lib.run(c, str(tmp_path), model_dir=model_dir, on_ready=on_ready)
+  # interrupt_main does nothing unless Python's own SIGINT handler is in place: make sure it is,
+  # whatever ran before in this process (once, in the full suite, this run was not interrupted).
+  previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+  try:
+    first = run_lib.run(c, str(tmp_path), model_dir=model_dir, on_ready=on_ready)
+  finally:
+    signal.signal(signal.SIGINT, previous)
   steps = first['steps']
-  assert first['interrupted'] and steps >= 2
+  assert first['interrupted'] and steps >= 2, (first['interrupted'], steps, previous)
   root = tmp_path / 'checkpoints'
   assert [int(p.name) for p in root.iterdir()] == [steps]
   model_config = hf_io.load_config(model_dir)
