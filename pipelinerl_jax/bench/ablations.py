@@ -20,6 +20,7 @@ import ml_collections
 import numpy as np
 
 from pipelinerl_jax import config as config_lib
+from pipelinerl_jax.bench import throughput_model
 from pipelinerl_jax.demo import warmstart
 from pipelinerl_jax.generation import api
 from pipelinerl_jax.generation import jax_engine
@@ -150,7 +151,7 @@ def summarize(result: dict[str, Any], targets: Iterable[float]) -> dict[str, Any
       name=result['name'], mode=result['mode'], conventional_steps=result['conventional_steps'],
       num_slots=result['num_slots'], max_lag=result['max_lag'], is_cap=result['is_cap'],
       steps=result['steps'], samples=result['samples'], time_s=last.get('time_s', 0.0),
-      tokens=int(sum(r.get('tokens', 0) for r in records)),  # trained: completion tokens
+      tokens=throughput_model.trained_tokens(records),
       first_step_s=records[0]['time_s'] if records else None,
       reward_first=records[0]['reward_mean'] if records else None,
       reward_final=smooth[-1] if smooth else None,

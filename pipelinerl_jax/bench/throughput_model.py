@@ -194,9 +194,9 @@ def model_line(section: dict[str, Any]) -> str:
 # An existing learning-speed JSON.
 
 
-def run_tokens(metrics_path: str) -> int:
-  """Trained tokens of one run: the sum of its metrics.jsonl step records' `tokens`."""
-  return int(sum(r.get('tokens', 0) for r in metrics_lib.read_metrics(metrics_path)))
+def trained_tokens(records: Sequence[dict[str, Any]]) -> int:
+  """Trained (completion) tokens of one run: the sum of its step records' `tokens`."""
+  return int(sum(r.get('tokens', 0) for r in records))
 
 
 def summaries_of_report(report: dict[str, Any]) -> dict[str, list[dict[str, Any]]]:
@@ -216,7 +216,7 @@ def summaries_of_report(report: dict[str, Any]) -> dict[str, list[dict[str, Any]
         if not os.path.exists(path):
           raise ValueError(f"{mode['name']} seed {s['seed']}: the summary has no tokens and "
                            f'{path} is gone')
-        s['tokens'] = run_tokens(path)
+        s['tokens'] = trained_tokens(metrics_lib.read_metrics(path))
   return out
 
 
