@@ -91,18 +91,39 @@ def alive(tracked: dict[int, int]) -> dict[int, int]:
   return out
 
 
-def pin_threads(cores: Sequence[int]) -> None:
-  """Pins every thread of this process to `cores` (threads started later inherit it) and sizes
-  the thread pools that read their size from the environment: for an actor's process, before
-  JAX (XLA) or torch size their pools from the cores they may use."""
-  cores = tuple(sorted(int(c) for c in cores))
+def _set_affinity(cores: Sequence[int]) -> None:
+  """Every thread of this process on `cores`; threads started later inherit it."""
   for tid in os.listdir('/proc/self/task'):
     try:
       os.sched_setaffinity(int(tid), cores)
     except ProcessLookupError:  # the thread ended meanwhile
       pass
+
+
+def pin_threads(cores: Sequence[int]) -> None:
+  """Pins every thread of this process to `cores` (threads started later inherit it) and sizes
+  the thread pools that read their size from the environment: for an actor's process, before
+  JAX (XLA) or torch size their pools from the cores they may use."""
+  cores = tuple(sorted(int(c) for c in cores))
+  _set_affinity(cores)
   n = str(len(cores))
   os.environ.update(OMP_NUM_THREADS=n, MKL_NUM_THREADS=n, OPENBLAS_NUM_THREADS=n)
+
+
+@contextlib.contextmanager
+def pinned(cores: Sequence[int] | None):
+  """Every thread of this process on `cores` inside the block, on the cores it had before
+  after it (None: left alone). For a process whose pools already run (the driver's JAX): they
+  keep their size and share these cores."""
+  if cores is None:
+    yield
+    return
+  before = os.sched_getaffinity(0)
+  _set_affinity(tuple(sorted(int(c) for c in cores)))
+  try:
+    yield
+  finally:
+    _set_affinity(before)
 
 
 # --- the watchdog ------------------------------------------------------------------------------

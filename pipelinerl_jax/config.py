@@ -503,6 +503,10 @@ class TrainConfig(_Section):
   # pipeline/multiprocess.py): 1 = this process alone; 0 = as many as the scheduler started.
   num_processes: int = 1
   distributed: DistributedConfig = DistributedConfig()
+  # CPU hosts, generators as Ray actors (each pinned to cores of its own): 'free' pins this
+  # process's trainer to the cores of its host that they left, so that generation and training
+  # never share a core; 'all' lets the trainer use every core (XLA spreads each op over them).
+  cores: Literal['all', 'free'] = 'all'
 
   def _check_values(self):
     _check(self.micro_batches >= 1, 'micro_batches', f'must be >= 1, got {self.micro_batches}')
@@ -596,6 +600,9 @@ class Config(_Section):
     g, rl, t = self.generation, self.rl, self.task
     _check(g.placement == 'ray' or self.cluster == ClusterConfig(), 'cluster',
            "is where Ray actors run: it applies to generation.placement='ray' only")
+    _check(self.train.cores == 'all' or g.placement == 'ray', 'train.cores',
+           "'free' means the cores that generators as Ray actors left: set "
+           "generation.placement='ray'")
     _check(not self.cluster.address or not g.remote.devices, 'generation.remote.devices',
            f'picks GPUs for a local Ray start; cluster.address={self.cluster.address!r} joins a '
            'cluster whose GPUs `ray start` gave it (CUDA_VISIBLE_DEVICES=... ray start ...)')

@@ -14,6 +14,7 @@ import jax
 import numpy as np
 import pytest
 
+from pipelinerl_jax import config as config_lib
 from pipelinerl_jax.bench import ablations
 from pipelinerl_jax.bench import throughput_model
 from pipelinerl_jax.bench import train_step as bench
@@ -330,7 +331,9 @@ def test_learning_speed_report_adds_the_model_section(tmp_path):
       speedup=dict(value=1.4, best_conventional='conv1', note=''),
       modes=[dict(name='pipeline', per_seed=[_run('pipeline', 0, 1500, 4.0, 4.0, 5.0)]),
              dict(name='conv1', per_seed=[conv1]),
-             dict(name='conv4', per_seed=[_run('conv4', 0, 5000, 1.0, 1.0, 5.0)])])
+             dict(name='conv4', per_seed=[_run('conv4', 0, 5000, 1.0, 1.0, 5.0)]),
+             dict(name='pipeline-disjoint',
+                  per_seed=[_run('pipeline-disjoint', 0, 2400, 4.0, 4.0, 6.0)])])
   path = tmp_path / 'learning_speed.json'
   path.write_text(json.dumps(report))
   learning_speed.main(['--report', str(path), '--train_core_scaling=2.0'])
@@ -344,6 +347,25 @@ def test_learning_speed_report_adds_the_model_section(tmp_path):
   assert seed0['r_gen'] == pytest.approx(600) and seed0['r_train'] == pytest.approx(400)
   assert seed0['speedup_disjoint'] == pytest.approx(200 / 240)
   assert model['median']['throughput_ratio_measured'] == pytest.approx(300 / 200)
+  # The disjoint placement, measured, beside its prediction (never taken as conventional).
+  assert model['disjoint_measured']['median'] == pytest.approx(400 / 200)
+  assert model['disjoint_measured']['per_seed'] == [
+      dict(seed=0, throughput_ratio_measured=pytest.approx(2.0))]
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason='needs 2 cores')
+def test_disjoint_mode_puts_the_generator_and_the_trainer_on_cores_of_their_own():
+  base = ablations.preset('tiny')
+  c = config_lib.validate(ablations.mode_config(base, 'pipeline-disjoint'))
+  cores = len(os.sched_getaffinity(0))
+  assert c.rl.mode == 'pipeline' and c.generation.placement == 'ray'
+  assert c.train.cores == 'free' and c.cluster.num_cpus == cores
+  assert c.generation.num_generators == 1
+  assert c.generation.remote.cpus_per_generator == cores // 2
+  assert c.generation.num_slots == base.generation.num_slots   # the same H as 'pipeline'
+  assert not ablations.is_conventional('pipeline-disjoint') and ablations.is_conventional('conv4')
+  with pytest.raises(ValueError, match="expected 'pipeline', 'pipeline-disjoint' or 'conv<k>'"):
+    ablations.mode_config(base, 'pipeline-shared')
 
 
 def test_attention_bench_quick_compares_memory_of_both_implementations(tmp_path):

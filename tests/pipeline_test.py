@@ -239,6 +239,8 @@ def test_stream_credits_order_and_stop():
     ('generation.remote.gpus_per_generator', 2, 'without tensor parallelism'),
     ('cluster.address', 'localhost', "must be '' (start Ray locally), 'auto' or 'HOST:PORT'"),
     ('cluster.num_cpus', 2, "applies to generation.placement='ray' only"),
+    ('train.cores', 'free', "the cores that generators as Ray actors left"),
+    ('train.cores', 'some', "must be one of 'all', 'free'"),
     ('generation.vllm.kv_cache_mb', 0, 'must be >= 1'),
     ('generation.vllm.gpu_memory_utilization', 1.5, 'must be in [0, 1] (0 = use kv_cache_mb)'),
     ('generation.vllm.cuda_graphs', 1, 'must be true/false'),

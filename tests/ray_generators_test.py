@@ -18,6 +18,7 @@ from pipelinerl_jax.generation.actors import generator
 from pipelinerl_jax.generation.actors import pool as pool_lib
 from pipelinerl_jax.models import hf_io
 from pipelinerl_jax.models import transformer
+from pipelinerl_jax.pipeline import run as run_lib
 
 
 @pytest.fixture(scope='module')
@@ -79,6 +80,8 @@ def test_actors_pin_their_cores_route_groups_and_load_updates(session, model):
   try:
     members = pool.members()
     assert [m['cores'] for m in members] == [[0], [1]]   # disjoint, one core each
+    with pytest.raises(ValueError, match="train.cores='free': the generators hold every core"):
+      pool.take_free_cores()   # none left for a trainer of its own
     p1 = sharp_params(config, 1)
     pool.update_params(p1, 1)
     pool.wait_version(1)
@@ -115,6 +118,45 @@ def test_actors_pin_their_cores_route_groups_and_load_updates(session, model):
       pool.wait_version(4, timeout=30)
   finally:
     pool.close()
+
+
+def _thread_cores() -> set[str]:
+  """Cpus_allowed_list of every thread of this process."""
+  out = set()
+  for tid in os.listdir('/proc/self/task'):
+    try:
+      status = open(f'/proc/self/task/{tid}/status').read()
+    except FileNotFoundError:  # the thread ended meanwhile
+      continue
+    out.add(next(l.split(':')[1].strip() for l in status.splitlines()
+                 if l.startswith('Cpus_allowed_list')))
+  return out
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason='needs 2 cores: one each')
+def test_free_trainer_cores_put_the_trainer_beside_its_generator_then_give_them_back(
+    session, model_dir, tmp_path):
+  c = config_lib.load_preset('tiny')
+  c.generation.placement = 'ray'
+  c.generation.num_slots = 16
+  c.train.cores = 'free'
+  c.train.mesh = '1,1,1'
+  c.cluster.num_cpus = 2
+  c.rl.batch_size, c.rl.total_steps, c.rl.max_time_s = 16, 3, 0.0
+  c.log.tensorboard = c.log.progress = False
+  before = os.sched_getaffinity(0)
+  seen = {}
+
+  def on_ready(live):  # while the loops run
+    seen.update(generator=live['engine'].members()[0]['cores'], driver=_thread_cores())
+
+  summary = run_lib.run(c, str(tmp_path), model_dir=model_dir, on_ready=on_ready)
+  assert summary['steps'] == 3
+  assert seen['generator'] == [min(before)]
+  rest = sorted(before - {min(before)})
+  # Every thread of the driver (XLA's pool, the actor and trainer loops) on the other cores.
+  assert seen['driver'] == {f'{rest[0]}-{rest[-1]}' if len(rest) > 1 else str(rest[0])}
+  assert os.sched_getaffinity(0) == before   # given back after the run
 
 
 def test_killed_actor_is_restarted_with_the_latest_weights_and_nothing_is_lost(session, model):

@@ -85,6 +85,15 @@ def test_cores_are_disjoint_per_node_then_shared_evenly():
     cores.take('a', [], 1)
 
 
+def test_free_cores_are_those_nobody_holds_and_stay_held():
+  cores = placement.CoreAllocator()
+  cores.take('a', [0, 1, 2, 3], 1)
+  assert cores.take_free('a', [0, 1, 2, 3]) == (1, 2, 3)   # the trainer's, beside a generator
+  assert cores.take_free('a', [0, 1, 2, 3]) == ()          # all held now
+  cores.release('a', (0,))                                  # a generator restarts ...
+  assert cores.take('a', [0, 1, 2, 3], 1) == (0,)           # ... onto its own core again
+
+
 def test_free_gpus_follow_the_device_rules():
   gpus = [str(i) for i in range(8)]
   assert placement.free_gpus(gpus, 5) == ['5', '6', '7']

@@ -71,18 +71,37 @@ def smoke(config: ml_collections.ConfigDict, cache_dir: str = '') -> ml_collecti
   return c
 
 
+def is_conventional(mode: str) -> bool:
+  """'conv<k>' modes (the others are PipelineRL in one placement or another)."""
+  return mode.startswith('conv')
+
+
 def mode_config(config: ml_collections.ConfigDict, mode: str, conventional_slots: str = 'batch'
                 ) -> ml_collections.ConfigDict:
-  """'pipeline' or 'conv<k>' (conventional RL, k optimizer steps per generated batch).
+  """'pipeline', 'pipeline-disjoint' or 'conv<k>' (conventional RL, k optimizer steps per
+  generated batch).
 
+  'pipeline' runs its generator in the trainer's process, both using every core (shared);
+  'pipeline-disjoint' runs it as a Ray actor pinned to half of this process's cores and pins
+  the trainer to the other half (train.cores='free'), so that the two never share a core.
+  Conventional modes use every core for each phase in turn (what suits alternating phases).
   conventional_slots='batch' gives the conventional engine H = k*B slots: it generates its
   whole batch of k*B samples at once, which is why conventional RL raises k at all (a larger
   generation batch keeps the accelerators busy); 'same' keeps the pipeline's H.
   """
   if mode == 'pipeline':
     return override(config, rl__mode='pipeline')
-  if not mode.startswith('conv') or not mode[4:].isdigit() or int(mode[4:]) < 1:
-    raise ValueError(f"mode {mode!r}: expected 'pipeline' or 'conv<k>' like 'conv4'")
+  if mode == throughput_model.DISJOINT_MODE:
+    cores = len(os.sched_getaffinity(0))
+    if cores < 2:
+      raise ValueError(f'mode {mode!r} needs 2 or more cores, this process has {cores}')
+    return override(config, rl__mode='pipeline', generation__placement='ray',
+                    generation__num_generators=1,
+                    generation__remote__cpus_per_generator=cores // 2, train__cores='free',
+                    cluster__num_cpus=cores)
+  if not is_conventional(mode) or not mode[4:].isdigit() or int(mode[4:]) < 1:
+    raise ValueError(f"mode {mode!r}: expected 'pipeline', 'pipeline-disjoint' or 'conv<k>' "
+                     "like 'conv4'")
   k = int(mode[4:])
   c = override(config, rl__mode='conventional', rl__conventional_steps=k)
   if conventional_slots == 'batch':

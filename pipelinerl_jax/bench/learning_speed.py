@@ -6,8 +6,11 @@
       [--out PATH.json] [--smoke] [--gen_core_scaling 1.0] [--train_core_scaling 1.6]
   python -m pipelinerl_jax.bench.learning_speed --report PATH.json   # model section only
 
-Each mode is one RL run per seed of a configs/math.py preset (--preset, default `tiny`) from the
-same warm-started model, stopped by the same wall-clock cap (--budget_s, compilation included)
+Modes: `pipeline` (generator and trainer in one process, sharing every core),
+`pipeline-disjoint` (the generator a Ray actor pinned to half the cores, the trainer pinned to
+the rest: train.cores='free') and `conv<k>` (every core for each phase in turn). Each mode is
+one RL run per seed of a configs/math.py preset (--preset, default `tiny`) from the same
+warm-started model, stopped by the same wall-clock cap (--budget_s, compilation included)
 or sample budget (--budget_samples), whichever comes first. The seed varies the RL run
 (problems, sampling), not the warm start. Seeds are the outer loop (seed 0 of every mode, then
 seed 1, ...), so a drift in the machine's load hits every mode alike. Every optimizer step
@@ -24,7 +27,8 @@ modes that reached the target in every seed. Its spread is the per-seed ratio (s
 conventional / pipeline time): `speedup.ratio_min` / `ratio_max` and `spread_crosses_1`. It is
 null when it cannot be measured: `speedup.note` says why, and when only the pipeline reached
 the target, `speedup.lower_bound` is the ratio the budget still proves (the fallbacks are in
-`ablations.speedup_over_seeds`). Nothing here asserts timing.
+`ablations.speedup_over_seeds`). `speedup_of_other_placements` is the same for
+pipeline-disjoint. Nothing here asserts timing.
 
 Model vs measurement: the JSON's `model` section calibrates the throughput simulator
 (sim/throughput.py) on the best conventional mode's own rates and puts its predicted
@@ -235,8 +239,11 @@ def main(argv=None):
                                   name=m)
       results[m].append(result)
       summaries[m].append(dict(seed=seed, **ablations.summarize(result, targets)))
-  conv = {m: summaries[m] for m in modes if m != 'pipeline'}
+  conv = {m: summaries[m] for m in modes if ablations.is_conventional(m)}
   speedup = ablations.speedup_over_seeds(summaries['pipeline'], conv, args.target)
+  # Other placements of PipelineRL (pipeline-disjoint) against the same conventional modes.
+  placements = {m: ablations.speedup_over_seeds(summaries[m], conv, args.target)
+                for m in modes if m != 'pipeline' and not ablations.is_conventional(m)}
   by_threshold = {f'{t:g}': ablations.speedup_over_seeds(summaries['pipeline'], conv, t)['value']
                   for t in THRESHOLDS}
   mode_reports = [mode_over_seeds(m, seeds, summaries[m], args.target) for m in modes]
@@ -254,6 +261,9 @@ def main(argv=None):
   print(f"\nspeedup_vs_best_conventional (target {args.target:g}, {len(seeds)} seed"
         f"{'s' if len(seeds) > 1 else ''}): {'null' if value is None else f'{value:.2f}'}"
         f"{spread}  ({speedup['note']})")
+  for m, other in placements.items():
+    value_text = 'null' if other['value'] is None else f"{other['value']:.2f}"
+    print(f"{m}: speedup vs best conventional {value_text}  ({other['note']})")
   print('at other targets: ' + ', '.join(
       f"{k}: {'-' if v is None else f'{v:.2f}'}" for k, v in by_threshold.items()))
   try:
@@ -279,7 +289,8 @@ def main(argv=None):
       seeds=seeds, model_dir=model_dir, batch_size=base.rl.batch_size,
       group_size=base.rl.group_size, target=args.target,
       speedup_vs_best_conventional=value, speedup=speedup,
-      speedup_at_thresholds=by_threshold, model=model, modes=mode_reports,
+      speedup_at_thresholds=by_threshold, speedup_of_other_placements=placements,
+      model=model, modes=mode_reports,
       curves={m: {f'seed{seed}': curve(r['records']) for seed, r in zip(seeds, results[m])}
               for m in modes},
       png=str(png),

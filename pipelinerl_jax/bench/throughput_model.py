@@ -44,6 +44,9 @@ from pipelinerl_jax.sim import throughput as tp
 # engine's decode does not speed up from 1 to 2 cores; the train step is 1.5-1.8x faster.
 GEN_CORE_SCALING = 1.0
 TRAIN_CORE_SCALING = 1.6
+# The learning-speed mode (ablations.mode_config) whose generator and trainer run on disjoint
+# cores: its measured throughput goes beside the disjoint prediction.
+DISJOINT_MODE = 'pipeline-disjoint'
 # Time sharing one set of cores is at best work-conserving: no gain over alternating phases.
 SHARED_CORES_SPEEDUP = 1.0
 # The predictions only use throughputs; the lag bound `tp.pipeline` also returns is not reported,
@@ -141,7 +144,7 @@ def model_section(summaries: dict[str, Sequence[dict[str, Any]]], speedup: dict[
   `summarize` dicts; `speedup` is `ablations.speedup_over_seeds`'s result, whose best
   conventional mode calibrates the model (when none reached the target: the conventional mode
   with the highest median measured throughput, which the `note` says)."""
-  conventional = {m: s for m, s in summaries.items() if m != 'pipeline'}
+  conventional = {m: s for m, s in summaries.items() if m.startswith('conv')}
   if 'pipeline' not in summaries or not conventional:
     raise ValueError('the model needs the pipeline and at least one conventional mode')
   best = speedup.get('best_conventional')
@@ -154,6 +157,13 @@ def model_section(summaries: dict[str, Sequence[dict[str, Any]]], speedup: dict[
             '(no best mode by time to target)')
   over = compare_over_seeds(summaries['pipeline'], conventional[best], gen_core_scaling,
                             train_core_scaling)
+  if DISJOINT_MODE in summaries:  # the placement the disjoint prediction is about, measured
+    disjoint = compare_over_seeds(summaries[DISJOINT_MODE], conventional[best],
+                                  gen_core_scaling, train_core_scaling)
+    over['disjoint_measured'] = dict(
+        per_seed=[dict(seed=s['seed'], throughput_ratio_measured=s['throughput_ratio_measured'])
+                  for s in disjoint['per_seed']],
+        median=disjoint['median']['throughput_ratio_measured'])
   return dict(conventional_mode=best, note=note, gen_core_scaling=gen_core_scaling,
               train_core_scaling=train_core_scaling, **over,
               time_to_target_speedup_measured=speedup.get('value'),
@@ -168,7 +178,8 @@ def model_section(summaries: dict[str, Sequence[dict[str, Any]]], speedup: dict[
                               'r_train/train_core_scaling; speedup_* = r_* / r_conv; '
                               'speedup_bound = the larger of the two placements',
                   measured='throughput_ratio_measured = (pipeline tokens / time_s) / '
-                           '(conventional tokens / time_s) of the same seed; '
+                           '(conventional tokens / time_s) of the same seed (pipeline: shared '
+                           f'cores; disjoint_measured: the same for {DISJOINT_MODE}); '
                            'time_to_target_speedup_measured = the JSON\'s speedup.value',
                   core_scalings='rate on all cores / rate on one core, measured earlier on '
                                 'this machine, not in this run'))
@@ -185,8 +196,10 @@ def model_line(section: dict[str, Any]) -> str:
           f"{m['speedup_shared']:.2f} shared cores, {m['speedup_disjoint']:.2f} disjoint "
           f"(2-core/1-core rate: gen {section['gen_core_scaling']:g}, train "
           f"{section['train_core_scaling']:g}), bound {m['speedup_bound']:.2f}; measured "
-          f"throughput ratio "
-          f"{m['throughput_ratio_measured']:.2f}, time-to-target speedup "
+          f"throughput ratio {m['throughput_ratio_measured']:.2f} shared"
+          + (f", {section['disjoint_measured']['median']:.2f} disjoint"
+             if 'disjoint_measured' in section else '')
+          + ", time-to-target speedup "
           f"{'null' if ttt is None else f'{ttt:.2f}'}")
 
 

@@ -56,6 +56,7 @@ class Parts:
   checkpoints: checkpoint_lib.Checkpointer
   resumed: dict[str, Any] | None       # the restored checkpoint's meta; None for a fresh start
   evaluate: Callable[[Any, int], dict] | None  # (params, step) -> eval metrics
+  trainer_cores: tuple[int, ...] | None = None  # train.cores='free': this process's cores
 
 
 def check_backend_installed(config: config_lib.Config) -> None:
@@ -168,6 +169,7 @@ def _build(config: config_lib.Config, workdir: str, model_dir: str,
       params=params, version=version, cores=trainers and trainers.cores)
   del params
   started.callback(_quietly, engine.close)
+  trainer_cores = engine.take_free_cores() if config.train.cores == 'free' else None
   check_interrupt()
   publish = publisher(config, mesh, engine, transport_dtype(config, model_config, model_dir),
                       trainers)
@@ -178,7 +180,8 @@ def _build(config: config_lib.Config, workdir: str, model_dir: str,
   return Parts(config=config, model_dir=model_dir, model_config=model_config, mesh=mesh,
                tokenizer=tokenizer, task=task, engine=engine, state=state,
                train_step=train_step, put_batch=batch_placer(config.train, mesh),
-               publish=publish, checkpoints=checkpoints, resumed=resumed, evaluate=evaluate)
+               publish=publish, checkpoints=checkpoints, resumed=resumed, evaluate=evaluate,
+               trainer_cores=trainer_cores)
 
 
 def make_actor(parts: Parts, stream: stream_lib.SampleStream,

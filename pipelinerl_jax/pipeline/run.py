@@ -26,6 +26,7 @@ from typing import Any, Callable
 import ml_collections
 
 from pipelinerl_jax import checkpoint as checkpoint_lib
+from pipelinerl_jax import cluster as cluster_lib
 from pipelinerl_jax import config as config_lib
 from pipelinerl_jax import distributed
 from pipelinerl_jax import train
@@ -181,8 +182,9 @@ def _run(config: config_lib.Config, workdir: str, model_dir: str,
     loops['trainer processes'] = lambda: trainers.watch(stop)
   outcome = None
   try:
-    outcome = supervise(loops, stop, on_ready=on_ready and (lambda: on_ready(live)),
-                        interrupt=interrupt)
+    with cluster_lib.pinned(parts.trainer_cores):  # train.cores='free'; restored after
+      outcome = supervise(loops, stop, on_ready=on_ready and (lambda: on_ready(live)),
+                          interrupt=interrupt)
   finally:
     closing = close_all([('closing the engine', parts.engine.close),
                          ('closing the task', parts.task.close),

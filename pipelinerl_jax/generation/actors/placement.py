@@ -98,6 +98,14 @@ class CoreAllocator:
     use.update(cores)
     return cores
 
+  def take_free(self, node: Hashable, allowed: Sequence[int]) -> tuple[int, ...]:
+    """Every core of `allowed` that nobody holds on `node`, now held (e.g. the driver's trainer
+    takes what the generators left, so that a restarted generator is not pinned onto it)."""
+    use = self._use.setdefault(node, collections.Counter())
+    cores = tuple(sorted(c for c in allowed if use[c] <= 0))
+    use.update(cores)
+    return cores
+
   def release(self, node: Hashable, cores: Sequence[int]) -> None:
     use = self._use.get(node)
     if use is not None:

@@ -31,6 +31,7 @@ communicator destroyed, and the actor killed, so that Ray restarts it into a new
 from __future__ import annotations
 
 import dataclasses
+import os
 import threading
 import time
 from typing import Any
@@ -250,6 +251,21 @@ class RayGenerators(api.Engine):
   def affinity(self) -> list[dict[int, str]]:
     """Each actor's {thread id: Cpus_allowed_list}, read by the actor from /proc."""
     return ray.get([m.handle.affinity.remote() for m in self._members])
+
+  def take_free_cores(self) -> tuple[int, ...]:
+    """The cores of this process's node that no actor of the run holds, now held by this
+    process (so that a restarted actor is not pinned onto them): where the driver's trainer
+    goes when generation and training must not share a core. Raises a one-line ValueError
+    when the actors hold them all."""
+    allowed = sorted(os.sched_getaffinity(0))
+    node = ray.get_runtime_context().get_node_id()
+    with self._lock:
+      cores = self._cores.take_free(node, allowed)
+    if not cores:
+      raise ValueError(f"config.train.cores='free': the generators hold every core this "
+                       f"process may use ({','.join(map(str, allowed))}); lower "
+                       'generation.num_generators or generation.remote.cpus_per_generator')
+    return cores
 
   # --- internals -------------------------------------------------------------------------------
 
