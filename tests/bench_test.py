@@ -354,7 +354,7 @@ def test_learning_speed_report_adds_the_model_section(tmp_path):
 
 
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason='needs 2 cores')
-def test_disjoint_mode_puts_the_generator_and_the_trainer_on_cores_of_their_own():
+def test_placement_modes_put_generators_and_the_trainer_on_cores_of_their_own():
   base = ablations.preset('tiny')
   c = config_lib.validate(ablations.mode_config(base, 'pipeline-disjoint'))
   cores = len(os.sched_getaffinity(0))
@@ -364,8 +364,16 @@ def test_disjoint_mode_puts_the_generator_and_the_trainer_on_cores_of_their_own(
   assert c.generation.remote.cpus_per_generator == cores // 2
   assert c.generation.num_slots == base.generation.num_slots   # the same H as 'pipeline'
   assert not ablations.is_conventional('pipeline-disjoint') and ablations.is_conventional('conv4')
-  with pytest.raises(ValueError, match="expected 'pipeline', 'pipeline-disjoint' or 'conv<k>'"):
-    ablations.mode_config(base, 'pipeline-shared')
+  # Conventional RL's own best placement for decoding that does not use a second core: one
+  # generator actor per core, the whole batch k*B spread over them.
+  per_core = config_lib.validate(ablations.mode_config(base, 'conv4-percore'))
+  assert per_core.rl.mode == 'conventional' and per_core.rl.conventional_steps == 4
+  assert per_core.generation.placement == 'ray' and per_core.generation.num_generators == cores
+  assert per_core.generation.num_slots == 4 * base.rl.batch_size and per_core.train.cores == 'all'
+  assert ablations.is_conventional('conv4-percore')
+  for bad in ('pipeline-shared', 'conv0-percore', 'conv-percore', 'conv4-gpu'):
+    with pytest.raises(ValueError, match="expected 'pipeline', 'pipeline-disjoint', 'conv<k>'"):
+      ablations.mode_config(base, bad)
 
 
 def test_attention_bench_quick_compares_memory_of_both_implementations(tmp_path):

@@ -76,34 +76,49 @@ def is_conventional(mode: str) -> bool:
   return mode.startswith('conv')
 
 
+PER_CORE = '-percore'   # conv<k>-percore: one generator actor pinned to each core
+
+
+def _cores_for(mode: str) -> int:
+  cores = len(os.sched_getaffinity(0))
+  if cores < 2:
+    raise ValueError(f'mode {mode!r} needs 2 or more cores, this process has {cores}')
+  return cores
+
+
 def mode_config(config: ml_collections.ConfigDict, mode: str, conventional_slots: str = 'batch'
                 ) -> ml_collections.ConfigDict:
-  """'pipeline', 'pipeline-disjoint' or 'conv<k>' (conventional RL, k optimizer steps per
-  generated batch).
+  """'pipeline', 'pipeline-disjoint', 'conv<k>' or 'conv<k>-percore' (conventional RL, k
+  optimizer steps per generated batch).
 
   'pipeline' runs its generator in the trainer's process, both using every core (shared);
   'pipeline-disjoint' runs it as a Ray actor pinned to half of this process's cores and pins
   the trainer to the other half (train.cores='free'), so that the two never share a core.
-  Conventional modes use every core for each phase in turn (what suits alternating phases).
-  conventional_slots='batch' gives the conventional engine H = k*B slots: it generates its
-  whole batch of k*B samples at once, which is why conventional RL raises k at all (a larger
+  'conv<k>' generates and trains in turn in one process, each phase on every core;
+  'conv<k>-percore' generates with one Ray actor pinned to each core (the JAX engine's decode
+  does not use a second core, N engines use N) and trains on every core in between.
+  conventional_slots='batch' gives the conventional engines H = k*B slots in all: they generate
+  the whole batch of k*B samples at once, which is why conventional RL raises k at all (a larger
   generation batch keeps the accelerators busy); 'same' keeps the pipeline's H.
   """
   if mode == 'pipeline':
     return override(config, rl__mode='pipeline')
   if mode == throughput_model.DISJOINT_MODE:
-    cores = len(os.sched_getaffinity(0))
-    if cores < 2:
-      raise ValueError(f'mode {mode!r} needs 2 or more cores, this process has {cores}')
+    cores = _cores_for(mode)
     return override(config, rl__mode='pipeline', generation__placement='ray',
                     generation__num_generators=1,
                     generation__remote__cpus_per_generator=cores // 2, train__cores='free',
                     cluster__num_cpus=cores)
-  if not is_conventional(mode) or not mode[4:].isdigit() or int(mode[4:]) < 1:
-    raise ValueError(f"mode {mode!r}: expected 'pipeline', 'pipeline-disjoint' or 'conv<k>' "
-                     "like 'conv4'")
-  k = int(mode[4:])
+  k_text = mode[4:].removesuffix(PER_CORE)
+  if not is_conventional(mode) or not k_text.isdigit() or int(k_text) < 1:
+    raise ValueError(f"mode {mode!r}: expected 'pipeline', 'pipeline-disjoint', 'conv<k>' or "
+                     "'conv<k>-percore' like 'conv4'")
+  k = int(k_text)
   c = override(config, rl__mode='conventional', rl__conventional_steps=k)
+  if mode.endswith(PER_CORE):
+    cores = _cores_for(mode)
+    c = override(c, generation__placement='ray', generation__num_generators=cores,
+                 cluster__num_cpus=cores)
   if conventional_slots == 'batch':
     c.generation.num_slots = k * c.rl.batch_size
   elif conventional_slots != 'same':

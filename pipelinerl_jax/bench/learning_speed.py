@@ -8,7 +8,8 @@
 
 Modes: `pipeline` (generator and trainer in one process, sharing every core),
 `pipeline-disjoint` (the generator a Ray actor pinned to half the cores, the trainer pinned to
-the rest: train.cores='free') and `conv<k>` (every core for each phase in turn). Each mode is
+the rest: train.cores='free'), `conv<k>` (every core for each phase in turn) and
+`conv<k>-percore` (one generator actor pinned to each core, training on every core). Each mode is
 one RL run per seed of a configs/math.py preset (--preset, default `tiny`) from the same
 warm-started model, stopped by the same wall-clock cap (--budget_s, compilation included)
 or sample budget (--budget_samples), whichever comes first. The seed varies the RL run
