@@ -110,12 +110,28 @@ def test_actors_pin_their_cores_route_groups_and_load_updates(session, model):
     for c in api.generate(pool, requests('b', groups=1)):
       assert (c.versions == 3).all()
       assert_logprobs_under(p1, config, c)
+    # Submitted right after an update, without waiting for it: decoded by it from the first
+    # token (an actor still loading it holds them), as an engine in this process does.
+    p2 = sharp_params(config, 2)
+    pool.update_params(p2, 4)
+    late = requests('c', groups=2)
+    for r in late:
+      pool.submit(r)
+    with pool._lock:  # no acknowledgement of version 4 has been read yet: nothing may go out
+      for m in pool._members:
+        pool._flush(m)
+      assert sum(len(m.outbox) for m in pool._members) == len(late)
+    done = run_until_done(pool)
+    assert sorted(c.request_id for c in done) == sorted(r.request_id for r in late)
+    for c in done:
+      assert (c.versions == 4).all(), c.versions
+      assert_logprobs_under(p2, config, c)
     # An update for another model is refused whole, in one line naming the actor.
     bad = {**jax.device_get(p1), 'embed': {'embedding': np.zeros((3, 3), np.float32)}}
-    pool.update_params(bad, 4)
+    pool.update_params(bad, 5)
     with pytest.raises(RuntimeError, match=r'^generator actor generator-\d \(node [\d.]+\): '
-                                           r'ValueError: generator-\d: weight update 4 refused'):
-      pool.wait_version(4, timeout=30)
+                                           r'ValueError: generator-\d: weight update 5 refused'):
+      pool.wait_version(5, timeout=30)
   finally:
     pool.close()
 

@@ -363,7 +363,12 @@ class RayGenerators(api.Engine):
       self._members[i].outbox.append(request)
 
   def _flush(self, m: _Member) -> None:
-    if m.outbox and m.recover is None:
+    """(under the lock) Sends what was routed to `m` once it has loaded the latest published
+    version, as an engine in this process applies a pending update before it admits requests:
+    what is submitted after an update is decoded by it from its first token (conventional RL's
+    batch by one policy; otherwise an actor still loading would start it on the old one)."""
+    if m.outbox and m.recover is None and (self._latest is None
+                                           or m.version >= self._latest[1]):
       m.handle.submit.remote(m.outbox, m.info['incarnation'])
       m.outbox = []
 
