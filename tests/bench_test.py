@@ -363,14 +363,15 @@ def test_placement_modes_put_generators_and_the_trainer_on_cores_of_their_own():
   assert c.generation.num_generators == 1
   assert c.generation.remote.cpus_per_generator == cores // 2
   assert c.generation.num_slots == base.generation.num_slots   # the same H as 'pipeline'
-  assert not ablations.is_conventional('pipeline-disjoint') and ablations.is_conventional('conv4')
+  assert not throughput_model.is_conventional('pipeline-disjoint')
+  assert throughput_model.is_conventional('conv4')
   # Conventional RL's own best placement for decoding that does not use a second core: one
   # generator actor per core, the whole batch k*B spread over them.
   per_core = config_lib.validate(ablations.mode_config(base, 'conv4-percore'))
   assert per_core.rl.mode == 'conventional' and per_core.rl.conventional_steps == 4
   assert per_core.generation.placement == 'ray' and per_core.generation.num_generators == cores
   assert per_core.generation.num_slots == 4 * base.rl.batch_size and per_core.train.cores == 'all'
-  assert ablations.is_conventional('conv4-percore')
+  assert throughput_model.is_conventional('conv4-percore')
   for bad in ('pipeline-shared', 'conv0-percore', 'conv-percore', 'conv4-gpu'):
     with pytest.raises(ValueError, match="expected 'pipeline', 'pipeline-disjoint', 'conv<k>'"):
       ablations.mode_config(base, bad)

@@ -71,11 +71,6 @@ def smoke(config: ml_collections.ConfigDict, cache_dir: str = '') -> ml_collecti
   return c
 
 
-def is_conventional(mode: str) -> bool:
-  """'conv<k>' modes (the others are PipelineRL in one placement or another)."""
-  return mode.startswith('conv')
-
-
 PER_CORE = '-percore'   # conv<k>-percore: one generator actor pinned to each core
 
 
@@ -110,7 +105,7 @@ def mode_config(config: ml_collections.ConfigDict, mode: str, conventional_slots
                     generation__remote__cpus_per_generator=cores // 2, train__cores='free',
                     cluster__num_cpus=cores)
   k_text = mode[4:].removesuffix(PER_CORE)
-  if not is_conventional(mode) or not k_text.isdigit() or int(k_text) < 1:
+  if not throughput_model.is_conventional(mode) or not k_text.isdigit() or int(k_text) < 1:
     raise ValueError(f"mode {mode!r}: expected 'pipeline', 'pipeline-disjoint', 'conv<k>' or "
                      "'conv<k>-percore' like 'conv4'")
   k = int(k_text)

@@ -240,11 +240,11 @@ def main(argv=None):
                                   name=m)
       results[m].append(result)
       summaries[m].append(dict(seed=seed, **ablations.summarize(result, targets)))
-  conv = {m: summaries[m] for m in modes if ablations.is_conventional(m)}
+  conv = {m: summaries[m] for m in modes if throughput_model.is_conventional(m)}
   speedup = ablations.speedup_over_seeds(summaries['pipeline'], conv, args.target)
   # Other placements of PipelineRL (pipeline-disjoint) against the same conventional modes.
   placements = {m: ablations.speedup_over_seeds(summaries[m], conv, args.target)
-                for m in modes if m != 'pipeline' and not ablations.is_conventional(m)}
+                for m in modes if m != 'pipeline' and not throughput_model.is_conventional(m)}
   by_threshold = {f'{t:g}': ablations.speedup_over_seeds(summaries['pipeline'], conv, t)['value']
                   for t in THRESHOLDS}
   mode_reports = [mode_over_seeds(m, seeds, summaries[m], args.target) for m in modes]

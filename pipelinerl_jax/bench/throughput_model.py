@@ -58,6 +58,11 @@ MEDIAN_KEYS = ('r_gen', 'r_train', 'r_gen_one_core', 'r_train_one_core', 'r_conv
                'r_pipeline_measured', 'r_conventional_measured', 'throughput_ratio_measured')
 
 
+def is_conventional(mode: str) -> bool:
+  """'conv<k>' learning-speed modes (the others are PipelineRL in one placement or another)."""
+  return mode.startswith('conv')
+
+
 def flat_curve(tokens_per_s: float) -> list[tuple[float, float]]:
   """A U(h) that is tokens_per_s for every h >= 1: the run measured one rate, not a curve."""
   return [(1.0, tokens_per_s)]
@@ -144,7 +149,7 @@ def model_section(summaries: dict[str, Sequence[dict[str, Any]]], speedup: dict[
   `summarize` dicts; `speedup` is `ablations.speedup_over_seeds`'s result, whose best
   conventional mode calibrates the model (when none reached the target: the conventional mode
   with the highest median measured throughput, which the `note` says)."""
-  conventional = {m: s for m, s in summaries.items() if m.startswith('conv')}
+  conventional = {m: s for m, s in summaries.items() if is_conventional(m)}
   if 'pipeline' not in summaries or not conventional:
     raise ValueError('the model needs the pipeline and at least one conventional mode')
   best = speedup.get('best_conventional')
