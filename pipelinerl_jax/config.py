@@ -272,7 +272,9 @@ class RemoteConfig(_Section):
                                   # CUDA_VISIBLE_DEVICES names them) Ray may give generators,
                                   # e.g. '4,5,6,7'; '' = the GPUs the train mesh leaves free
   # 'object_store' (Ray's: one host copy per update, read zero-copy by every actor on a node) |
-  # 'nccl' (CUDA: bucketed broadcast from the trainer's GPU) | 'gloo' (CPU, the nccl protocol).
+  # 'nccl' (CUDA: bucketed broadcast from the trainer's GPU; several trainer processes first
+  # gather a copy onto each one's own GPUs, and process 0 sends its copy) | 'gloo' (CPU, the
+  # nccl protocol).
   weight_transport: Literal['object_store', 'nccl', 'gloo'] = 'object_store'
   transport_timeout_s: float = 120.0  # nccl/gloo: joining the group, one weight update
 
@@ -629,10 +631,6 @@ class Config(_Section):
            'processes itself, as Ray actors, and hands out their addresses and ids: give N >= 2 '
            'and leave train.distributed.coordinator_address and process_id unset (under SLURM, '
            'start a Ray cluster in the allocation: tools/slurm_multihost.sh)')
-    _check(tr.num_processes == 1 or g.placement != 'ray'
-           or g.remote.weight_transport == 'object_store', 'generation.remote.weight_transport',
-           f'{g.remote.weight_transport!r} from {tr.num_processes} trainer processes is not '
-           "written yet; use 'object_store' (each process puts its pieces of the params)")
     _check(self.eval.num_problems >= 1 or t.name == 'math', 'eval.num_problems',
            'must be >= 1 for an endless problem stream (0 = whole test sets is for math)')
 

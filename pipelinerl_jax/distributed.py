@@ -22,7 +22,9 @@ import time
 from typing import Any, Callable, Sequence
 
 import jax
-from jax.sharding import NamedSharding, PartitionSpec as P
+import jax.numpy as jnp
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+import numpy as np
 
 from pipelinerl_jax import config as config_lib
 
@@ -141,6 +143,53 @@ def whole(tree: Any) -> Any:
   replicated = jax.tree.map(lambda x: NamedSharding(x.sharding.mesh, P()), tree)
   gathered = _gather(tree, replicated)
   return jax.tree.map(lambda x: x.addressable_data(0), gathered)
+
+
+def whole_per_process(tree: Any, dtype) -> Any:
+  """Arrays sharded over the processes' devices -> on every process, one whole copy in `dtype`
+  spread over that process's devices of the mesh (each leaf split along its first dimension
+  their count divides, else replicated on them), as arrays this process alone holds. A
+  collective: every process calls it, in the same order. The gather runs in XLA, device to
+  device (NCCL between GPU hosts), and a copy costs each device 1/L of the model, where
+  `whole` costs the whole model. In one process: a copy in `dtype`, sharded as `tree` is."""
+  leaves, treedef = jax.tree.flatten(tree)
+  if not leaves:
+    return tree
+  dtype = np.dtype(dtype)
+  if jax.process_count() == 1:
+    return jax.tree.unflatten(treedef, jax.jit(_cast, static_argnums=1)(leaves, dtype))
+  devices = leaves[0].sharding.mesh.devices.flat
+  by_process: dict[int, list] = {}
+  for d in sorted(devices, key=lambda d: (d.process_index, d.id)):
+    by_process.setdefault(d.process_index, []).append(d)
+  counts = {len(ds) for ds in by_process.values()}
+  if len(counts) != 1:
+    raise ValueError('config.train.mesh: every trainer process must hold as many of its devices '
+                     f'(per process: { {p: len(ds) for p, ds in by_process.items()} })')
+  grid = np.array([by_process[p] for p in sorted(by_process)])
+  mesh = Mesh(grid, ('process', 'local'))
+
+  def spec(x):
+    dims = [None] * x.ndim
+    split = next((i for i, n in enumerate(x.shape) if n % grid.shape[1] == 0), None)
+    if split is not None:
+      dims[split] = 'local'
+    return P(*dims)
+
+  specs = [spec(x) for x in leaves]
+  copied = jax.jit(_cast, static_argnums=1,
+                   out_shardings=[NamedSharding(mesh, s) for s in specs])(leaves, dtype)
+  mine = Mesh(grid[jax.process_index()], ('local',))
+  return jax.tree.unflatten(treedef, [
+      jax.make_array_from_single_device_arrays(
+          x.shape, NamedSharding(mine, s), [shard.data for shard in x.addressable_shards])
+      for x, s in zip(copied, specs)])
+
+
+def _cast(leaves, dtype):  # module level: jit's cache is keyed by the function
+  # A copy even where the dtype and sharding stay: jit would hand back an input passed through,
+  # and the caller's train step donates its params.
+  return [jnp.copy(x).astype(dtype) for x in leaves]
 
 
 def _gather(tree, shardings):

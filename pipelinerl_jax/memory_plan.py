@@ -26,7 +26,8 @@ trainer device (one of the train mesh; tensor-parallel devices hold the same row
   batch               the step's packed batch, every micro-batch (7 arrays of 4 bytes a token)
   published           placement 'ray' over nccl/gloo: the copy of the params the pool keeps to
                       send (and re-send after a restart), in the wire dtype, sharded like the
-                      params; two while a new version replaces the previous one
+                      params (several trainer processes: whole on each process's devices);
+                      two while a new version replaces the previous one
   sending             device 0, nccl/gloo: the sender's packing buffer (the largest bucket, at
                       least the largest tensor), the one tensor gathered to pack, and torch's
                       CUDA context with the NCCL communicators
@@ -220,16 +221,21 @@ def _hf_shapes(m: transformer.ModelConfig) -> list[tuple[int, ...]]:
 
 
 def publishing_memory(m: transformer.ModelConfig, config: config_lib.Config, param_bytes: int,
-                      wire: str) -> dict[str, int]:
+                      wire: str, train_devices: int) -> dict[str, int]:
   """Trainer-device terms of sending updates to generator actors over nccl/gloo (device 0, the
-  one that sends, is the worst); none for the object store (params go to host)."""
+  one that sends, is the worst); none for the object store (params go to host). With several
+  trainer processes the copy is whole on each process's devices (whole_per_process)."""
   g = config.generation
   if g.placement != 'ray' or g.remote.weight_transport == 'object_store':
     return {}
   largest = budget.largest_tensor_bytes(_hf_shapes(m), wire)
   bucket = max(256 << 20, largest)  # GeneratorSpec.bucket_mb's default
-  return dict(published=2 * param_bytes * _bytes(wire) // _bytes(m.param_dtype),
-              sending=bucket + largest + CUDA_CONTEXT_BYTES)
+  if config.train.num_processes > 1:
+    local_devices = max(1, train_devices // config.train.num_processes)
+    copy = -(-m.num_params * _bytes(wire) // local_devices)
+  else:
+    copy = param_bytes * _bytes(wire) // _bytes(m.param_dtype)
+  return dict(published=2 * copy, sending=bucket + largest + CUDA_CONTEXT_BYTES)
 
 
 def generator_memory(m: transformer.ModelConfig, config: config_lib.Config,
@@ -312,7 +318,7 @@ def plan(config: ml_collections.ConfigDict | config_lib.Config, hf_config: dict,
   trainer, facts = trainer_memory(m, config, mesh)
   serving = budget.serving_dtype(hf_config) or 'bfloat16'
   wire = budget.wire_dtype(g.remote.weight_transport, g.backend, serving, m.param_dtype)
-  trainer.update(publishing_memory(m, config, trainer['params'], wire))
+  trainer.update(publishing_memory(m, config, trainer['params'], wire, mesh.size))
   facts.update(mesh=','.join(map(str, sizes)), train_devices=mesh.size, device_bytes=device_bytes,
                params=m.num_params)
 

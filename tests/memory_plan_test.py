@@ -216,3 +216,19 @@ def test_cli_prints_the_plan_and_exits_nonzero_on_refusal(tmp_path):
   missing = run_cli('--config=configs/math.py:paper_7b', '--model_config=/nonexistent')
   assert missing.returncode == 1 and 'error: /nonexistent/config.json: no such file' in \
       missing.stderr
+
+
+def test_several_trainer_processes_keep_a_whole_copy_over_each_process_devices():
+  """Over nccl from 2 trainer processes of 4 devices each, the pool's copy is whole on each
+  process's devices (distributed.whole_per_process): a quarter of the bf16 model per device,
+  where one process's copy is sharded like the params, over all 8."""
+  config = config_lib.load_preset('paper_7b')
+  hf_config, source = memory_plan.read_hf_config(MODELS['paper_7b'])
+  m = hf_io.config_from_hf(hf_config, source=source, param_dtype='float32', dtype='bfloat16')
+  param_bytes = m.num_params * 4 // 8  # fp32, sharded over 8 devices
+  one = memory_plan.publishing_memory(m, config, param_bytes, 'bfloat16', train_devices=8)
+  assert one['published'] == 2 * (m.num_params * 2 // 8)
+  config.train.num_processes = 2
+  two = memory_plan.publishing_memory(m, config, param_bytes, 'bfloat16', train_devices=8)
+  assert two['published'] == 2 * -(-m.num_params * 2 // 4)
+  assert two['sending'] == one['sending']

@@ -1,17 +1,18 @@
 """Trainer processes as Ray actors (train.num_processes=2, generation.placement='ray'): the driver
-is process 0, process 1 a Ray actor beside it, one generator actor (CPU, gloo collectives).
+is process 0, process 1 a Ray actor beside it, one generator actor (CPU).
 
-A short run through the main command ends cleanly, and the last weights the generator was sent,
-assembled from both processes' pieces, equal the params of the final checkpoint exactly; the
-samples' lag shows the generator applied the updates. kill -9 of the trainer actor mid-run stops
-the run with one line naming it, and nothing of the run is left behind. The pieces' assembly
-refuses a gap, an overlap or a wrong layout whole. Bad settings are one-line errors naming
-the key; trainer processes go to nodes of their own, else beside the driver.
+A run through the main command, stopped by Ctrl-C after its first step, saves from both
+processes and leaves nothing behind; resumed, it learns: the reward rises by MARGIN over STEPS,
+the tiny preset as ray_pipeline_test.py, and the last weights the generator was sent through
+the object store, assembled from both processes' pieces, equal the params of the final
+checkpoint exactly. Over gloo (the nccl protocol), both processes gather a whole copy onto their
+own devices and process 0 broadcasts its copy: the last one equals the final checkpoint, and
+the generator loaded it. kill -9 of the trainer actor mid-run stops the run with one line
+naming it. The pieces' assembly refuses a gap, an overlap or a wrong layout whole. Bad settings
+are one-line errors naming the key; trainer processes go to nodes of their own, else beside the
+driver.
 
-Whether such a run learns is not tested here: a reward rise needs ~400 steps (see
-ray_pipeline_test.py), minutes more than this suite can spend on 2 trainer processes.
-
-Run as a script, this file is the driver of the short run (`driver`).
+Run as a script, this file is the driver of the resumed run and the gloo run (`driver`).
 """
 
 import os
@@ -36,32 +37,46 @@ from pipelinerl_jax.pipeline import metrics as metrics_lib
 import procs as procs_lib  # tests/ is on sys.path (pytest, and this file run as a script)
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
-STEPS = 4
+STEPS = 400   # of the learning run
+SEED = 1
+MARGIN = 0.10  # on the 10-step means of the reward, as ray_pipeline_test.py
 # As multihost_test: XLA's CPU backend at -O0 compiles ~3x faster on 2 shared cores; the trainer
 # actor gets these from the driver (XLA_* variables travel with it).
 ENV = {'TOKENIZERS_PARALLELISM': 'false', 'PYTHONPATH': str(ROOT), 'PYTHONUNBUFFERED': '1',
        'XLA_FLAGS': '--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true'}
-FLAGS = ['--config.generation.placement=ray', '--config.generation.num_generators=1',
-         '--config.train.num_processes=2', '--config.cluster.num_cpus=2',
-         '--config.rl.batch_size=16', '--config.rl.group_size=4',
-         '--config.generation.num_slots=16', '--config.rl.max_time_s=0',
-         '--config.log.tensorboard=False', '--config.log.progress=False']
+# The learning run compiles at XLA's default optimization, as the demo does: 400 steps, not one.
+LEARN_ENV = {'XLA_FLAGS': ''}
+LEARN_FLAGS = ['--config.generation.placement=ray', '--config.generation.num_generators=1',
+               '--config.train.num_processes=2', '--config.cluster.num_cpus=2',
+               '--config.rl.max_time_s=0', f'--config.seed={SEED}',
+               '--config.log.tensorboard=False', '--config.log.progress=False']
+# The short runs: a small batch (B, G, H), for quick steps.
+SMALL = (16, 4, 16)
+FLAGS = [*LEARN_FLAGS, f'--config.rl.batch_size={SMALL[0]}', f'--config.rl.group_size={SMALL[1]}',
+         f'--config.generation.num_slots={SMALL[2]}']
 
 
-def run_config(workdir: str, model_dir: str) -> config_lib.Config:
+def run_config(workdir: str, model_dir: str, steps: int,
+               transport: str = 'object_store') -> config_lib.Config:
+  """The learning run (LEARN_FLAGS, through main) as `driver` resumes it: the tiny preset's
+  batch, to `steps`. Over a collective `transport`, SMALL's batch."""
   c = config_lib.load_preset('tiny')
   c.model.path = model_dir
+  c.seed = SEED
   c.generation.placement, c.generation.num_generators = 'ray', 1
   c.train.num_processes, c.cluster.num_cpus = 2, 2
-  c.rl.batch_size, c.rl.group_size, c.generation.num_slots = 16, 4, 16
-  c.rl.total_steps, c.rl.max_time_s = STEPS, 0.0
+  c.rl.total_steps, c.rl.max_time_s = steps, 0.0
   c.log.tensorboard, c.log.progress = False, False
   c.checkpoint.dir = os.path.join(workdir, 'checkpoints')
+  if transport != 'object_store':
+    c.generation.remote.weight_transport = transport
+    c.rl.batch_size, c.rl.group_size, c.generation.num_slots = SMALL
   return config_lib.validate(c)
 
 
-def driver(workdir: str, model_dir: str, out: str) -> None:
-  """Process 0: the run, recording the last update the generator pool was handed, assembled."""
+def driver(workdir: str, model_dir: str, out: str, steps: str, transport: str) -> None:
+  """Process 0: a run to `steps`, recording the last update the generator pool was handed,
+  whole, and (over a collective) the pool's transport errors once every actor has loaded it."""
   import ray
   from pipelinerl_jax.generation.actors import pool as pool_lib
   from pipelinerl_jax.pipeline import launch
@@ -69,13 +84,21 @@ def driver(workdir: str, model_dir: str, out: str) -> None:
   last = {}
 
   def recording(self, params, version):
-    assert isinstance(params, shards.Published), type(params)
-    last.update(version=version, params=shards.assemble(ray.get(list(params.refs))),
-                digest=params.digest)
-    return real(self, params, version)
+    if transport == 'object_store':
+      assert isinstance(params, shards.Published), type(params)
+      last.update(version=version, params=shards.assemble(ray.get(list(params.refs))),
+                  digest=params.digest)
+      return real(self, params, version)
+    assert all(x.is_fully_addressable for x in jax.tree.leaves(params))  # process 0's own copy
+    host = jax.device_get(params)
+    last.update(version=version, params=host, digest=generator_lib.tree_digest(host))
+    real(self, params, version)
+    self.wait_version(version)
+    last.update(transport_errors=list(self.transport_errors),
+                loaded=self.stats()['version'])
 
   pool_lib.RayGenerators.update_params = recording
-  summary = launch.run_experiment(run_config(workdir, model_dir), workdir)
+  summary = launch.run_experiment(run_config(workdir, model_dir, int(steps), transport), workdir)
   with open(out, 'wb') as f:
     pickle.dump(dict(last, steps=summary['steps']), f)
 
@@ -94,16 +117,19 @@ def trainer_actors_seen(tree) -> list[int]:
   return found
 
 
-def _start(cmd, log):
-  return subprocess.Popen(cmd, cwd=ROOT, env={**os.environ, **ENV}, stdout=log,
+def _start(cmd, log, **env):
+  return subprocess.Popen(cmd, cwd=ROOT, env={**os.environ, **ENV, **env}, stdout=log,
                           stderr=subprocess.STDOUT, start_new_session=True)
 
 
-def test_generator_gets_both_processes_pieces_whole(model_dir, tmp_path):
+def test_gloo_from_two_processes_broadcasts_process_0s_gathered_copy(model_dir, tmp_path):
+  """weight_transport='gloo' (the nccl protocol on CPU): each update is gathered, by both
+  processes, into a whole copy on process 0's devices, which it broadcasts to the generator. The
+  last one equals the final checkpoint's params, and the generator loaded it, without an error."""
   from pipelinerl_jax.pipeline import build as build_lib
-  workdir, out = str(tmp_path / 'run'), str(tmp_path / 'last.pkl')
+  workdir, out, steps = str(tmp_path / 'run'), str(tmp_path / 'last.pkl'), 3
   with open(tmp_path / 'log', 'w') as log:
-    proc = _start([sys.executable, __file__, workdir, model_dir, out], log)
+    proc = _start([sys.executable, __file__, workdir, model_dir, out, str(steps), 'gloo'], log)
     tree = procs_lib.RunTree(proc.pid).watch()
     try:
       code = proc.wait(300)
@@ -116,31 +142,26 @@ def test_generator_gets_both_processes_pieces_whole(model_dir, tmp_path):
   tree.assert_clean(timeout_s=20)
   with open(out, 'rb') as f:
     last = pickle.load(f)
-  assert last['steps'] == STEPS and last['version'] == STEPS
-  records = [r for r in metrics_lib.read_metrics(os.path.join(workdir, 'metrics.jsonl'))
-             if 'step' in r]
-  assert [r['step'] for r in records] == list(range(1, STEPS + 1))  # one writer
-  # The generator applied the updates: the last step's samples are not all of the first version.
-  assert records[-1]['lag_max'] < STEPS, records[-1]
-  # The final checkpoint (written by both processes), read in this one process.
-  learner = build_lib.build_learner(run_config(workdir, model_dir), workdir, model_dir)
-  assert int(learner.state.step) == STEPS
+  assert last['steps'] == steps and last['version'] == steps and last['loaded'] == steps
+  assert last['transport_errors'] == []
+  learner = build_lib.build_learner(run_config(workdir, model_dir, steps, 'gloo'), workdir,
+                                    model_dir)
+  assert int(learner.state.step) == steps
   want, got = flat(learner.state.params), flat(last['params'])
   assert want.keys() == got.keys()
   for k in want:
     np.testing.assert_array_equal(got[k], want[k], err_msg=k)
-  assert last['digest'] == generator_lib.tree_digest(last['params'])
 
 
-def _run_main_until_a_step(tmp_path, act):
+def _run_main_until_a_step(tmp_path, act, flags=FLAGS, **env):
   """The main command until its first step is written; then `act(proc, tree)`, and the run's
   exit code once it ends (bounded: never a hang) and its output."""
   workdir = tmp_path / 'run'
   cmd = [sys.executable, '-m', 'pipelinerl_jax.main', '--config=configs/math.py:tiny',
          f'--workdir={workdir}', f'--config.model.path={os.environ["MH_MODEL_DIR"]}',
-         '--config.rl.total_steps=100000', *FLAGS]
+         '--config.rl.total_steps=100000', *flags]
   with open(tmp_path / 'log', 'w') as log:
-    proc = _start(cmd, log)
+    proc = _start(cmd, log, **env)
     tree = procs_lib.RunTree(proc.pid).watch()
     try:
       deadline = time.monotonic() + 300
@@ -177,27 +198,66 @@ def test_kill_of_the_trainer_actor_stops_the_run_with_one_line(model_dir, tmp_pa
   tree.assert_clean(timeout_s=20)
 
 
-def test_ctrl_c_stops_both_processes_saves_and_leaves_nothing(model_dir, tmp_path, monkeypatch):
-  monkeypatch.setenv('MH_MODEL_DIR', model_dir)
+def test_two_process_run_learns_across_ctrl_c_and_resume(tmp_path, monkeypatch):
+  """Ctrl-C after the first step: both processes stop, save and leave nothing. The run resumed
+  from that checkpoint (2 processes again) trains to STEPS and the reward rises. The last
+  weights the generator was sent, assembled from both processes' pieces, equal the params of
+  the final checkpoint exactly."""
+  from pipelinerl_jax.demo import warmstart
+  from pipelinerl_jax.pipeline import build as build_lib
+  workdir, out = tmp_path / 'run', str(tmp_path / 'last.pkl')
+  demo_dir = warmstart.model_dir_for(run_config(str(workdir), '', STEPS))  # the warm start
+  monkeypatch.setenv('MH_MODEL_DIR', str(demo_dir))
   # What a terminal does: SIGINT to the whole foreground group (the trainer actor is in Ray's).
-  code, output, tree = _run_main_until_a_step(tmp_path, lambda proc, _: os.killpg(proc.pid,
-                                                                                  signal.SIGINT))
+  code, output, tree = _run_main_until_a_step(
+      tmp_path, lambda proc, _: os.killpg(proc.pid, signal.SIGINT), LEARN_FLAGS, **LEARN_ENV)
   assert code == 130, output[-4000:]  # 128 + SIGINT
-  steps = [r['step'] for r in metrics_lib.read_metrics(str(tmp_path / 'run' / 'metrics.jsonl'))
+  steps = [r['step'] for r in metrics_lib.read_metrics(str(workdir / 'metrics.jsonl'))
            if 'step' in r]
-  saved = sorted(int(p.name) for p in (tmp_path / 'run' / 'checkpoints').iterdir())
+  saved = sorted(int(p.name) for p in (workdir / 'checkpoints').iterdir())
   assert saved and saved[-1] == steps[-1], (saved, steps)  # the exit save, from both processes
-  assert {p.name for p in (tmp_path / 'run' / 'checkpoints' / str(saved[-1]) / 'state').glob(
+  assert {p.name for p in (workdir / 'checkpoints' / str(saved[-1]) / 'state').glob(
       'ocdbt.process_*')} == {'ocdbt.process_0', 'ocdbt.process_1'}
   tree.assert_clean(timeout_s=20)
+
+  with open(tmp_path / 'resumed.log', 'w') as log:
+    proc = _start([sys.executable, __file__, str(workdir), str(demo_dir), out, str(STEPS),
+                   'object_store'], log, **LEARN_ENV)
+    tree = procs_lib.RunTree(proc.pid).watch()
+    try:
+      code = proc.wait(900)
+    finally:
+      if proc.poll() is None:
+        proc.kill()
+      tree.stop()
+  output = (tmp_path / 'resumed.log').read_text()
+  assert code == 0, output[-4000:]
+  assert f'resuming from {workdir / "checkpoints"} at step {saved[-1]}' in output, output[-4000:]
+  tree.assert_clean(timeout_s=20)
+  with open(out, 'rb') as f:
+    last = pickle.load(f)
+  assert last['steps'] == STEPS and last['version'] == STEPS
+  records = [r for r in metrics_lib.read_metrics(str(workdir / 'metrics.jsonl')) if 'step' in r]
+  assert [r['step'] for r in records] == list(range(1, STEPS + 1))  # one writer, no step twice
+  rewards = np.array([r['reward_mean'] for r in records])
+  first, final = rewards[:10].mean(), rewards[-10:].mean()
+  print(f'\nreward: first 10 steps {first:.3f}, last 10 steps {final:.3f} (+{final - first:.3f})')
+  assert final > first + MARGIN
+  # The final checkpoint (written by both processes), read in this one process.
+  learner = build_lib.build_learner(run_config(str(workdir), str(demo_dir), STEPS),
+                                    str(workdir), str(demo_dir))
+  assert int(learner.state.step) == STEPS
+  want, got = flat(learner.state.params), flat(last['params'])
+  assert want.keys() == got.keys()
+  for k in want:
+    np.testing.assert_array_equal(got[k], want[k], err_msg=k)
+  assert last['digest'] == generator_lib.tree_digest(last['params'])
 
 
 # --- checks before anything starts -----------------------------------------------------------
 
 
 @pytest.mark.parametrize('change,message', [
-    (lambda c: c.generation.remote.update(weight_transport='gloo'),
-     "generation.remote.weight_transport: 'gloo' from 2 trainer processes is not written yet"),
     (lambda c: c.train.distributed.update(coordinator_address='127.0.0.1:1234', process_id=0),
      'train.num_processes: with generation.placement=\'ray\' the run starts its 2 trainer '
      'processes itself'),

@@ -1,6 +1,8 @@
 """The trainer in 2 processes on localhost (CPU, gloo collectives), as on 2 hosts.
 
-One launch trains: a step of the 2-process mesh equals the single-process step; then a
+One launch trains: a step of the 2-process mesh equals the single-process step, and each
+process gathers a whole copy of its params onto its own devices (what a collective weight
+transport sends from process 0); then a
 PipelineRL run (process 0 runs the pipeline, process 1 follows), stopped by a SIGTERM to process
 1 after two steps, saves checkpoints from both processes, and each dumps the shards it holds. A
 second launch restores them in 2 processes of another layout, and the test process restores
@@ -19,6 +21,7 @@ import sys
 import time
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
@@ -109,6 +112,12 @@ def worker(mode: str, process_id: int, address: str, out: str, model_dir: str) -
   if mode == 'train':
     two = sgd_step(model_dir, sharding_lib.make_mesh(1, 4, 1))  # rows and params over both
     two_params = distributed.whole(two[0].params)
+    copy = distributed.whole_per_process(two[0].params, 'bfloat16')  # what gloo/nccl send
+    with open(os.path.join(out, f'copy-{process_id}.pkl'), 'wb') as f:
+      pickle.dump({k: dict(value=np.asarray(x), addressable=x.is_fully_addressable,
+                           processes=sorted({d.process_index for d in x.sharding.device_set}),
+                           devices=len(x.sharding.device_set))
+                   for k, x in flat(copy).items()}, f)
     with signals.StopSignals() as stop:  # as main installs them
       summary = run_lib.run(config, workdir, interrupt=stop.request)
     assert summary['interrupted'], summary  # by the stop request from process 1
@@ -238,6 +247,21 @@ def test_two_process_step_equals_single_process(trained, model_dir):
   init = hf_io.load_params(model_dir, hf_io.load_config(model_dir))
   moved = max(float(np.max(np.abs(one[k] - np.asarray(v)))) for k, v in flat(init).items())
   assert moved > 1e-4
+
+
+def test_each_process_gathers_a_whole_copy_onto_its_own_devices(trained):
+  """distributed.whole_per_process, what a collective weight transport sends from process 0:
+  on each process, the whole params in the wire dtype, held by its 2 devices alone."""
+  with open(os.path.join(trained, 'sgd.pkl'), 'rb') as f:
+    want = pickle.load(f)['two']['params']
+  for i in range(2):
+    with open(os.path.join(trained, f'copy-{i}.pkl'), 'rb') as f:
+      copy = pickle.load(f)
+    assert copy.keys() == want.keys()
+    for k, got in copy.items():
+      assert got['addressable'] and got['processes'] == [i] and got['devices'] == 2, (k, got)
+      assert got['value'].dtype == jnp.bfloat16
+      np.testing.assert_array_equal(got['value'], want[k].astype(jnp.bfloat16), err_msg=k)
 
 
 def test_two_process_run_writes_one_log_and_checkpoints_from_both(trained):

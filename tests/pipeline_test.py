@@ -49,6 +49,7 @@ def test_pipeline_mode_overlaps_and_bounds_lag(model_dir, tmp_path):
     assert 1 <= r['versions_per_sample_mean'] <= r['versions_per_sample_max'] <= 2
     assert 0 <= r['frac_multi_version'] <= 1 and 0 <= r['frac_hit_length_limit'] <= 1
     assert 0 <= r['lag_last_token_mean'] <= r['lag_first_token_mean'] <= 1
+    assert r['publish_s'] > 0
   assert summary['max_lag_seen'] <= 1
   assert summary['gen_train_overlap_s'] > 0  # generation kept running during train steps
   assert (tmp_path / 'curves.png').stat().st_size > 10_000

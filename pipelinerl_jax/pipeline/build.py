@@ -160,10 +160,11 @@ def _build(config: config_lib.Config, workdir: str, model_dir: str,
   train_step, checkpoints, resumed = learner.train_step, learner.checkpoints, learner.resumed
   check_interrupt()
   version = int(state.step)
+  wire_dtype = transport_dtype(config, model_config, model_dir)
   if trainers is None:
     params = distributed.whole(state.params)  # collective, see whole(); one process: the params
   else:
-    params = trainers.publication(state.params, version)  # each process's pieces
+    params = trainers.publication(state.params, version, wire_dtype)  # with every process
   engine = ENGINE_PLACEMENTS[config.generation.placement](
       config, model_config, model_dir, mesh=mesh, eos_token_id=tokenizer.eos_token_id,
       params=params, version=version, cores=trainers and trainers.cores)
@@ -171,8 +172,7 @@ def _build(config: config_lib.Config, workdir: str, model_dir: str,
   started.callback(_quietly, engine.close)
   trainer_cores = engine.take_free_cores() if config.train.cores == 'free' else None
   check_interrupt()
-  publish = publisher(config, mesh, engine, transport_dtype(config, model_config, model_dir),
-                      trainers)
+  publish = publisher(config, mesh, engine, wire_dtype, trainers)
   if resumed and config.generation.backend != 'jax' and config.generation.placement == 'inline':
     publish(state.params, version)  # inline vLLM loaded model_dir's weights
   evaluate = (evaluator(config, workdir, model_config, tokenizer, task, mesh)
@@ -254,8 +254,8 @@ def publisher(config: config_lib.Config, mesh, engine: api.Engine, wire_dtype: s
   the object store."""
   g = config.generation
   if trainers is not None:
-    return lambda params, version: engine.update_params(trainers.publication(params, version),
-                                                        version)
+    return lambda params, version: engine.update_params(
+        trainers.publication(params, version, wire_dtype), version)
   if g.placement == 'ray' and g.remote.weight_transport == 'object_store':
     return engine.update_params
   if g.placement == 'ray':

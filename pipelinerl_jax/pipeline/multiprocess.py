@@ -9,7 +9,9 @@ store and, for a train step, broadcasts the packed batch. The calls:
   train     the packed batch -> every process places the rows its devices hold; one step
   publish   the new weights gathered whole on every process; process 0's go to the engine. With
             trainer processes as Ray actors (pipeline/trainer_actors.py): each process puts the
-            pieces it holds into Ray's object store instead, for the generator actors
+            pieces it holds into Ray's object store instead, for the generator actors; or, over
+            a collective transport, every process gathers a whole copy onto its own devices and
+            process 0 broadcasts its copy
   evaluate  the gather; process 0 evaluates
   save      orbax writes every process's shards, and the meta JSON once
   stop      the run is over
@@ -255,7 +257,8 @@ def follow(config: config_lib.Config, workdir: str, model_dir: str,
   `interrupt` set (a signal here: main's handlers) asks process 0 to stop the run, which it does
   as after its own Ctrl-C, saving first; this process keeps following until then. `stash` (a
   trainer actor's, trainer_actors.Stash): where it publishes its own pieces of the params, for
-  the generator actors; without it, a publication is a gather of the whole params."""
+  the generator actors (over a collective transport, the gather of a copy per process instead);
+  without it, a publication is a gather of the whole params."""
   client = distributed.coordination_client()
   threading.Thread(target=_watch_stop_flag, args=(client,), name='stop-flag', daemon=True).start()
   forwarded = []
@@ -268,12 +271,16 @@ def follow(config: config_lib.Config, workdir: str, model_dir: str,
       print(f'{distributed.describe()}: stop requested; process 0 stops the run',
             file=sys.stderr, flush=True)
 
-  if stash is None:
-    publish = lambda params, version: distributed.whole(params)  # noqa: E731 (a collective)
-  else:
-    publish = stash.publish
   try:
     learner = build_lib.build_learner(config, workdir, model_dir)
+    if stash is None:
+      publish = lambda params, version: distributed.whole(params)  # noqa: E731 (a collective)
+    elif config.generation.remote.weight_transport != 'object_store':
+      wire_dtype = build_lib.transport_dtype(config, learner.model_config, model_dir)
+      # The gather that gives process 0 its copy to broadcast (this one is dropped).
+      publish = lambda params, version: distributed.whole_per_process(params, wire_dtype)  # noqa: E731
+    else:
+      publish = stash.publish
     publish(learner.state.params, int(learner.state.step))  # what process 0's build hands its engine
     put_batch = build_lib.batch_placer(config.train, learner.mesh)
     commands = Commands()

@@ -249,7 +249,9 @@ class Trainer:
         groups = self._take_fresh(b)
         record = self._one_step(groups)
         if 'step' in record:  # (a skipped update left the engine's weights current)
+          start = time.perf_counter()
           self.publish(self.state.params, self.step)
+          record['publish_s'] = time.perf_counter() - start  # the trainer waits this long
         # Every sample taken, not b: groups whose masked samples were dropped make the count vary.
         self.stream.release(sum(len(g.samples) for g in groups))
         self.log(self._complete(record))

@@ -4,9 +4,12 @@
   launch(config)            places the N-1 actors, starts each as trainer process k (it joins
                             with jax.distributed and follows process 0: pipeline/multiprocess.py),
                             and joins them as process 0. Leaving its `with` block ends them.
-  Launch.publication(p, v)  version v of the params from every process, for the generator pool:
-                            each process puts the pieces it holds into Ray's object store
-                            (transport/shards.py), and the generators assemble them
+  Launch.publication(p, v, dtype)  version v of the params from every process, for the generator
+                            pool. Object store: each process puts the pieces it holds into
+                            Ray's object store (transport/shards.py), and the generators
+                            assemble them. A collective (gloo, nccl): every process gathers a
+                            whole copy onto its own devices (distributed.whole_per_process),
+                            and process 0 broadcasts its copy to the generators
   Launch.watch(stop)        a loop of the run: a trainer actor that dies (killed, its node lost)
                             ends the run at once, with one line naming the process and its host
   TrainerProcess            the actor; its `Stash` keeps its pieces of the latest version until
@@ -167,15 +170,21 @@ class Launch:
   address: str                         # jax.distributed's coordinator: process 0
   cores: Any                           # placement.CoreAllocator, shared with the generators
   timeout_s: float                     # for an actor's pieces of one version
+  transport: str                       # generation.remote.weight_transport
   runs: list[Any] = dataclasses.field(default_factory=list)
   _digest: str | None = None
 
-  def publication(self, params, version: int):
-    """Version `version` of `params` for the generator pool (a shards.Published): this
-    process's pieces put into the object store, and each actor's, which it put when its loop
-    was told to publish. Raises TrainerProcessError naming an actor that is gone."""
+  def publication(self, params, version: int, wire_dtype: str):
+    """Version `version` of `params` for the generator pool. Object store: a shards.Published,
+    this process's pieces put into the object store, and each actor's, which it put when its
+    loop was told to publish; raises TrainerProcessError naming an actor that is gone. A
+    collective: the whole params in `wire_dtype` on this process's devices, gathered with the
+    followers (their loop makes the same call), which the pool broadcasts."""
+    from pipelinerl_jax import distributed
     from pipelinerl_jax.generation.actors import generator
     from pipelinerl_jax.generation.transport import shards
+    if self.transport != 'object_store':
+      return distributed.whole_per_process(params, wire_dtype)
     own = ray.put(shards.local_pieces(params))
     theirs = [actor.pieces.remote(version, self.timeout_s) for actor in self.actors]
     refs = [own]
@@ -248,7 +257,8 @@ def launch(config: config_lib.Config, workdir: str) -> Launch:
     ).remote(k) for k, node in enumerate(chosen, start=1)]
     launched = Launch(session=session, actors=actors, infos=[], address='',
                       cores=placement.CoreAllocator(),
-                      timeout_s=config.generation.remote.transport_timeout_s)
+                      timeout_s=config.generation.remote.transport_timeout_s,
+                      transport=config.generation.remote.weight_transport)
     for k, actor in enumerate(actors, start=1):
       try:
         info = ray.get(actor.where.remote(), timeout=START_TIMEOUT_S)
