@@ -1,20 +1,22 @@
 """Trainer processes as Ray actors (train.num_processes=2, generation.placement='ray'): the driver
-is process 0, process 1 a Ray actor beside it, one generator actor (CPU).
+is process 0, process 1 a Ray actor beside it; generator actors on CPU.
 
-A run through the main command, stopped by Ctrl-C after its first step, saves from both
-processes and leaves nothing behind; resumed, it learns: the reward rises by MARGIN over STEPS,
-the tiny preset as ray_pipeline_test.py, and the last weights the generator was sent through
-the object store, assembled from both processes' pieces, equal the params of the final
-checkpoint exactly. Over gloo (the nccl protocol), both processes gather a whole copy onto their
-own devices and process 0 broadcasts its copy: the last one equals the final checkpoint, and
-the generator loaded it. kill -9 of the trainer actor mid-run stops the run with one line
-naming it. The pieces' assembly refuses a gap, an overlap or a wrong layout whole. Bad settings
-are one-line errors naming the key; trainer processes go to nodes of their own, else beside the
-driver.
+A 400-step run of the tiny preset with 2 generator actors, one killed mid-run, learns (the
+reward rises; every sample exactly once); the last weights the generators were sent through the
+object store, assembled from both processes' pieces, equal the params of the final checkpoint
+exactly. A run through the main command, stopped by Ctrl-C after its first step, saves from
+both processes, leaves nothing behind, and resumes from there. Over gloo (the nccl protocol),
+both processes gather a whole copy onto their own devices and process 0 broadcasts its copy:
+the last one equals the final checkpoint, and the generator loaded it. kill -9 of the trainer
+actor mid-run stops the run with one line naming it. The pieces' assembly refuses a gap, an
+overlap or a wrong layout whole. Bad settings are one-line errors naming the key; trainer
+processes go to nodes of their own, else beside the driver.
 
-Run as a script, this file is the driver of the resumed run and the gloo run (`driver`).
+Run as a script, this file is process 0 of those runs, but for the main command's (`driver`).
 """
 
+import collections
+import dataclasses
 import os
 import pathlib
 import pickle
@@ -37,70 +39,117 @@ from pipelinerl_jax.pipeline import metrics as metrics_lib
 import procs as procs_lib  # tests/ is on sys.path (pytest, and this file run as a script)
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
-STEPS = 400   # of the learning run
-SEED = 1
-MARGIN = 0.10  # on the 10-step means of the reward, as ray_pipeline_test.py
 # As multihost_test: XLA's CPU backend at -O0 compiles ~3x faster on 2 shared cores; the trainer
 # actor gets these from the driver (XLA_* variables travel with it).
 ENV = {'TOKENIZERS_PARALLELISM': 'false', 'PYTHONPATH': str(ROOT), 'PYTHONUNBUFFERED': '1',
        'XLA_FLAGS': '--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true'}
-# The learning run compiles at XLA's default optimization, as the demo does: 400 steps, not one.
-LEARN_ENV = {'XLA_FLAGS': ''}
-LEARN_FLAGS = ['--config.generation.placement=ray', '--config.generation.num_generators=1',
-               '--config.train.num_processes=2', '--config.cluster.num_cpus=2',
-               '--config.rl.max_time_s=0', f'--config.seed={SEED}',
-               '--config.log.tensorboard=False', '--config.log.progress=False']
-# The short runs: a small batch (B, G, H), for quick steps.
-SMALL = (16, 4, 16)
-FLAGS = [*LEARN_FLAGS, f'--config.rl.batch_size={SMALL[0]}', f'--config.rl.group_size={SMALL[1]}',
-         f'--config.generation.num_slots={SMALL[2]}']
+FLAGS = ['--config.generation.placement=ray', '--config.generation.num_generators=1',
+         '--config.train.num_processes=2', '--config.cluster.num_cpus=2',
+         '--config.rl.batch_size=16', '--config.rl.group_size=4',
+         '--config.generation.num_slots=16', '--config.rl.max_time_s=0',
+         '--config.log.tensorboard=False', '--config.log.progress=False']
+# The learning run: the tiny preset, 2 generator actors (one killed), a fixed number of steps.
+# The reward's mean over the last 50 steps must exceed the first 10 steps' by MARGIN (measured
+# with seed 1, no kill: 0.266 -> 0.460, +0.19; over the last 10 steps only, +0.16, which leaves
+# the 0.035 noise of a 10-step mean too little room).
+LEARN_STEPS, KILL_AT_STEP, MARGIN, SEED = 400, 60, 0.10, 1
 
 
-def run_config(workdir: str, model_dir: str, steps: int,
-               transport: str = 'object_store') -> config_lib.Config:
-  """The learning run (LEARN_FLAGS, through main) as `driver` resumes it: the tiny preset's
-  batch, to `steps`. Over a collective `transport`, SMALL's batch."""
+def run_config(kind: str, workdir: str, model_dir: str, steps: int) -> config_lib.Config:
+  """The driver's runs. 'learn': the learning run. 'short' (FLAGS, as the main command runs it)
+  and 'gloo': a small batch, the weights through the object store or over gloo."""
   c = config_lib.load_preset('tiny')
   c.model.path = model_dir
-  c.seed = SEED
   c.generation.placement, c.generation.num_generators = 'ray', 1
   c.train.num_processes, c.cluster.num_cpus = 2, 2
   c.rl.total_steps, c.rl.max_time_s = steps, 0.0
   c.log.tensorboard, c.log.progress = False, False
   c.checkpoint.dir = os.path.join(workdir, 'checkpoints')
-  if transport != 'object_store':
-    c.generation.remote.weight_transport = transport
-    c.rl.batch_size, c.rl.group_size, c.generation.num_slots = SMALL
+  if kind == 'learn':
+    c.seed = SEED
+    # A CPU each for the trainer actor and the 2 generators: Ray's count, not cores (the
+    # second generator shares a core with the trainer actor).
+    c.generation.num_generators, c.cluster.num_cpus = 2, 3
+  else:
+    c.rl.batch_size, c.rl.group_size, c.generation.num_slots = 16, 4, 16
+    if kind == 'gloo':
+      c.generation.remote.weight_transport = 'gloo'
   return config_lib.validate(c)
 
 
-def driver(workdir: str, model_dir: str, out: str, steps: str, transport: str) -> None:
-  """Process 0: a run to `steps`, recording the last update the generator pool was handed,
-  whole, and (over a collective) the pool's transport errors once every actor has loaded it."""
+def driver(kind: str, workdir: str, model_dir: str, out: str, steps: str) -> None:
+  """Process 0 of a `run_config(kind)` run to `steps`. Records the last update the generator
+  pool was handed, whole, the request ids it completed, and over gloo its transport errors once
+  every actor has loaded the update. 'learn' kills the second generator actor when version
+  KILL_AT_STEP is published."""
   import ray
   from pipelinerl_jax.generation.actors import pool as pool_lib
   from pipelinerl_jax.pipeline import launch
-  real = pool_lib.RayGenerators.update_params
-  last = {}
+  real_update, real_step = pool_lib.RayGenerators.update_params, pool_lib.RayGenerators.step
+  last, completed, killed = {}, [], []
 
-  def recording(self, params, version):
-    if transport == 'object_store':
-      assert isinstance(params, shards.Published), type(params)
-      last.update(version=version, params=shards.assemble(ray.get(list(params.refs))),
-                  digest=params.digest)
-      return real(self, params, version)
-    assert all(x.is_fully_addressable for x in jax.tree.leaves(params))  # process 0's own copy
-    host = jax.device_get(params)
-    last.update(version=version, params=host, digest=generator_lib.tree_digest(host))
-    real(self, params, version)
-    self.wait_version(version)
-    last.update(transport_errors=list(self.transport_errors),
-                loaded=self.stats()['version'])
+  def recording_update(self, params, version):
+    if kind == 'learn' and version == KILL_AT_STEP and not killed:
+      killed.append(self.members()[1]['pid'])
+      os.kill(killed[0], signal.SIGKILL)  # an actor this run started
+    if not isinstance(params, shards.Published):  # over gloo: process 0's gathered copy
+      assert all(x.is_fully_addressable for x in jax.tree.leaves(params))
+      host = jax.device_get(params)
+      last.update(version=version, params=host, digest=generator_lib.tree_digest(host))
+      real_update(self, params, version)
+      self.wait_version(version)
+      last.update(transport_errors=list(self.transport_errors), loaded=self.stats()['version'])
+      return
+    last.update(version=version, params=shards.assemble(ray.get(list(params.refs))),
+                digest=params.digest)
+    real_update(self, params, version)
 
-  pool_lib.RayGenerators.update_params = recording
-  summary = launch.run_experiment(run_config(workdir, model_dir, int(steps), transport), workdir)
+  def recording_step(self):
+    done = real_step(self)
+    completed.extend(d.request_id for d in done)
+    return done
+
+  pool_lib.RayGenerators.update_params = recording_update
+  pool_lib.RayGenerators.step = recording_step
+  summary = launch.run_experiment(run_config(kind, workdir, model_dir, int(steps)), workdir)
   with open(out, 'wb') as f:
-    pickle.dump(dict(last, steps=summary['steps']), f)
+    pickle.dump(dict(last, steps=summary['steps'], samples=summary['samples'],
+                     checkpoint=summary['checkpoint'], completed=completed, killed=killed), f)
+
+
+def run_driver(tmp_path, kind: str, workdir, model_dir: str, steps: int,
+               timeout_s: float = 300, **env) -> tuple[dict, str]:
+  """`driver(kind, ...)` in a process of its own: what it recorded and its output. It must end
+  cleanly, leaving nothing behind."""
+  out, log_path = tmp_path / f'{kind}.pkl', tmp_path / f'{kind}.log'
+  with open(log_path, 'w') as log:
+    proc = _start([sys.executable, __file__, kind, str(workdir), model_dir, str(out), str(steps)],
+                  log, **env)
+    tree = procs_lib.RunTree(proc.pid).watch()
+    try:
+      code = proc.wait(timeout_s)
+    finally:
+      if proc.poll() is None:
+        proc.kill()
+      tree.stop()
+  output = log_path.read_text()
+  assert code == 0, output[-4000:]
+  tree.assert_clean(timeout_s=20)
+  with open(out, 'rb') as f:
+    return pickle.load(f), output
+
+
+def assert_sent_the_final_checkpoint(last: dict, config: config_lib.Config, workdir) -> None:
+  """The last update the generators were sent equals the params of the run's final checkpoint
+  (written by both processes, read in this one process)."""
+  from pipelinerl_jax.pipeline import build as build_lib
+  learner = build_lib.build_learner(config, str(workdir), config.model.path)
+  assert int(learner.state.step) == last['version'] == config.rl.total_steps
+  want, got = flat(learner.state.params), flat(last['params'])
+  assert want.keys() == got.keys()
+  for k in want:
+    np.testing.assert_array_equal(got[k], want[k], err_msg=k)
+  assert last['digest'] == generator_lib.tree_digest(last['params'])
 
 
 def flat(tree) -> dict[str, np.ndarray]:
@@ -122,46 +171,15 @@ def _start(cmd, log, **env):
                           stderr=subprocess.STDOUT, start_new_session=True)
 
 
-def test_gloo_from_two_processes_broadcasts_process_0s_gathered_copy(model_dir, tmp_path):
-  """weight_transport='gloo' (the nccl protocol on CPU): each update is gathered, by both
-  processes, into a whole copy on process 0's devices, which it broadcasts to the generator. The
-  last one equals the final checkpoint's params, and the generator loaded it, without an error."""
-  from pipelinerl_jax.pipeline import build as build_lib
-  workdir, out, steps = str(tmp_path / 'run'), str(tmp_path / 'last.pkl'), 3
-  with open(tmp_path / 'log', 'w') as log:
-    proc = _start([sys.executable, __file__, workdir, model_dir, out, str(steps), 'gloo'], log)
-    tree = procs_lib.RunTree(proc.pid).watch()
-    try:
-      code = proc.wait(300)
-    finally:
-      if proc.poll() is None:
-        proc.kill()
-      tree.stop()
-  output = (tmp_path / 'log').read_text()
-  assert code == 0, output[-4000:]
-  tree.assert_clean(timeout_s=20)
-  with open(out, 'rb') as f:
-    last = pickle.load(f)
-  assert last['steps'] == steps and last['version'] == steps and last['loaded'] == steps
-  assert last['transport_errors'] == []
-  learner = build_lib.build_learner(run_config(workdir, model_dir, steps, 'gloo'), workdir,
-                                    model_dir)
-  assert int(learner.state.step) == steps
-  want, got = flat(learner.state.params), flat(last['params'])
-  assert want.keys() == got.keys()
-  for k in want:
-    np.testing.assert_array_equal(got[k], want[k], err_msg=k)
-
-
-def _run_main_until_a_step(tmp_path, act, flags=FLAGS, **env):
+def _run_main_until_a_step(tmp_path, act):
   """The main command until its first step is written; then `act(proc, tree)`, and the run's
   exit code once it ends (bounded: never a hang) and its output."""
   workdir = tmp_path / 'run'
   cmd = [sys.executable, '-m', 'pipelinerl_jax.main', '--config=configs/math.py:tiny',
          f'--workdir={workdir}', f'--config.model.path={os.environ["MH_MODEL_DIR"]}',
-         '--config.rl.total_steps=100000', *flags]
+         '--config.rl.total_steps=100000', *FLAGS]
   with open(tmp_path / 'log', 'w') as log:
-    proc = _start(cmd, log, **env)
+    proc = _start(cmd, log)
     tree = procs_lib.RunTree(proc.pid).watch()
     try:
       deadline = time.monotonic() + 300
@@ -198,20 +216,48 @@ def test_kill_of_the_trainer_actor_stops_the_run_with_one_line(model_dir, tmp_pa
   tree.assert_clean(timeout_s=20)
 
 
-def test_two_process_run_learns_across_ctrl_c_and_resume(tmp_path, monkeypatch):
-  """Ctrl-C after the first step: both processes stop, save and leave nothing. The run resumed
-  from that checkpoint (2 processes again) trains to STEPS and the reward rises. The last
-  weights the generator was sent, assembled from both processes' pieces, equal the params of
-  the final checkpoint exactly."""
+def test_two_process_run_learns_while_a_generator_actor_is_killed(tmp_path):
+  """The trainer in 2 processes, 2 generator actors, the second killed mid-run (restarted,
+  every sample exactly once): the reward rises by MARGIN in LEARN_STEPS; the last weights the
+  generators were sent, assembled from both processes' pieces, equal the final checkpoint's;
+  greedy answers of the trained policy stop on their own (cut-off answers are never paid)."""
+  from pipelinerl_jax import evaluate
   from pipelinerl_jax.demo import warmstart
-  from pipelinerl_jax.pipeline import build as build_lib
-  workdir, out = tmp_path / 'run', str(tmp_path / 'last.pkl')
-  demo_dir = warmstart.model_dir_for(run_config(str(workdir), '', STEPS))  # the warm start
-  monkeypatch.setenv('MH_MODEL_DIR', str(demo_dir))
+  workdir = tmp_path / 'run'
+  config = run_config('learn', str(workdir), '', LEARN_STEPS)
+  demo_dir = str(warmstart.model_dir_for(config))  # the warm start, built here if not cached
+  config = run_config('learn', str(workdir), demo_dir, LEARN_STEPS)
+  # Steps compile at XLA's default optimization, as the demo does: 400 steps, not one.
+  last, _ = run_driver(tmp_path, 'learn', workdir, demo_dir, LEARN_STEPS, timeout_s=1200,
+                       XLA_FLAGS='')
+  records = [r for r in metrics_lib.read_metrics(str(workdir / 'metrics.jsonl')) if 'step' in r]
+  assert [r['step'] for r in records] == list(range(1, LEARN_STEPS + 1))  # one writer
+  rewards = np.array([r['reward_mean'] for r in records])
+  first, final = rewards[:10].mean(), rewards[-50:].mean()
+  print(f'\nreward: first 10 steps {first:.3f}, last 50 steps {final:.3f} (+{final - first:.3f}); '
+        f'{records[-1]["time_s"]:.0f} s, max lag {max(r["lag_max"] for r in records)}')
+  assert last['killed'] and records[-1]['generation/restarts'] == 1
+  assert records[KILL_AT_STEP - 1]['generation/restarts'] == 0
+  assert len(last['completed']) == len(set(last['completed']))  # no request completed twice
+  assert last['samples'] == LEARN_STEPS * config.rl.batch_size  # none lost or counted twice
+  assert final > first + MARGIN
+  assert_sent_the_final_checkpoint(last, config, workdir)
+  greedy = dataclasses.replace(config, eval=dataclasses.replace(config.eval, temperature=0.0))
+  result = evaluate.evaluate_checkpoint(greedy, last['checkpoint'], k=1)
+  reasons = collections.Counter(s['finish_reason'] for s in result['samples'])
+  assert reasons['stop'] >= 0.9 * len(result['samples']), reasons
+
+
+def test_ctrl_c_saves_from_both_processes_and_the_run_resumes(model_dir, tmp_path, monkeypatch):
+  """Ctrl-C after the first step: both processes stop, save and leave nothing. The same run
+  resumed (2 processes again) continues from that checkpoint to its end, and the last weights
+  the generator was sent equal the final checkpoint's."""
+  monkeypatch.setenv('MH_MODEL_DIR', model_dir)
   # What a terminal does: SIGINT to the whole foreground group (the trainer actor is in Ray's).
-  code, output, tree = _run_main_until_a_step(
-      tmp_path, lambda proc, _: os.killpg(proc.pid, signal.SIGINT), LEARN_FLAGS, **LEARN_ENV)
+  code, output, tree = _run_main_until_a_step(tmp_path, lambda proc, _: os.killpg(proc.pid,
+                                                                                  signal.SIGINT))
   assert code == 130, output[-4000:]  # 128 + SIGINT
+  workdir = tmp_path / 'run'
   steps = [r['step'] for r in metrics_lib.read_metrics(str(workdir / 'metrics.jsonl'))
            if 'step' in r]
   saved = sorted(int(p.name) for p in (workdir / 'checkpoints').iterdir())
@@ -220,38 +266,26 @@ def test_two_process_run_learns_across_ctrl_c_and_resume(tmp_path, monkeypatch):
       'ocdbt.process_*')} == {'ocdbt.process_0', 'ocdbt.process_1'}
   tree.assert_clean(timeout_s=20)
 
-  with open(tmp_path / 'resumed.log', 'w') as log:
-    proc = _start([sys.executable, __file__, str(workdir), str(demo_dir), out, str(STEPS),
-                   'object_store'], log, **LEARN_ENV)
-    tree = procs_lib.RunTree(proc.pid).watch()
-    try:
-      code = proc.wait(900)
-    finally:
-      if proc.poll() is None:
-        proc.kill()
-      tree.stop()
-  output = (tmp_path / 'resumed.log').read_text()
-  assert code == 0, output[-4000:]
+  total = saved[-1] + 3
+  last, output = run_driver(tmp_path, 'short', workdir, model_dir, total)
   assert f'resuming from {workdir / "checkpoints"} at step {saved[-1]}' in output, output[-4000:]
-  tree.assert_clean(timeout_s=20)
-  with open(out, 'rb') as f:
-    last = pickle.load(f)
-  assert last['steps'] == STEPS and last['version'] == STEPS
+  assert last['steps'] == total
   records = [r for r in metrics_lib.read_metrics(str(workdir / 'metrics.jsonl')) if 'step' in r]
-  assert [r['step'] for r in records] == list(range(1, STEPS + 1))  # one writer, no step twice
-  rewards = np.array([r['reward_mean'] for r in records])
-  first, final = rewards[:10].mean(), rewards[-10:].mean()
-  print(f'\nreward: first 10 steps {first:.3f}, last 10 steps {final:.3f} (+{final - first:.3f})')
-  assert final > first + MARGIN
-  # The final checkpoint (written by both processes), read in this one process.
-  learner = build_lib.build_learner(run_config(str(workdir), str(demo_dir), STEPS),
-                                    str(workdir), str(demo_dir))
-  assert int(learner.state.step) == STEPS
-  want, got = flat(learner.state.params), flat(last['params'])
-  assert want.keys() == got.keys()
-  for k in want:
-    np.testing.assert_array_equal(got[k], want[k], err_msg=k)
-  assert last['digest'] == generator_lib.tree_digest(last['params'])
+  assert [r['step'] for r in records] == list(range(1, total + 1))  # one writer, no step twice
+  assert_sent_the_final_checkpoint(last, run_config('short', str(workdir), model_dir, total),
+                                   workdir)
+
+
+def test_gloo_from_two_processes_broadcasts_process_0s_gathered_copy(model_dir, tmp_path):
+  """weight_transport='gloo' (the nccl protocol on CPU): each update is gathered, by both
+  processes, into a whole copy on process 0's devices, which it broadcasts to the generator. The
+  last one equals the final checkpoint's params, and the generator loaded it, without an error."""
+  workdir, steps = tmp_path / 'run', 3
+  last, _ = run_driver(tmp_path, 'gloo', workdir, model_dir, steps)
+  assert last['steps'] == steps and last['loaded'] == steps
+  assert last['transport_errors'] == []
+  assert_sent_the_final_checkpoint(last, run_config('gloo', str(workdir), model_dir, steps),
+                                   workdir)
 
 
 # --- checks before anything starts -----------------------------------------------------------
