@@ -5,9 +5,9 @@ A 400-step run of the tiny preset with 2 generator actors, one killed mid-run, l
 reward rises; every sample exactly once); the last weights the generators were sent through the
 object store, assembled from both processes' pieces, equal the params of the final checkpoint
 exactly. A run through the main command, stopped by Ctrl-C after its first step, saves from
-both processes, leaves nothing behind, and resumes from there. Over gloo (the nccl protocol),
-both processes gather a whole copy onto their own devices and process 0 broadcasts its copy:
-the last one equals the final checkpoint, and the generator loaded it. kill -9 of the trainer
+both processes and leaves nothing behind; resumed over gloo (the nccl protocol), where both
+processes gather a whole copy onto their own devices and process 0 broadcasts its copy, it
+ends with the generator holding the final checkpoint's params. kill -9 of the trainer
 actor mid-run stops the run with one line naming it. The pieces' assembly refuses a gap, an
 overlap or a wrong layout whole. Bad settings are one-line errors naming the key; trainer
 processes go to nodes of their own, else beside the driver.
@@ -56,8 +56,8 @@ LEARN_STEPS, KILL_AT_STEP, MARGIN, SEED = 400, 60, 0.10, 1
 
 
 def run_config(kind: str, workdir: str, model_dir: str, steps: int) -> config_lib.Config:
-  """The driver's runs. 'learn': the learning run. 'short' (FLAGS, as the main command runs it)
-  and 'gloo': a small batch, the weights through the object store or over gloo."""
+  """The driver's runs. 'learn': the learning run. 'gloo': FLAGS's small batch (as the main
+  command runs it), the weights over gloo."""
   c = config_lib.load_preset('tiny')
   c.model.path = model_dir
   c.generation.placement, c.generation.num_generators = 'ray', 1
@@ -72,8 +72,7 @@ def run_config(kind: str, workdir: str, model_dir: str, steps: int) -> config_li
     c.generation.num_generators, c.cluster.num_cpus = 2, 3
   else:
     c.rl.batch_size, c.rl.group_size, c.generation.num_slots = 16, 4, 16
-    if kind == 'gloo':
-      c.generation.remote.weight_transport = 'gloo'
+    c.generation.remote.weight_transport = 'gloo'
   return config_lib.validate(c)
 
 
@@ -248,10 +247,13 @@ def test_two_process_run_learns_while_a_generator_actor_is_killed(tmp_path):
   assert reasons['stop'] >= 0.9 * len(result['samples']), reasons
 
 
-def test_ctrl_c_saves_from_both_processes_and_the_run_resumes(model_dir, tmp_path, monkeypatch):
-  """Ctrl-C after the first step: both processes stop, save and leave nothing. The same run
-  resumed (2 processes again) continues from that checkpoint to its end, and the last weights
-  the generator was sent equal the final checkpoint's."""
+def test_ctrl_c_saves_from_both_processes_and_the_run_resumes_over_gloo(model_dir, tmp_path,
+                                                                        monkeypatch):
+  """Ctrl-C after the first step: both processes stop, save and leave nothing. The run resumed
+  from that checkpoint (2 processes again), with weight_transport='gloo' (the nccl protocol on
+  CPU), continues to its end: each update is gathered, by both processes, into a whole copy on
+  process 0's devices, which it broadcasts to the generator. The last one equals the final
+  checkpoint's params, and the generator loaded it, without a transport error."""
   monkeypatch.setenv('MH_MODEL_DIR', model_dir)
   # What a terminal does: SIGINT to the whole foreground group (the trainer actor is in Ray's).
   code, output, tree = _run_main_until_a_step(tmp_path, lambda proc, _: os.killpg(proc.pid,
@@ -267,24 +269,13 @@ def test_ctrl_c_saves_from_both_processes_and_the_run_resumes(model_dir, tmp_pat
   tree.assert_clean(timeout_s=20)
 
   total = saved[-1] + 3
-  last, output = run_driver(tmp_path, 'short', workdir, model_dir, total)
+  last, output = run_driver(tmp_path, 'gloo', workdir, model_dir, total)
   assert f'resuming from {workdir / "checkpoints"} at step {saved[-1]}' in output, output[-4000:]
-  assert last['steps'] == total
+  assert last['steps'] == total and last['loaded'] == total
+  assert last['transport_errors'] == []
   records = [r for r in metrics_lib.read_metrics(str(workdir / 'metrics.jsonl')) if 'step' in r]
   assert [r['step'] for r in records] == list(range(1, total + 1))  # one writer, no step twice
-  assert_sent_the_final_checkpoint(last, run_config('short', str(workdir), model_dir, total),
-                                   workdir)
-
-
-def test_gloo_from_two_processes_broadcasts_process_0s_gathered_copy(model_dir, tmp_path):
-  """weight_transport='gloo' (the nccl protocol on CPU): each update is gathered, by both
-  processes, into a whole copy on process 0's devices, which it broadcasts to the generator. The
-  last one equals the final checkpoint's params, and the generator loaded it, without an error."""
-  workdir, steps = tmp_path / 'run', 3
-  last, _ = run_driver(tmp_path, 'gloo', workdir, model_dir, steps)
-  assert last['steps'] == steps and last['loaded'] == steps
-  assert last['transport_errors'] == []
-  assert_sent_the_final_checkpoint(last, run_config('gloo', str(workdir), model_dir, steps),
+  assert_sent_the_final_checkpoint(last, run_config('gloo', str(workdir), model_dir, total),
                                    workdir)
 
 

@@ -47,9 +47,10 @@ sleep 10
 
 # The driver, on the head node (this batch script runs there).
 status=0
+# (Weights go the config's way: its weight_transport, nccl in the GPU presets; the flags may
+# override it, e.g. --config.generation.remote.weight_transport=object_store.)
 "$PYTHON" -m pipelinerl_jax.main --config.cluster.address="$head_ip:$PORT" \
-    --config.generation.placement=ray --config.train.num_processes="$TRAINERS" \
-    --config.generation.remote.weight_transport=object_store "$@" || status=$?
+    --config.generation.placement=ray --config.train.num_processes="$TRAINERS" "$@" || status=$?
 ray stop  # on the head; the other nodes' `ray start --block` end with the job step
 kill $(jobs -p) 2>/dev/null || true
 exit $status
