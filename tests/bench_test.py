@@ -238,6 +238,11 @@ def test_speedup_over_seeds_when_a_side_misses_seeds():
   out = ablations.speedup_over_seeds(_seeds('pipeline', [None, None]),
                                      {'conv1': _seeds('conv1', [100.0, 100.0])}, 0.8)
   assert out['value'] is None and out['lower_bound'] is None and 'never' in out['note']
+  # Another placement of the pipeline is named as itself in the notes.
+  out = ablations.speedup_over_seeds(_seeds('pipeline-disjoint', [None]),
+                                     {'conv1': _seeds('conv1', [100.0])}, 0.8,
+                                     name='pipeline-disjoint')
+  assert out['note'].startswith('pipeline-disjoint never reached 0.8')
 
 
 def test_single_seed_speedup_is_the_seed_aggregate_of_one():

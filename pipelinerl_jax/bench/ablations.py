@@ -241,9 +241,10 @@ def to_target_over_seeds(summaries: Sequence[dict[str, Any]], target: float) -> 
 
 
 def speedup_over_seeds(pipeline: Sequence[dict[str, Any]],
-                       conventional: dict[str, Sequence[dict[str, Any]]], target: float
-                       ) -> dict[str, Any]:
+                       conventional: dict[str, Sequence[dict[str, Any]]], target: float,
+                       name: str = 'pipeline') -> dict[str, Any]:
   """Speedup of the pipeline over the best conventional mode, with its spread over seeds.
+  `name`: the pipeline's mode, as the notes call it (e.g. 'pipeline-disjoint').
 
   `pipeline` holds `summarize` dicts, one per seed; `conventional` maps each mode's name to
   its dicts for the same seeds in the same order. The best conventional mode has the lowest
@@ -273,13 +274,13 @@ def speedup_over_seeds(pipeline: Sequence[dict[str, Any]],
     out['note'] = 'no conventional mode to compare with'
     return out
   if pipe_stats['n'] == 0:
-    out['note'] = f'pipeline never reached {key}: no speedup can be given'
+    out['note'] = f'{name} never reached {key}: no speedup can be given'
     return out
   conv_times = {name: to_target_over_seeds(runs, target)['time_s']
                 for name, runs in conventional.items()}
   conv_stats = {name: seed_stats(times) for name, times in conv_times.items()}
   most_seeds = max(s['n'] for s in conv_stats.values())
-  pipe_missed = (f'pipeline reached {key} in {pipe_stats["n"]} of {num_seeds} seeds: no '
+  pipe_missed = (f'{name} reached {key} in {pipe_stats["n"]} of {num_seeds} seeds: no '
                  'value, a median over those would flatter it')
   if most_seeds == 0:
     if pipe_stats['n'] < num_seeds:
@@ -290,7 +291,7 @@ def speedup_over_seeds(pipeline: Sequence[dict[str, Any]],
     out['lower_bound'] = shortest / pipe_stats['median']
     out['note'] = (f'no conventional mode reached {key} within its budget: the speedup is at '
                    f'least {out["lower_bound"]:.2f} (shortest median conventional run / '
-                   'pipeline median time to target)')
+                   f'{name} median time to target)')
     return out
 
   best = min((s['median'], name) for name, s in conv_stats.items() if s['n'] == most_seeds)[1]
@@ -310,7 +311,7 @@ def speedup_over_seeds(pipeline: Sequence[dict[str, Any]],
     notes.append(pipe_missed)
   else:
     out['value'] = conv_stats[best]['median'] / pipe_stats['median']
-    notes.append(f'{best} took {conv_stats[best]["median"]:.0f} s, pipeline '
+    notes.append(f'{best} took {conv_stats[best]["median"]:.0f} s, {name} '
                  f'{pipe_stats["median"]:.0f} s' + (' (medians)' if num_seeds > 1 else ''))
   out['note'] = '; '.join(notes)
   return out

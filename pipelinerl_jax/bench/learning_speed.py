@@ -243,7 +243,7 @@ def main(argv=None):
   conv = {m: summaries[m] for m in modes if throughput_model.is_conventional(m)}
   speedup = ablations.speedup_over_seeds(summaries['pipeline'], conv, args.target)
   # Other placements of PipelineRL (pipeline-disjoint) against the same conventional modes.
-  placements = {m: ablations.speedup_over_seeds(summaries[m], conv, args.target)
+  placements = {m: ablations.speedup_over_seeds(summaries[m], conv, args.target, name=m)
                 for m in modes if m != 'pipeline' and not throughput_model.is_conventional(m)}
   by_threshold = {f'{t:g}': ablations.speedup_over_seeds(summaries['pipeline'], conv, t)['value']
                   for t in THRESHOLDS}
