@@ -164,8 +164,9 @@ def whole_per_process(tree: Any, dtype) -> Any:
     by_process.setdefault(d.process_index, []).append(d)
   counts = {len(ds) for ds in by_process.values()}
   if len(counts) != 1:
-    raise ValueError('config.train.mesh: every trainer process must hold as many of its devices '
-                     f'(per process: { {p: len(ds) for p, ds in by_process.items()} })')
+    raise ValueError('config.train.mesh: every trainer process must hold as many of the '
+                     'mesh\'s devices as the others, to hold one whole copy of the params each '
+                     f'(devices per process: { {p: len(ds) for p, ds in by_process.items()} })')
   grid = np.array([by_process[p] for p in sorted(by_process)])
   mesh = Mesh(grid, ('process', 'local'))
 
