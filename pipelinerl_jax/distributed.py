@@ -151,13 +151,11 @@ def whole_per_process(tree: Any, dtype) -> Any:
   their count divides, else replicated on them), as arrays this process alone holds. A
   collective: every process calls it, in the same order. The gather runs in XLA, device to
   device (NCCL between GPU hosts), and a copy costs each device 1/L of the model, where
-  `whole` costs the whole model. In one process: a copy in `dtype`, sharded as `tree` is."""
+  `whole` costs the whole model."""
   leaves, treedef = jax.tree.flatten(tree)
   if not leaves:
     return tree
   dtype = np.dtype(dtype)
-  if jax.process_count() == 1:
-    return jax.tree.unflatten(treedef, jax.jit(_cast, static_argnums=1)(leaves, dtype))
   devices = leaves[0].sharding.mesh.devices.flat
   by_process: dict[int, list] = {}
   for d in sorted(devices, key=lambda d: (d.process_index, d.id)):

@@ -277,8 +277,10 @@ def follow(config: config_lib.Config, workdir: str, model_dir: str,
       publish = lambda params, version: distributed.whole(params)  # noqa: E731 (a collective)
     elif config.generation.remote.weight_transport != 'object_store':
       wire_dtype = build_lib.transport_dtype(config, learner.model_config, model_dir)
-      # The gather that gives process 0 its copy to broadcast (this one is dropped).
-      publish = lambda params, version: distributed.whole_per_process(params, wire_dtype)  # noqa: E731
+
+      def publish(params, version):  # the gather that gives process 0 its copy to broadcast
+        del version
+        distributed.whole_per_process(params, wire_dtype)  # (this process's copy is dropped)
     else:
       publish = stash.publish
     publish(learner.state.params, int(learner.state.step))  # what process 0's build hands its engine

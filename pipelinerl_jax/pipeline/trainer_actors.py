@@ -4,12 +4,13 @@
   launch(config)            places the N-1 actors, starts each as trainer process k (it joins
                             with jax.distributed and follows process 0: pipeline/multiprocess.py),
                             and joins them as process 0. Leaving its `with` block ends them.
-  Launch.publication(p, v, dtype)  version v of the params from every process, for the generator
-                            pool. Object store: each process puts the pieces it holds into
-                            Ray's object store (transport/shards.py), and the generators
-                            assemble them. A collective (gloo, nccl): every process gathers a
-                            whole copy onto its own devices (distributed.whole_per_process),
-                            and process 0 broadcasts its copy to the generators
+  Launch.publication(p, v, d)
+                            version v of the params from every process, for the generator pool.
+                            Object store: each process puts the pieces it holds into Ray's
+                            object store (transport/shards.py), and the generators assemble
+                            them. A collective (gloo, nccl): every process gathers a whole copy
+                            in dtype d onto its own devices (distributed.whole_per_process), and
+                            process 0 broadcasts its copy to the generators
   Launch.watch(stop)        a loop of the run: a trainer actor that dies (killed, its node lost)
                             ends the run at once, with one line naming the process and its host
   TrainerProcess            the actor; its `Stash` keeps its pieces of the latest version until
