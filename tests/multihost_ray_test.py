@@ -80,7 +80,7 @@ def driver(kind: str, workdir: str, model_dir: str, out: str, steps: str) -> Non
   """Process 0 of a `run_config(kind)` run to `steps`. Records the last update the generator
   pool was handed, whole, the request ids it completed, and over gloo its transport errors once
   every actor has loaded the update. 'learn' kills the second generator actor when version
-  KILL_AT_STEP is published."""
+  KILL_AT_STEP + 1 is published."""
   import ray
   from pipelinerl_jax.generation.actors import pool as pool_lib
   from pipelinerl_jax.pipeline import launch
@@ -88,7 +88,8 @@ def driver(kind: str, workdir: str, model_dir: str, out: str, steps: str) -> Non
   last, completed, killed = {}, [], []
 
   def recording_update(self, params, version):
-    if kind == 'learn' and version == KILL_AT_STEP and not killed:
+    # After step KILL_AT_STEP's record is written (it follows that step's update).
+    if kind == 'learn' and version == KILL_AT_STEP + 1 and not killed:
       killed.append(self.members()[1]['pid'])
       os.kill(killed[0], signal.SIGKILL)  # an actor this run started
     if not isinstance(params, shards.Published):  # over gloo: process 0's gathered copy
