@@ -176,7 +176,9 @@ def _gpu_placement(c):
 
 def _gpu_model(c):
   """bf16 compute with fp32 master weights (Adam at lr 1e-6 would lose updates in bf16), fp32
-  lm_head (logprob mismatch with the generator), rematerialized layers for long sequences."""
+  lm_head (logprob mismatch with the generator), rematerialized layers for long sequences. The
+  run refuses to start where JAX has no GPU (--config.allow_cpu=True to debug on a CPU)."""
+  c.platform = 'gpu'
   c.model.param_dtype = 'float32'
   c.model.dtype = 'bfloat16'
   c.model.lm_head_fp32 = True

@@ -584,6 +584,11 @@ class LogConfig(_Section):
 @dataclasses.dataclass(frozen=True)
 class Config(_Section):
   seed: int = 0
+  # What the run is meant for: 'gpu' refuses to start where JAX has no GPU (platforms.py), as
+  # does a config whose settings need one; allow_cpu runs such a config on the CPU anyway
+  # (debugging).
+  platform: Literal['auto', 'gpu'] = 'auto'
+  allow_cpu: bool = False
   model: ModelSettings = ModelSettings()
   task: TaskConfig = TaskConfig()
   generation: GenerationConfig = GenerationConfig()

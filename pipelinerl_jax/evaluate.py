@@ -25,6 +25,7 @@ from ml_collections import config_flags
 from pipelinerl_jax import checkpoint as checkpoint_lib
 from pipelinerl_jax import config as config_lib
 from pipelinerl_jax import evaluation
+from pipelinerl_jax import platforms
 from pipelinerl_jax.demo import warmstart
 from pipelinerl_jax.models import hf_io
 from pipelinerl_jax.tasks import registry
@@ -35,7 +36,9 @@ def evaluate_checkpoint(config, checkpoint: str, *, k: int | None = None, n: int
   """What the CLI runs: params from `checkpoint`, architecture and tokenizer from the config's
   model (config.model.path, or the demo model) unless the checkpoint is an HF dir with its own
   config.json; the task's held-out problems."""
-  config = config_lib.validate(config)
+  config = config_lib.validate(config, runnable=False)
+  platforms.check(config)  # before the model or the data is looked at
+  config.check_runnable()
   model_dir = warmstart.model_dir_for(config)
   tokenizer = hf_io.load_tokenizer(model_dir)  # before the params: a missing one is one line
   has_config = os.path.isfile(os.path.join(checkpoint, hf_io.CONFIG_FILE))

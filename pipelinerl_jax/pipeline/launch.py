@@ -21,9 +21,10 @@ from pipelinerl_jax.pipeline import workdir as workdir_lib
 def run_experiment(config: ml_collections.ConfigDict | config_lib.Config, workdir: str,
                    interrupt: threading.Event | None = None) -> dict[str, Any]:
   """The whole run from a config; returns `run.run`'s summary."""
-  config = config_lib.validate(config)
+  config = config_lib.validate(config, runnable=False)  # run_with_model checks the GPU first
   if not run_lib.launches_trainers(config):
     return run_lib.run_with_model(config, workdir, interrupt)
+  config.check_runnable()
   build_lib.check_backend_installed(config)  # Ray
   workdir_lib.check_dir(workdir, '--workdir')
   from pipelinerl_jax.pipeline import trainer_actors  # imports Ray: only when it is used

@@ -29,6 +29,7 @@ from pipelinerl_jax import checkpoint as checkpoint_lib
 from pipelinerl_jax import cluster as cluster_lib
 from pipelinerl_jax import config as config_lib
 from pipelinerl_jax import distributed
+from pipelinerl_jax import platforms
 from pipelinerl_jax import train
 from pipelinerl_jax.demo import warmstart
 from pipelinerl_jax.models import hf_io
@@ -54,8 +55,10 @@ def run_with_model(config: config_lib.Config, workdir: str,
   """Joins the trainer's processes, finds or builds the model (config.model.path or the demo
   model), then `run`. What every trainer process runs; `launch.run_experiment` (the main
   command) starts the others first when they are Ray actors."""
-  config = config_lib.validate(config)
+  config = config_lib.validate(config, runnable=False)
   distributed.initialize(config.train)  # before any JAX computation; nothing for one process
+  platforms.check(config)  # a run meant for GPUs on a CPU: before anything else is looked at
+  config.check_runnable()
   build_lib.check_backend_installed(config)  # before the demo model is built
   workdir_lib.check_dir(workdir, '--workdir')
   model_dir = distributed.primary_first(lambda: warmstart.model_dir_for(config), 'demo model')
