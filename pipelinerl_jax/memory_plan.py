@@ -11,18 +11,19 @@ other terms are estimates from the shapes, each named in `Plan.trainer` / `Plan.
 
 trainer device (one of the train mesh; tensor-parallel devices hold the same rows)
   params, adam        master weights and both moments, as sharded (param_dtype, fp32 here)
-  grads               the accumulated gradient and the current micro-batch's (param_dtype)
-  update              the optimizer's update before it is applied (param_dtype)
+  grads               the accumulated gradient and the current micro-batch's (param_dtype);
+                      the optimizer's update is made after the backward pass, in the space the
+                      micro-batch's activations leave, so it is not counted beside them
   gathered            fsdp > 1 gathers a layer's weights to use them: two layers in flight plus
                       one layer's gradient, whole, and the embedding and lm_head whole
   saved               activations kept for the backward pass: each layer's input with remat,
                       every intermediate without
-  layer               one layer's recomputed intermediates and their gradients (x2)
+  layer               one layer's recomputed intermediates (live during its backward pass)
   attention           dense: the fp32 [T, T] scores, their gradient and the probabilities, per
                       head and row; blockwise: four fp32 tiles of block_q x block_kv per head
                       and the O(T) log-sum-exp and dq accumulator
-  logits              `token_logprobs` makes fp32 logits 1024 positions at a time: logits,
-                      softmax, their product and the gradient, [rows, 1024, V] each
+  logits              `token_logprobs` makes fp32 logits 1024 positions at a time: the logits
+                      and their softmax (or gradient), [rows, 1024, V] each
   batch               the step's packed batch, every micro-batch (7 arrays of 4 bytes a token)
   published           placement 'ray' over nccl/gloo: the copy of the params the pool keeps to
                       send (and re-send after a restart), in the wire dtype, sharded like the
@@ -179,16 +180,33 @@ def _attention_bytes(m: transformer.ModelConfig, rows: int, t: int) -> tuple[int
 
 def trainer_memory(m: transformer.ModelConfig, config: config_lib.Config,
                    mesh: AbstractMesh) -> tuple[dict[str, int], dict[str, Any]]:
-  optimizer = train.make_optimizer(config.optimizer)
+  """The trainer device's terms for the config's worst-case batch (`worst_case_rows`)."""
+  data_parallel = mesh.shape['data'] * mesh.shape['fsdp']
+  rows, rows_per_micro = worst_case_rows(config, data_parallel)
+  memory, facts = train_step_memory(m, config.optimizer, mesh, rows // data_parallel,
+                                    rows_per_micro, config.train.seq_len)
+  facts.update(rows_per_step=rows,
+               micro_batches=rows // (rows_per_micro * data_parallel))
+  return memory, facts
+
+
+def train_step_memory(m: transformer.ModelConfig, optimizer_config: config_lib.OptimizerConfig,
+                      mesh: AbstractMesh, rows_per_shard: int, rows_per_micro: int, t: int
+                      ) -> tuple[dict[str, int], dict[str, Any]]:
+  """One trainer device's terms for a step over `rows_per_shard` packed rows of `t` tokens, run
+  `rows_per_micro` rows at a time (what the GPU kit compares with measured peaks).
+
+  Calibrated against the peaks of the first H100 run (2026-11-26, Qwen2.5-0.5B and 1.5B shapes,
+  bf16, remat, 8k rows): the optimizer's update is made after the backward pass has freed the
+  micro-batch's activations, so it is not counted beside them (the micro-batch gradient is);
+  `token_logprobs` holds two fp32 [rows, 1024, V] chunks at once, and one layer's
+  intermediates are live during its backward pass."""
+  optimizer = train.make_optimizer(optimizer_config)
   params = jax.eval_shape(functools.partial(transformer.init_params, m), jax.random.PRNGKey(0))
   state = jax.eval_shape(functools.partial(train.init_train_state, optimizer=optimizer), params)
   shardings = train.state_shardings(state, mesh)
   param_bytes = _sharded_bytes(state.params, shardings.params)
   opt_bytes = _sharded_bytes(state.opt_state, shardings.opt_state)
-
-  data_parallel = mesh.shape['data'] * mesh.shape['fsdp']
-  rows, rows_per_micro = worst_case_rows(config, data_parallel)
-  t = config.train.seq_len
   tokens = rows_per_micro * t
   pb, dt = _bytes(m.param_dtype), _bytes(m.dtype)
   d, v, l = m.hidden_size, m.vocab_size, m.num_layers
@@ -204,13 +222,11 @@ def trainer_memory(m: transformer.ModelConfig, config: config_lib.Config,
   else:
     saved = l * (layer + attn_saved)
   chunk = min(LOGITS_CHUNK, t)
-  logits = 4 * rows_per_micro * chunk * v * 4 + tokens * d * 4
-  memory = dict(params=param_bytes, adam=opt_bytes, grads=2 * param_bytes, update=param_bytes,
-                gathered=gathered, saved=saved, layer=2 * layer, attention=attn_work,
-                logits=logits, batch=rows // data_parallel * t * BATCH_BYTES_PER_TOKEN)
-  facts = dict(rows_per_step=rows, rows_per_micro_batch=rows_per_micro,
-               micro_batches=rows // (rows_per_micro * data_parallel),
-               tokens_per_micro_batch=tokens,
+  logits = 2 * rows_per_micro * chunk * v * 4 + tokens * d * 4
+  memory = dict(params=param_bytes, adam=opt_bytes, grads=2 * param_bytes, gathered=gathered,
+                saved=saved, layer=layer, attention=attn_work, logits=logits,
+                batch=rows_per_shard * t * BATCH_BYTES_PER_TOKEN)
+  facts = dict(rows_per_micro_batch=rows_per_micro, tokens_per_micro_batch=tokens,
                replicated_on_fsdp=sharding_lib.replicated_on_fsdp(
                    params, mesh, LARGE_PARAM_FRACTION))
   return memory, facts

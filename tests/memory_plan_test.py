@@ -174,7 +174,7 @@ def compiled_peak_bytes(model_config, rows, t, num_micro):
 @pytest.mark.parametrize('attention,remat,dtype,seq_len', [
     ('dense', False, 'float32', 1024), ('blockwise', False, 'float32', 2048),
     ('blockwise', True, 'float32', 2048), ('dense', True, 'bfloat16', 1024)])
-def test_trainer_estimate_bounds_xla_within_a_small_factor(attention, remat, dtype, seq_len):
+def test_trainer_estimate_is_within_a_small_factor_of_xla_on_cpu(attention, remat, dtype, seq_len):
   c = config_lib.base_config()
   c.model.attention, c.model.remat, c.model.dtype = attention, remat, dtype
   c.model.attention_block_q = c.model.attention_block_kv = 256
@@ -188,7 +188,10 @@ def test_trainer_estimate_bounds_xla_within_a_small_factor(attention, remat, dty
   assert (facts['rows_per_micro_batch'], facts['micro_batches']) == (1, 2)
   planned = sum(terms.values())
   actual = compiled_peak_bytes(m, 1, seq_len, 2)
-  assert actual <= planned <= 2.5 * actual, (planned / 2**20, actual / 2**20)
+  # The plan is calibrated on peaks measured on an H100 (within 3% above them at Qwen2.5-0.5B and
+  # 1.5B shapes); CPU's buffer assignment of these tiny models runs up to ~10% above it (fixed
+  # temporaries that large models dwarf).
+  assert 0.85 * actual <= planned <= 2.5 * actual, (planned / 2**20, actual / 2**20)
 
 
 def run_cli(*flags):
@@ -232,3 +235,23 @@ def test_several_trainer_processes_keep_a_whole_copy_over_each_process_devices()
   two = memory_plan.publishing_memory(m, config, param_bytes, 'bfloat16', train_devices=8)
   assert two['published'] == 2 * -(-m.num_params * 2 // 4)
   assert two['sending'] == one['sending']
+
+
+H100_RUN = ROOT / 'docs/gpu_h100_2026-11-26/kit-env-train-engine-publish.json'
+
+
+def test_plan_is_just_above_the_peaks_measured_on_an_h100():
+  """The first H100 run's train items (Qwen2.5 shapes, 8 rows of 8192, 1 per micro-batch, bf16,
+  remat): the plan of those shapes lies at or above XLA's measured peak, by at most 10%."""
+  import dataclasses
+  import json
+  from pipelinerl_jax.bench import train_step as train_bench
+  report = json.loads(H100_RUN.read_text())
+  mesh = AbstractMesh((1, 1, 1), sharding_lib.MESH_AXES)
+  for item in report['sections']['train']['items']:
+    m = dataclasses.replace(train_bench.MODEL_PRESETS[item['model']], dtype=item['dtype'],
+                            remat=item['remat'])
+    terms, _ = memory_plan.train_step_memory(m, config_lib.OptimizerConfig(), mesh, item['rows'],
+                                             item['rows'] // item['micro'], item['seq_len'])
+    peak = item['memory']['peak_bytes_in_use']
+    assert peak <= sum(terms.values()) <= 1.10 * peak, (item['model'], sum(terms.values()), peak)
