@@ -26,7 +26,7 @@ test: venv
 
 # The GPU proof kit's --quick mode, on CPU: the same code as the full GPU run at toy sizes.
 gpu-check: venv
-	JAX_PLATFORMS=cpu $(PY) -m pipelinerl_jax.bench.gpu --quick --out=runs/gpu_check.json
+	JAX_PLATFORMS=cpu $(PY) -m pipelinerl_jax.bench.gpu --quick --platform=cpu --out=runs/gpu_check.json
 
 clean-venv:
 	rm -rf $(VENV)

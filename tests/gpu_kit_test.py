@@ -97,10 +97,12 @@ def positive(x) -> bool:
 def test_quick_runs_every_section_without_image_absent_packages(quick):
   report, _ = quick
   assert report['quick'] and list(report['sections']) == list(gpu.SECTIONS)
+  assert report['preset'] == 'quick' and report['platform'] == 'cpu'
   for name, section in report['sections'].items():
     assert section['status'] == 'ok', (name, section.get('error'), section['items'])
     assert section['imported_absent_on_image'] == [], name
     assert all(i['status'] == 'ok' for i in section['items']), name
+    assert section['jax_warnings'] == [] and section['output_tail'], name
   # config.py (which the train step's LossConfig / OptimizerConfig come from) needs
   # ml_collections: the one carried package, and nothing else outside the image.
   for name in ('e2e', 'train'):
@@ -124,8 +126,10 @@ def test_quick_train_step_counts_flops_and_leaves_mfu_to_known_peaks(quick):
   (name, r), = items(report, 'train').items()
   assert name == 'tiny' and r['dtype'] == 'bfloat16' and r['remat'] is True
   for key in ('tokens_per_s', 'flop_per_s', 'flops_per_step', 'step_s_median', 'compile_s',
-              'dense_attention_flops', 'memory_estimate_bytes'):
+              'dense_attention_flops', 'memory_plan_bytes'):
     assert positive(r[key]), key
+  assert r['memory_plan_bytes'] == sum(r['memory_plan_terms'].values())
+  assert r['plan_over_peak'] is None  # CPU: no measured peak
   assert math.isfinite(r['loss']) and r['samples'] > r['rows']
   assert r['mfu'] is None  # CPU: no datasheet peak
   matmul = items(report, 'env')['bf16_matmul']['tflops']
@@ -286,6 +290,67 @@ def test_section_env_sets_device_count_and_keeps_user_settings():
   assert env['XLA_PYTHON_CLIENT_PREALLOCATE'] == 'true'  # the user's choice wins
   assert gpu.child_env('env', {})['XLA_PYTHON_CLIENT_PREALLOCATE'] == 'false'
   assert str(ROOT) in gpu.child_env('env', {})['PYTHONPATH'].split(os.pathsep)
+
+
+def test_one_memory_fraction_variable_is_set_never_both():
+  """jaxlib refuses XLA_CLIENT_MEM_FRACTION beside XLA_PYTHON_CLIENT_MEM_FRACTION (its CUDA
+  backend does not start, JAX falls back to the CPU): the kit sets the one it reads, and leaves
+  a user's own choice of either alone."""
+  names = (gpu.MEM_FRACTION_VAR, gpu.DEPRECATED_MEM_FRACTION_VAR)
+  assert [n in gpu.child_env('env', {}) for n in names] == [True, False]
+  for name in names:
+    env = gpu.child_env('train', {name: '0.5'})
+    assert [n in env for n in names] == [n == name for n in names] and env[name] == '0.5'
+  source = (ROOT / 'pipelinerl_jax/bench/gpu.py').read_text()
+  assert source.count(f"'{gpu.DEPRECATED_MEM_FRACTION_VAR}'") == 1  # named, never set
+
+
+def test_both_memory_fraction_variables_are_refused_in_one_line(capsys, monkeypatch):
+  monkeypatch.setenv(gpu.MEM_FRACTION_VAR, '0.9')
+  monkeypatch.setenv(gpu.DEPRECATED_MEM_FRACTION_VAR, '0.9')
+  with pytest.raises(SystemExit) as e:
+    gpu.main(['--quick', '--sections=env'])
+  assert e.value.code == 2 and 'not both' in capsys.readouterr().err
+
+
+def test_a_gpu_run_on_a_cpu_backend_stops_in_one_line(tmp_path):
+  """What the first H100 run needed: JAX on the CPU where the GPU was asked for stops the kit
+  at its first section, in one line with JAX's reason, exit 1, nothing else started."""
+  out = tmp_path / 'gpu.json'
+  proc = run_kit(['--platform=gpu', '--quick', '--sections=env,train', f'--out={out}'],
+                 {**os.environ, 'JAX_PLATFORMS': 'cpu'}, timeout=120)
+  assert proc.returncode == 1
+  (line,) = proc.stdout.strip().splitlines()
+  assert line.startswith("error: --platform=gpu: JAX's backend is cpu: ")
+  assert "JAX_PLATFORMS='cpu' leaves the GPU out" in line
+  report = json.loads(out.read_text())
+  env, train = report['sections']['env'], report['sections']['train']
+  assert env['status'] == 'error' and env['platform_error'] and env['items'] == []
+  assert train['status'] == 'skipped' and train['reason'].startswith('not started: --platform')
+
+
+def test_jax_warnings_are_kept_for_the_json():
+  import logging
+  kept = gpu._KeepWarnings()
+  logger = logging.getLogger('jax._src.xla_bridge')
+  logger.addHandler(kept)
+  try:
+    logger.warning('An NVIDIA GPU may be present on this machine,\n but a CUDA-enabled jaxlib '
+                   'is not installed. Falling back to cpu.')
+    logger.info('not kept')
+  finally:
+    logger.removeHandler(kept)
+  assert kept.messages == ['jax._src.xla_bridge: An NVIDIA GPU may be present on this machine, '
+                           'but a CUDA-enabled jaxlib is not installed. Falling back to cpu.']
+
+
+def test_presets_short_is_one_size_of_each_gpu_section():
+  short = gpu.PRESETS['short']
+  assert short.sections == ('env', 'train', 'engine', 'publish')
+  assert len(short.train_models) == 1 and short.engine_slots == (256,)
+  assert short.budget_s <= 200 and gpu.FULL.budget_s <= 540  # within a 10-minute command
+  assert gpu.FULL.e2e_presets == ('tiny', 'reasoning') and gpu.QUICK.e2e_presets == ('tiny',)
+  assert set(gpu.FULL.sections) == set(gpu.SECTIONS)
 
 
 def test_bad_sections_are_refused_with_one_line(capsys):

@@ -1,7 +1,14 @@
 """GPU proof kit: one command that measures the JAX side of the system on one accelerator.
 
   python -m pipelinerl_jax.bench.gpu [--out PATH] [--budget_s 510] [--sections env,train,...]
+  python -m pipelinerl_jax.bench.gpu --preset=short   # ~3 minutes: checks a fix on the GPU
   python -m pipelinerl_jax.bench.gpu --quick      # the same code at toy sizes (`make gpu-check`)
+  python -m pipelinerl_jax.bench.gpu --prepare_models=DIR   # here, on CPU: the e2e warm starts
+
+Every section first checks that JAX's backend is the one asked for (`--platform`, default gpu
+where the OS shows an NVIDIA device): a run meant for the GPU that JAX put on the CPU stops at
+once, in one line carrying JAX's own reason, and exits 1. JAX's warnings and the end of each
+section's output go into its JSON.
 
 Sections, in this order:
   env      devices and versions (JAX, jaxlib, CUDA, torch), the bf16 peak used for MFU (from the
@@ -18,8 +25,14 @@ Sections, in this order:
            against one plain device copy of the same bytes; JAX to torch over DLPack (data
            pointers must be equal; time), for single-device params and for params placed on a
            mesh of every local device, sharded and replicated, shard by shard.
-  e2e      a short PipelineRL run of the `tiny` preset (TensorBoard off): reward, first steps
-           against last steps.
+  e2e      short PipelineRL runs of the `tiny` preset and of the `reasoning` preset (the paper's
+           regime: samples decoded across several updates), TensorBoard off: reward, first steps
+           against last steps. Their warm-started demo models are built once, on CPU, with
+           --prepare_models and carried to the GPU (--model_cache), as building them there would
+           take the budget.
+
+The train section records the memory plan's estimate (memory_plan.py, the planner runs use)
+beside the measured peak for each size.
 
 Each section runs in its own process with a share of the time budget (unused time passes on to
 the next) and is killed at the end of its share, keeping the items it had finished; a crash, an
@@ -31,11 +44,13 @@ sizes whose estimated memory exceeds what the device offers. Prints a table, wri
 from __future__ import annotations
 
 import argparse
+import collections
 import dataclasses
 import datetime
 import gc
 import importlib.metadata
 import json
+import logging
 import math
 import os
 import pathlib
@@ -46,21 +61,25 @@ import statistics
 import subprocess
 import sys
 import time
+import threading
 import traceback
 from typing import Any, Callable
+
+from pipelinerl_jax import platforms  # imports no JAX
 
 # jax and the project are imported inside the sections: the parent only starts processes, so it
 # never holds the device, and an import that fails costs one section, not the kit.
 
 SECTIONS = ('env', 'train', 'engine', 'publish', 'e2e')
 # Shares of the time budget; a section's share is taken from what is left when it starts.
-SECTION_WEIGHTS = dict(env=2.0, train=9.0, engine=6.0, publish=2.0, e2e=5.0)
+SECTION_WEIGHTS = dict(env=2.0, train=9.0, engine=6.0, publish=2.0, e2e=6.0)
 MIN_SECTION_S = 3.0          # a share shorter than this is not started
 KILL_GRACE_S = 10.0          # past its share a section is killed after at most this
 # Simulated CPU devices per section (ignored on GPU): the publish section's mesh case needs
 # several to put more than one shard in play on CPU.
 CPU_DEVICES = dict(env=1, train=1, engine=1, publish=4, e2e=1)
 MEMORY_HEADROOM = 0.85       # a size is run only if its estimate fits in this share of memory
+OUTPUT_TAIL_LINES = 40       # of each section's output, kept in its JSON
 
 # Packages the lent GPU image does not have (see the README's "GPU proof kit"): the kit must not
 # import them; CARRIED travel as wheels (tools/gpu_wheels.sh).
@@ -98,25 +117,35 @@ class Sizes:
   e2e_rl_s: float                 # RL wall-clock cap of the end-to-end run (0 = steps only)
   e2e_steps: int                  # and its step cap
   budget_s: float
+  sections: tuple[str, ...] = SECTIONS  # run by default, in this order
+  e2e_presets: tuple[str, ...] = ('tiny', 'reasoning')
 
 
 FULL = Sizes(train_models=('qwen2.5-0.5b', 'qwen2.5-1.5b'), train_rows=8, train_seq_len=8192,
              train_micro=8, train_steps=3, engine_model='qwen2.5-0.5b',
              engine_slots=(64, 256, 512), prompt_len=256, new_tokens=1024,
              publish_models=('qwen2.5-0.5b', 'qwen2.5-1.5b'), repeats=10, matmul_n=8192,
-             copy_mib=1024, e2e_rl_s=90.0, e2e_steps=100_000, budget_s=510.0)
+             copy_mib=1024, e2e_rl_s=45.0, e2e_steps=100_000, budget_s=510.0)
+# About 3 minutes of a lease: a fix checked on the sizes that matter most.
+SHORT = dataclasses.replace(FULL, train_models=('qwen2.5-1.5b',), engine_slots=(256,),
+                            publish_models=('qwen2.5-0.5b',), budget_s=180.0,
+                            sections=('env', 'train', 'engine', 'publish'))
 QUICK = Sizes(train_models=('tiny',), train_rows=4, train_seq_len=64, train_micro=2,
               train_steps=2, engine_model='tiny', engine_slots=(2, 4), prompt_len=8,
               new_tokens=8, publish_models=('tiny',), repeats=3, matmul_n=256, copy_mib=4,
-              e2e_rl_s=0.0, e2e_steps=3, budget_s=300.0)
+              e2e_rl_s=0.0, e2e_steps=3, budget_s=300.0, e2e_presets=('tiny',))
+PRESETS = dict(full=FULL, short=SHORT, quick=QUICK)
 
 
 # ---------------------------------------------------------------------------------------------
 # JAX version differences, here and nowhere else: the kit runs on the pinned JAX (0.10) and on
 # the GPU image's (0.11); everything else it uses is the same in both.
 
-# The allocator's memory fraction: XLA_CLIENT_MEM_FRACTION is the newer name; set both.
-MEM_FRACTION_VARS = ('XLA_PYTHON_CLIENT_MEM_FRACTION', 'XLA_CLIENT_MEM_FRACTION')
+# The allocator's memory fraction. jaxlib 0.10 and 0.11 read XLA_CLIENT_MEM_FRACTION, and the
+# deprecated XLA_PYTHON_CLIENT_MEM_FRACTION only alone: given both, the CUDA backend refuses to
+# start and JAX falls back to the CPU (the first GPU run, 2026-11-26). The kit sets one.
+MEM_FRACTION_VAR = 'XLA_CLIENT_MEM_FRACTION'
+DEPRECATED_MEM_FRACTION_VAR = 'XLA_PYTHON_CLIENT_MEM_FRACTION'
 _COMPILES: list[int] | None = None
 
 
@@ -169,15 +198,17 @@ def kv_cache_bytes(config, num_slots: int, max_len: int) -> int:
           * itemsize)
 
 
-def train_memory_bytes(config, rows_per_micro: int, seq_len: int) -> int:
-  """A rough upper estimate of the train step's peak memory: fp32 params, two Adam moments, the
-  accumulated and the micro-batch gradients; each layer's saved input (remat); one layer's
-  T x T scores and probabilities with their gradients; a few chunks of fp32 logits."""
-  state = 5 * 4 * config.num_params
-  act = 2 * rows_per_micro * seq_len * config.hidden_size * (config.num_layers + 8)
-  attention = rows_per_micro * config.num_heads * seq_len * seq_len * (4 + 4 + 2 + 2)
-  logits = 4 * rows_per_micro * min(1024, seq_len) * config.vocab_size * 4
-  return state + act + attention + logits
+def train_memory_plan(config, rows: int, rows_per_micro: int, seq_len: int) -> dict[str, int]:
+  """The memory plan's terms (memory_plan.py, what runs are planned with) for one device running
+  the kit's train step: fp32 master weights, Adam, bf16 compute, these packed rows."""
+  from jax.sharding import AbstractMesh
+  from pipelinerl_jax import config as config_lib
+  from pipelinerl_jax import memory_plan
+  from pipelinerl_jax import sharding as sharding_lib
+  mesh = AbstractMesh((1, 1, 1), sharding_lib.MESH_AXES)
+  terms, _ = memory_plan.train_step_memory(config, config_lib.OptimizerConfig(), mesh, rows,
+                                           rows_per_micro, seq_len)
+  return terms
 
 
 def dense_attention_flops(config, rows: int, seq_len: int) -> float:
@@ -219,8 +250,8 @@ def child_env(section: str, base: dict[str, str]) -> dict[str, str]:
   env = dict(base)
   # Torch and JAX share the GPU in the publish section; each section is alone on the device.
   env.setdefault('XLA_PYTHON_CLIENT_PREALLOCATE', 'false')
-  for name in MEM_FRACTION_VARS:  # each section is alone on the device
-    env.setdefault(name, '0.90')
+  if MEM_FRACTION_VAR not in env and DEPRECATED_MEM_FRACTION_VAR not in env:
+    env[MEM_FRACTION_VAR] = '0.90'  # each section is alone on the device
   env.setdefault('TOKENIZERS_PARALLELISM', 'false')
   env['PYTHONUNBUFFERED'] = '1'
   flags = re.sub(r'--xla_force_host_platform_device_count=\S+', '', env.get('XLA_FLAGS', ''))
@@ -389,7 +420,9 @@ def run_train(s: Section) -> None:
   limit = memory_limit_bytes(device)
   for name in z.train_models:
     config = train_bench.MODEL_PRESETS[name]
-    need = train_memory_bytes(config, z.train_rows // z.train_micro, z.train_seq_len)
+    plan = train_memory_plan(dataclasses.replace(config, dtype='bfloat16', remat=True),
+                             z.train_rows, z.train_rows // z.train_micro, z.train_seq_len)
+    need = sum(plan.values())
     if need > MEMORY_HEADROOM * limit:
       s.skip(name, f'needs ~{need / 2**30:.1f} GiB, the device offers {limit / 2**30:.1f}')
       continue
@@ -407,12 +440,15 @@ def run_train(s: Section) -> None:
       gc.collect()
       continue
     lm_head = 6.0 * config.vocab_size * config.hidden_size * r['tokens']
+    memory = _device_memory(device)
+    peak_bytes = memory.get('peak_bytes_in_use')  # none on CPU
     s.add(name, **{k: v for k, v in r.items() if k != 'model_config'},
           mfu=r['flop_per_s'] / (peak['tflops'] * 1e12) if peak['tflops'] else None,
           bf16_peak_tflops=peak['tflops'], bf16_peak_source=peak['source'],
           lm_head_fp32=config.lm_head_fp32, lm_head_flop_share=lm_head / r['flops_per_step'],
           dense_attention_flops=dense_attention_flops(config, z.train_rows, z.train_seq_len),
-          memory_estimate_bytes=need, memory=_device_memory(device))
+          memory=memory, memory_plan_bytes=need, memory_plan_terms=plan,
+          plan_over_peak=need / peak_bytes if peak_bytes else None)
     gc.collect()
 
 
@@ -599,28 +635,30 @@ def run_publish(s: Section) -> None:
 
 
 def run_e2e(s: Section) -> None:
+  """Each of the preset's e2e runs in turn, each given an even share of what is left."""
+  presets = s.sizes.e2e_presets
+  for i, preset in enumerate(presets):
+    if i and s.remaining() < 20:  # the first always starts; its share ends it
+      s.skip(f'{preset} preset', 'time budget')
+      continue
+    run_e2e_preset(s, preset, share_s=s.remaining() / (len(presets) - i))
+
+
+def run_e2e_preset(s: Section, preset: str, share_s: float) -> None:
   from pipelinerl_jax import config as config_lib
   from pipelinerl_jax.demo import warmstart
   from pipelinerl_jax.pipeline import run as run_lib
 
   z = s.sizes
-  workdir = pathlib.Path(s.args.workdir) / 'e2e'
-  c = config_lib.load_preset('tiny')
-  c.log.tensorboard = False       # tensorboardX is not on the GPU image
-  c.log.progress = not s.args.quick
-  c.model.cache_dir = str(pathlib.Path(s.args.workdir) / 'model_cache')
-  c.checkpoint.every_steps = 0    # one save, at the end
-  if s.args.quick:                # an untrained model, a few small steps
-    c.model.demo.max_steps = 0
-    c.model.demo.eval_problems = 8
-    c.rl.batch_size, c.rl.group_size, c.generation.num_slots = 16, 4, 16
+  c = e2e_config(preset, s.args.model_cache, s.args.quick)
   t0 = time.perf_counter()
-  model_dir = warmstart.model_dir_for(config_lib.validate(c))  # builds the warm-started demo model once
+  model_dir = warmstart.model_dir_for(config_lib.validate(c))  # found in a carried cache
   warmstart_s = time.perf_counter() - t0
   c.rl.total_steps = z.e2e_steps
   # What is left after teardown, the final checkpoint and the plot (~20 s on a slow host).
-  c.rl.max_time_s = (min(z.e2e_rl_s, max(10.0, s.remaining() - 30.0)) if z.e2e_rl_s else 0.0)
-  rl_dir = workdir / f'run-{int(time.time())}'
+  c.rl.max_time_s = (min(z.e2e_rl_s, max(10.0, share_s - warmstart_s - 30.0)) if z.e2e_rl_s
+                     else 0.0)
+  rl_dir = pathlib.Path(s.args.workdir) / 'e2e' / f'{preset}-{int(time.time())}'
   error = None
   t0 = time.perf_counter()
   try:
@@ -634,35 +672,71 @@ def run_e2e(s: Section) -> None:
   rl_s = time.perf_counter() - t0
   median = lambda key: (statistics.median(r[key] for r in records)
                         if records and key in records[0] else None)
-  fields = dict(preset='tiny', warmstart_s=warmstart_s, rl_s=rl_s, max_time_s=c.rl.max_time_s,
+  fields = dict(preset=preset, warmstart_s=warmstart_s, rl_s=rl_s, max_time_s=c.rl.max_time_s,
                 batch_size=c.rl.batch_size, group_size=c.rl.group_size,
                 num_slots=c.generation.num_slots, **reward_summary(records),
                 gen_tokens_per_s_median=median('gen_tokens_per_s'),
                 train_step_s_median=median('train_step_s'),
                 lag_max=max((r['lag_max'] for r in records), default=None), workdir=str(rl_dir))
   if error:
-    s.record['items'].append(dict(name='tiny preset', status='error', error=error, **fields))
+    s.record['items'].append(dict(name=f'{preset} preset', status='error', error=error,
+                                  **fields))
     s.save()
   else:
-    s.add('tiny preset', **fields)
+    s.add(f'{preset} preset', **fields)
 
 
 SECTION_FNS: dict[str, Callable[[Section], None]] = dict(
     env=run_env, train=run_train, engine=run_engine, publish=run_publish, e2e=run_e2e)
 
 
+class _KeepWarnings(logging.Handler):
+  """Keeps the warnings JAX logs (a backend that failed to start, a fallback to the CPU) for the
+  section's JSON, and still prints them."""
+
+  def __init__(self):
+    super().__init__(logging.WARNING)
+    self.messages: list[str] = []
+
+  def emit(self, record: logging.LogRecord) -> None:
+    text = f"{record.name}: {' '.join(record.getMessage().split())[:500]}"
+    if text not in self.messages and len(self.messages) < 50:
+      self.messages.append(text)
+    print(f'[gpu] warning: {text}', file=sys.stderr, flush=True)
+
+
+def backend_problem(platform: str) -> str | None:
+  """None when JAX's backend is `platform` ('gpu' | 'cpu'), else one line with JAX's reason."""
+  import jax
+  backend = jax.default_backend()
+  if backend == platform:
+    return None
+  why = f': {platforms.describe_no_gpu()}' if platform == 'gpu' else ''
+  return f"--platform={platform}: JAX's backend is {backend}{why}"
+
+
 def section_main(args: argparse.Namespace) -> None:
   """Runs one section in this process and writes its record to args.section_out."""
-  s = Section(args.section, args.section_out, args.deadline, QUICK if args.quick else FULL, args)
-  compile_count()  # start counting before anything compiles
+  warnings_kept = _KeepWarnings()
+  for name in ('jax', 'jaxlib', 'py.warnings'):
+    logging.getLogger(name).addHandler(warnings_kept)
+  logging.captureWarnings(True)
+  s = Section(args.section, args.section_out, args.deadline, PRESETS[args.preset], args)
   t0 = time.perf_counter()
-  try:
-    SECTION_FNS[args.section](s)
-    failed = [i['name'] for i in s.record['items'] if i['status'] == 'error']
-    s.record['status'] = 'partial' if failed else 'ok'
-  except Exception as e:
-    s.record.update(status='error', error=_one_line(e), traceback=traceback.format_exc()[-4000:])
+  problem = backend_problem(args.platform)
+  if problem:  # nothing measured on the wrong device is worth its time
+    s.record.update(status='error', error=problem, platform_error=True)
+  else:
+    compile_count()  # start counting before anything compiles
+    try:
+      SECTION_FNS[args.section](s)
+      failed = [i['name'] for i in s.record['items'] if i['status'] == 'error']
+      s.record['status'] = 'partial' if failed else 'ok'
+    except Exception as e:
+      s.record.update(status='error', error=_one_line(e),
+                      traceback=traceback.format_exc()[-4000:])
   s.record['seconds'] = time.perf_counter() - t0
+  s.record['jax_warnings'] = warnings_kept.messages
   loaded = {m.split('.')[0] for m in sys.modules}
   s.record['imported_absent_on_image'] = sorted(set(IMAGE_ABSENT) - set(CARRIED) & loaded)
   s.record['imported_carried'] = sorted(set(CARRIED) & loaded)
@@ -679,12 +753,24 @@ def run_section(name: str, args: argparse.Namespace, share_s: float, tmpdir: pat
   deadline = time.time() + share_s
   cmd = [sys.executable, '-m', 'pipelinerl_jax.bench.gpu', f'--section={name}',
          f'--section_out={out}', f'--deadline={deadline}', f'--workdir={args.workdir}',
-         f'--peak_tflops={args.peak_tflops}'] + (['--quick'] if args.quick else [])
+         f'--peak_tflops={args.peak_tflops}', f'--preset={args.preset}',
+         f'--platform={args.platform}', f'--model_cache={args.model_cache}']
   t0 = time.perf_counter()
-  # Its own process group, so a kill takes anything it started; its output goes to our
-  # stderr, leaving stdout to the table.
-  proc = subprocess.Popen(cmd, env=child_env(name, dict(os.environ)), stdout=sys.stderr,
-                          stderr=sys.stderr, start_new_session=True)
+  # Its own process group, so a kill takes anything it started. Its output goes on to our
+  # stderr (stdout is the table's), and its last lines into its record: XLA's own warnings
+  # are printed by C++, out of Python's reach.
+  proc = subprocess.Popen(cmd, env=child_env(name, dict(os.environ)), stdout=subprocess.PIPE,
+                          stderr=subprocess.STDOUT, start_new_session=True, text=True,
+                          errors='replace')
+  tail: collections.deque[str] = collections.deque(maxlen=OUTPUT_TAIL_LINES)
+
+  def forward():
+    for line in proc.stdout:
+      sys.stderr.write(line)
+      tail.append(line.rstrip('\n')[:1000])
+
+  reader = threading.Thread(target=forward, daemon=True)
+  reader.start()
   killed = False
   try:
     proc.wait(timeout=kill_after(share_s))
@@ -694,6 +780,7 @@ def run_section(name: str, args: argparse.Namespace, share_s: float, tmpdir: pat
     if proc.poll() is None:  # timed out, or we are being interrupted
       os.killpg(proc.pid, signal.SIGKILL)
       proc.wait()
+    reader.join(timeout=5)
   record = {}
   if out.exists():
     try:
@@ -708,7 +795,8 @@ def run_section(name: str, args: argparse.Namespace, share_s: float, tmpdir: pat
   elif proc.returncode != 0 or record.get('status') in (None, 'running'):
     record.update(status='error', error=record.get('error') or
                   f'section process exited with {proc.returncode} before finishing')
-  record.update(share_s=share_s, wall_s=time.perf_counter() - t0, exit_code=proc.returncode)
+  record.update(share_s=share_s, wall_s=time.perf_counter() - t0, exit_code=proc.returncode,
+                output_tail=list(tail))
   return record
 
 
@@ -785,16 +873,27 @@ def format_table(report: dict[str, Any]) -> str:
 def build_parser() -> argparse.ArgumentParser:
   p = argparse.ArgumentParser(prog='python -m pipelinerl_jax.bench.gpu',
                               description=__doc__.split('\n\n')[0])
-  p.add_argument('--quick', action='store_true',
-                 help='toy sizes, the same code (CPU, about a minute; `make gpu-check`)')
+  p.add_argument('--preset', choices=sorted(PRESETS), default='full',
+                 help='sizes and default sections: full (~8.5 min), short (~3 min: one train '
+                      'size, the engine at H = 256, publish), quick (toy sizes, CPU)')
+  p.add_argument('--quick', action='store_true', help='--preset=quick (`make gpu-check`)')
+  p.add_argument('--platform', choices=('gpu', 'cpu'), default=None,
+                 help="the backend every section must run on (default: gpu where the OS shows "
+                      "an NVIDIA device, else cpu)")
   p.add_argument('--out', default='/tmp/pipelinerl_jax_bench/gpu.json', help='JSON output path')
-  p.add_argument('--sections', default=','.join(SECTIONS),
-                 help=f'comma-separated, run in this order: {",".join(SECTIONS)}')
+  p.add_argument('--sections', default='',
+                 help=f'comma-separated, run in this order: {",".join(SECTIONS)} (default: '
+                      "the preset's)")
   p.add_argument('--budget_s', type=float, default=0.0,
-                 help=f'total seconds for all sections (default {FULL.budget_s:.0f}, '
-                      f'--quick {QUICK.budget_s:.0f})')
+                 help='total seconds for all sections (default: the preset\'s, '
+                      + ', '.join(f'{k} {v.budget_s:.0f}' for k, v in PRESETS.items()) + ')')
   p.add_argument('--workdir', default='/tmp/pipelinerl_jax_bench/gpu',
-                 help="the end-to-end run's directory and its demo-model cache")
+                 help="the end-to-end runs' directory")
+  p.add_argument('--model_cache', default='',
+                 help="the e2e demo models' cache (default: WORKDIR/model_cache); fill it here "
+                      'with --prepare_models and carry it')
+  p.add_argument('--prepare_models', default='', metavar='DIR',
+                 help='build the e2e presets\' warm-started demo models into DIR and exit')
   p.add_argument('--peak_tflops', type=float, default=0.0,
                  help='bf16 peak for MFU, TFLOP/s (default: from the device kind)')
   # Internal: run one section in this process.
@@ -804,20 +903,57 @@ def build_parser() -> argparse.ArgumentParser:
   return p
 
 
+def e2e_config(preset: str, model_cache: str, quick: bool):
+  """The ConfigDict of an e2e run of `preset` (its RL length is set by the caller)."""
+  from pipelinerl_jax import config as config_lib
+  c = config_lib.load_preset(preset)
+  c.log.tensorboard = False       # tensorboardX is not on the GPU image
+  c.log.progress = not quick
+  c.model.cache_dir = model_cache
+  c.checkpoint.every_steps = 0    # one save, at the end
+  if quick:                       # an untrained model, a few small steps
+    c.model.demo.max_steps = 0
+    c.model.demo.eval_problems = 8
+    c.rl.batch_size, c.rl.group_size, c.generation.num_slots = 16, 4, 16
+  return c
+
+
+def prepare_models(directory: str, presets: tuple[str, ...]) -> list[str]:
+  """Builds (or finds) the warm-started demo model of each e2e preset in `directory`."""
+  from pipelinerl_jax import config as config_lib
+  from pipelinerl_jax.demo import warmstart
+  return [warmstart.model_dir_for(config_lib.validate(e2e_config(p, directory, quick=False)))
+          for p in presets]
+
+
 def main(argv: list[str] | None = None) -> int:
   parser = build_parser()
   args = parser.parse_args(sys.argv[1:] if argv is None else argv)
+  if args.quick:
+    args.preset = 'quick'
+  args.quick = args.preset == 'quick'
+  if args.platform is None:
+    args.platform = 'gpu' if platforms.nvidia_device_files() else 'cpu'
+  args.model_cache = args.model_cache or str(pathlib.Path(args.workdir) / 'model_cache')
   if args.section:
     section_main(args)
     return 0
-  sections = [s.strip() for s in args.sections.split(',') if s.strip()]
+  sizes = PRESETS[args.preset]
+  if args.prepare_models:
+    for path in prepare_models(args.prepare_models, FULL.e2e_presets):
+      print(path)
+    return 0
+  sections = ([s.strip() for s in args.sections.split(',') if s.strip()] if args.sections
+              else list(sizes.sections))
   unknown = [s for s in sections if s not in SECTIONS]
   if not sections or unknown or len(set(sections)) != len(sections):
     parser.error(f'--sections: give distinct names from {",".join(SECTIONS)} (got '
                  f'{args.sections!r})')
   if args.budget_s < 0 or args.peak_tflops < 0:
     parser.error('--budget_s and --peak_tflops must be >= 0')
-  sizes = QUICK if args.quick else FULL
+  if MEM_FRACTION_VAR in os.environ and DEPRECATED_MEM_FRACTION_VAR in os.environ:
+    parser.error(f'set {MEM_FRACTION_VAR} or {DEPRECATED_MEM_FRACTION_VAR}, not both: given both, '
+                 "JAX's CUDA backend refuses to start and JAX falls back to the CPU")
   budget = args.budget_s or sizes.budget_s
   out = pathlib.Path(args.out)
   out.parent.mkdir(parents=True, exist_ok=True)
@@ -826,19 +962,24 @@ def main(argv: list[str] | None = None) -> int:
 
   start = time.monotonic()
   report: dict[str, Any] = dict(
-      kit='pipelinerl_jax.bench.gpu', quick=args.quick, budget_s=budget, sections_run=sections,
+      kit='pipelinerl_jax.bench.gpu', preset=args.preset, quick=args.preset == 'quick',
+      platform=args.platform, budget_s=budget, sections_run=sections,
       sizes=dataclasses.asdict(sizes),
       started=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec='seconds'),
       sections={})
+  wrong_platform = None
   try:
     for i, name in enumerate(sections):
       share = share_of_budget(budget - (time.monotonic() - start), sections[i:])
-      if share < MIN_SECTION_S:
-        report['sections'][name] = dict(section=name, status='skipped', items=[],
-                                        reason=f'time budget ({share:.1f} s left for it)')
+      if wrong_platform or share < MIN_SECTION_S:
+        reason = (f'not started: {wrong_platform}' if wrong_platform
+                  else f'time budget ({share:.1f} s left for it)')
+        report['sections'][name] = dict(section=name, status='skipped', items=[], reason=reason)
         continue
       print(f'[gpu] {name}: up to {share:.0f} s', file=sys.stderr, flush=True)
       report['sections'][name] = run_section(name, args, share, tmpdir)
+      if report['sections'][name].get('platform_error'):
+        wrong_platform = report['sections'][name]['error']
   finally:
     add_measured_ceiling(report)
     report['wall_s'] = time.monotonic() - start
@@ -846,6 +987,9 @@ def main(argv: list[str] | None = None) -> int:
     for f in tmpdir.glob('*'):
       f.unlink()
     tmpdir.rmdir()
+  if wrong_platform:  # one line, and no table of nothing
+    print(f'error: {wrong_platform} (JSON: {out})', flush=True)
+    return 1
   print(format_table(report), flush=True)
   print(f'wrote {out}', flush=True)
   failed = [n for n, s in report['sections'].items() if s['status'] not in ('ok', 'skipped')]
