@@ -100,7 +100,10 @@ def test_quick_runs_every_section_without_image_absent_packages(quick):
   for name, section in report['sections'].items():
     assert section['status'] == 'ok', (name, section.get('error'), section['items'])
     assert section['imported_absent_on_image'] == [], name
-    assert all(i['status'] == 'ok' for i in section['items']), name
+    # cuDNN attention needs a GPU: on CPU its items say so and are skipped.
+    assert all(i['status'] == 'ok' or (i['status'] == 'skipped' and 'cudnn' in i['name']
+                                       and 'needs a CUDA GPU' in i['reason'])
+               for i in section['items']), name
   # config.py (which the train step's LossConfig / OptimizerConfig come from) needs
   # ml_collections: the one carried package, and nothing else outside the image.
   for name in ('e2e', 'train'):
@@ -119,20 +122,45 @@ def test_quick_env_reports_versions_and_ceilings(quick):
   assert positive(env['device_copy']['gb_per_s'])
 
 
-def test_quick_train_step_counts_flops_and_leaves_mfu_to_known_peaks(quick):
-  report, _ = quick
-  (name, r), = items(report, 'train').items()
-  assert name == 'tiny' and r['dtype'] == 'bfloat16' and r['remat'] is True
-  for key in ('tokens_per_s', 'flop_per_s', 'flops_per_step', 'step_s_median', 'compile_s',
-              'dense_attention_flops', 'memory_estimate_bytes'):
-    assert positive(r[key]), key
-  assert math.isfinite(r['loss']) and r['samples'] > r['rows']
-  assert r['mfu'] is None  # CPU: no datasheet peak
+def test_quick_train_section_checks_attention_then_runs_the_grid(quick):
+  report, stdout = quick
+  train = items(report, 'train')
+  assert list(train) == [
+      'tiny attention check blockwise', 'tiny attention check cudnn',
+      *(f'tiny attention {impl}' for impl in gpu.ATTENTION_IMPLS),
+      *(v.name for v in gpu.QUICK_TRAIN_GRID)]
+  check = train['tiny attention check blockwise']
+  assert check['ok'] and set(check['errors']) == {'out', 'dq', 'dk', 'dv'}
+  for impl in ('blockwise', 'dense'):
+    a = train[f'tiny attention {impl}']
+    assert positive(a['seconds']) and positive(a['pair_flops'])
+    assert a['executed_flops'] >= a['pair_flops'] and a['step_attention_s'] > a['seconds']
   matmul = items(report, 'env')['bf16_matmul']['tflops']
-  assert r['of_measured_matmul'] == pytest.approx(r['flop_per_s'] / (matmul * 1e12))
-  assert 0 < r['lm_head_flop_share'] < 1
   config = train_bench.MODEL_PRESETS['tiny']
-  assert r['flops_per_step'] >= 6 * train_bench.flop_params(config) * r['tokens']
+  for v in gpu.QUICK_TRAIN_GRID:
+    r = train[v.name]
+    if v.attention == 'cudnn':
+      assert r['status'] == 'skipped'
+      continue
+    assert r['dtype'] == 'bfloat16' and r['remat_policy'] == v.remat and r['micro'] == v.micro
+    for key in ('tokens_per_s', 'flop_per_s', 'flops_per_step', 'step_s_median', 'compile_s',
+                'dense_attention_flops', 'executed_flops', 'matmul_flops',
+                'compiled_peak_bytes'):
+      assert positive(r[key]), key
+    assert math.isfinite(r['loss']) and r['samples'] > r['rows']
+    assert r['mfu'] is None  # CPU: no datasheet peak
+    assert r['of_measured_matmul'] == pytest.approx(r['flop_per_s'] / (matmul * 1e12))
+    assert 0 < r['lm_head_flop_share'] < 1
+    assert r['flops_per_step'] >= 6 * train_bench.flop_params(config) * r['tokens']
+    # Executed: the backward's matmuls (twice the forward's) and, for blockwise, its tiles.
+    assert r['executed_flops'] > r['flops_per_step'] * 0.9
+    assert (r['attention_kernel_flops'] > 0) == (v.attention == 'blockwise')
+    if v.profile:
+      p = r['profile']
+      assert set(p['seconds']) == {'attention', 'matmul', 'lm_head', 'optimizer', 'other'}
+      assert p['kernels'] > 0 and positive(p['kernel_s'])
+      assert all(p['seconds'][c] > 0 for c in ('attention', 'matmul', 'lm_head', 'optimizer'))
+  assert 'kernels: attention' in stdout
 
 
 def test_quick_engine_decodes_every_token_with_and_without_updates(quick):

@@ -321,6 +321,9 @@ def cache_mask(positions_RxT: jax.Array, cache_len: int) -> jax.Array:
 def init_params(config: ModelConfig, rng: jax.Array) -> dict:
   """Random params (normal(0.02) kernels, unit norms). Jitted: eager init is ~4x slower."""
   tokens = jnp.zeros((1, 1), jnp.int32)
+  # The params do not depend on the attention kernel; init's one-token call needs none of
+  # cuDNN's (a GPU, bf16, the packer's spans).
+  config = dataclasses.replace(config, attention='dense')
   init = lambda key: Transformer(config).init(key, tokens, tokens, jnp.ones((1, 1), jnp.int32))
   return jax.jit(init)(rng)['params']
 
