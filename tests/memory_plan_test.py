@@ -232,3 +232,20 @@ def test_several_trainer_processes_keep_a_whole_copy_over_each_process_devices()
   two = memory_plan.publishing_memory(m, config, param_bytes, 'bfloat16', train_devices=8)
   assert two['published'] == 2 * -(-m.num_params * 2 // 4)
   assert two['sending'] == one['sending']
+
+
+def test_the_remat_policy_and_cudnn_statistics_change_the_saved_activations():
+  """What a policy keeps grows full < attention < dots < no remat; cuDNN's per-slot softmax
+  statistics count with the policies that keep attention's residuals."""
+  saved = {}
+  for name in ('none', 'full', 'attention', 'dots'):
+    c = config_lib.load_preset('qwen1p5b_8xh100')
+    c.model.remat, c.model.remat_policy = name != 'none', 'full' if name == 'none' else name
+    saved[name] = preset_plan('qwen1p5b_8xh100', config=c).trainer['saved']
+  assert saved['full'] < saved['attention'] < saved['dots'] < saved['none'], saved
+  c = config_lib.load_preset('qwen1p5b_8xh100')
+  c.model.remat_policy, c.model.attention = 'attention', 'cudnn'
+  plan = preset_plan('qwen1p5b_8xh100', config=c)
+  m = plan.facts
+  stats = 28 * m['rows_per_micro_batch'] * c.train.max_segments_per_row * 12 * 8192 * 4
+  assert plan.trainer['saved'] > saved['attention'] + stats * 0.5
