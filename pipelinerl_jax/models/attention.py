@@ -242,7 +242,7 @@ def _reach(segment_ids_RxT: jax.Array) -> tuple[jax.Array, jax.Array]:
   and is seen by itself only. Ids outside 1..T (never made by packing) fall back to the whole
   row, which only costs tiles.
   """
-  r, t = segment_ids_RxT.shape
+  t = segment_ids_RxT.shape[1]
   pos_T = jnp.arange(t, dtype=jnp.int32)
   known = (segment_ids_RxT > 0) & (segment_ids_RxT <= t)
   ids_RxT = jnp.where(known, segment_ids_RxT, 0)
