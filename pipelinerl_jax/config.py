@@ -144,11 +144,18 @@ class ModelSettings(_Section):
   cache_dir: str = ''             # the demo model's build cache ('' = ~/.cache/pipelinerl_jax)
   param_dtype: Literal['float32', 'bfloat16', 'float16'] = 'float32'  # master weights
   dtype: Literal['float32', 'bfloat16', 'float16'] = 'float32'  # compute ('bfloat16' on GPUs)
-  lm_head_fp32: bool = True       # logits in fp32 (train/generate log-prob agreement)
+  # Logits in fp32 (train/generate log-prob agreement); False: the lm_head matmul in `dtype`
+  # with fp32 accumulation (README: the bf16 lm_head's measured log-prob difference).
+  lm_head_fp32: bool = True
   remat: bool = False             # rematerialize layers in the backward pass
+  # With remat, what each layer keeps (transformer.REMAT_POLICIES): 'full' only its input;
+  # 'attention' also attention's inputs, output and statistics (attention is not recomputed);
+  # 'dots' also every weight matmul's output (only elementwise work is recomputed).
+  remat_policy: Literal['full', 'attention', 'dots'] = 'full'
   # Attention over packed training rows: 'blockwise' (flash-style, memory linear in
-  # train.seq_len) or 'dense' (the [T, T] score tensor per head). Generation is unaffected.
-  attention: Literal['blockwise', 'dense'] = 'blockwise'
+  # train.seq_len), 'dense' (the [T, T] score tensor per head) or 'cudnn' (cuDNN's fused
+  # kernel over the packer's sample spans; Hopper GPUs, bf16). Generation is unaffected.
+  attention: Literal['blockwise', 'dense', 'cudnn'] = 'blockwise'
   attention_block_q: int = 1024
   attention_block_kv: int = 1024
   demo: DemoModelConfig = DemoModelConfig()
@@ -156,6 +163,8 @@ class ModelSettings(_Section):
   def _check_values(self):
     for name in ('attention_block_q', 'attention_block_kv'):
       _check(getattr(self, name) >= 1, name, f'must be >= 1, got {getattr(self, name)}')
+    _check(self.attention != 'cudnn' or self.dtype != 'float32', 'attention',
+           "'cudnn' needs model.dtype bfloat16 or float16 (cuDNN's kernel has no fp32)")
 
 
 # --- task ------------------------------------------------------------------------------------
@@ -501,6 +510,9 @@ class TrainConfig(_Section):
   mesh: str = '1,-1,1'            # data,fsdp,tensor sizes; -1 = the remaining devices
   overlong: Literal['error', 'truncate'] = 'error'  # samples longer than seq_len: 'truncate'
                                                     # cuts and counts them
+  # Samples per packed row at most (packing starts another row): the width G of the batch's
+  # segment spans. cuDNN attention keeps fp32 softmax statistics for G slots of every row.
+  max_segments_per_row: int = 64
   # Trainer processes that form one mesh (one per host, jax.distributed; see
   # pipeline/multiprocess.py): 1 = this process alone; 0 = as many as the scheduler started.
   num_processes: int = 1
@@ -517,6 +529,8 @@ class TrainConfig(_Section):
     _check(self.micro_batch_rows == 0 or self.micro_batches == 1, 'micro_batch_rows',
            f'set it or train.micro_batches (={self.micro_batches}), not both')
     _check(self.seq_len >= 1, 'seq_len', f'must be >= 1, got {self.seq_len}')
+    _check(self.max_segments_per_row >= 1, 'max_segments_per_row',
+           f'must be >= 1, got {self.max_segments_per_row}')
     _check(self.num_processes >= 0, 'num_processes',
            f"must be >= 1 (0 = the scheduler's count), got {self.num_processes}")
     _check(self.num_processes != 1 or self.distributed == DistributedConfig(), 'distributed',

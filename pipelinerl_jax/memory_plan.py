@@ -16,12 +16,13 @@ trainer device (one of the train mesh; tensor-parallel devices hold the same row
                       micro-batch's activations leave, so it is not counted beside them
   gathered            fsdp > 1 gathers a layer's weights to use them: two layers in flight plus
                       one layer's gradient, whole, and the embedding and lm_head whole
-  saved               activations kept for the backward pass: each layer's input with remat,
-                      every intermediate without
+  saved               activations kept for the backward pass: each layer's input with remat
+                      (and what model.remat_policy keeps), every intermediate without
   layer               one layer's recomputed intermediates (live during its backward pass)
   attention           dense: the fp32 [T, T] scores, their gradient and the probabilities, per
                       head and row; blockwise: four fp32 tiles of block_q x block_kv per head
-                      and the O(T) log-sum-exp and dq accumulator
+                      and the O(T) log-sum-exp and dq accumulator; cudnn: fp32 statistics per
+                      sample slot (train.max_segments_per_row) and a dq accumulator
   logits              `token_logprobs` makes fp32 logits 1024 positions at a time: the logits
                       and their softmax (or gradient), [rows, 1024, V] each
   batch               the step's packed batch, every micro-batch (7 arrays of 4 bytes a token)
@@ -84,7 +85,7 @@ from pipelinerl_jax.models import transformer
 from pipelinerl_jax.pipeline import trainer as trainer_lib
 
 GIB = 2**30
-BATCH_BYTES_PER_TOKEN = 4 * len(train.BATCH_KEYS)
+BATCH_BYTES_PER_TOKEN = 4 * len(train.TOKEN_KEYS)  # and 8 bytes a sample slot (the spans)
 LOGITS_CHUNK = 1024                    # transformer.token_logprobs' default chunk_size
 CUDA_CONTEXT_BYTES = GIB * 3 // 4      # per process: CUDA context, cuBLAS / NCCL workspaces
 VLLM_BATCHED_TOKENS = 8192             # vLLM's default max_num_batched_tokens (its profile run)
@@ -165,12 +166,16 @@ def _layer_bytes_per_token(m: transformer.ModelConfig) -> int:
   return dt * in_dtype + 4 * in_fp32
 
 
-def _attention_bytes(m: transformer.ModelConfig, rows: int, t: int) -> tuple[int, int]:
+def _attention_bytes(m: transformer.ModelConfig, rows: int, t: int,
+                     segments: int) -> tuple[int, int]:
   """(saved for backward per layer, working set of one layer's backward) of attention."""
   dt, h = _bytes(m.dtype), m.num_heads
   if m.attention == 'dense':
     scores = rows * h * t * t
     return scores * (4 + dt) + rows * t * t, scores * (4 + 4 + dt) + rows * t * t
+  if m.attention == 'cudnn':  # fp32 softmax statistics for each of a row's `segments` slots
+    stats = rows * segments * h * t * 4
+    return stats, stats + rows * t * h * m.head_dim * 4
   bq, bk = min(m.attention_block_q, t), min(m.attention_block_kv, t)
   lse = rows * h * t * 4
   tiles = 4 * rows * h * bq * bk * 4                     # s, p, dp, ds
@@ -184,14 +189,16 @@ def trainer_memory(m: transformer.ModelConfig, config: config_lib.Config,
   data_parallel = mesh.shape['data'] * mesh.shape['fsdp']
   rows, rows_per_micro = worst_case_rows(config, data_parallel)
   memory, facts = train_step_memory(m, config.optimizer, mesh, rows // data_parallel,
-                                    rows_per_micro, config.train.seq_len)
+                                    rows_per_micro, config.train.seq_len,
+                                    config.train.max_segments_per_row)
   facts.update(rows_per_step=rows,
                micro_batches=rows // (rows_per_micro * data_parallel))
   return memory, facts
 
 
 def train_step_memory(m: transformer.ModelConfig, optimizer_config: config_lib.OptimizerConfig,
-                      mesh: AbstractMesh, rows_per_shard: int, rows_per_micro: int, t: int
+                      mesh: AbstractMesh, rows_per_shard: int, rows_per_micro: int, t: int,
+                      max_segments_per_row: int = config_lib.TrainConfig.max_segments_per_row
                       ) -> tuple[dict[str, int], dict[str, Any]]:
   """One trainer device's terms for a step over `rows_per_shard` packed rows of `t` tokens, run
   `rows_per_micro` rows at a time (what the GPU kit compares with measured peaks).
@@ -215,17 +222,24 @@ def train_step_memory(m: transformer.ModelConfig, optimizer_config: config_lib.O
   gathered = 0
   if mesh.shape['fsdp'] > 1:
     gathered = 3 * per_layer_params * pb + v * d * pb * (1 if m.tie_embeddings else 2)
-  attn_saved, attn_work = _attention_bytes(m, rows_per_micro, t)
+  attn_saved, attn_work = _attention_bytes(m, rows_per_micro, t, max_segments_per_row)
   layer = _layer_bytes_per_token(m) * tokens
   if m.remat:
-    saved = l * tokens * d * dt
+    # Each layer's input, and what the policy keeps (transformer.REMAT_POLICIES): attention's
+    # q, k, v, output and statistics; 'dots' also the o-projection and MLP matmul outputs.
+    kept = 0
+    if m.remat_policy in ('attention', 'dots'):
+      kept = tokens * 2 * (m.num_heads + m.num_kv_heads) * m.head_dim * dt + attn_saved
+    if m.remat_policy == 'dots':
+      kept += tokens * (2 * d + 2 * m.intermediate_size) * dt
+    saved = l * (tokens * d * dt + kept)
   else:
     saved = l * (layer + attn_saved)
   chunk = min(LOGITS_CHUNK, t)
   logits = 2 * rows_per_micro * chunk * v * 4 + tokens * d * 4
   memory = dict(params=param_bytes, adam=opt_bytes, grads=2 * param_bytes, gathered=gathered,
                 saved=saved, layer=layer, attention=attn_work, logits=logits,
-                batch=rows_per_shard * t * BATCH_BYTES_PER_TOKEN)
+                batch=rows_per_shard * (t * BATCH_BYTES_PER_TOKEN + 8 * max_segments_per_row))
   facts = dict(rows_per_micro_batch=rows_per_micro, tokens_per_micro_batch=tokens,
                replicated_on_fsdp=sharding_lib.replicated_on_fsdp(
                    params, mesh, LARGE_PARAM_FRACTION))
@@ -323,7 +337,8 @@ def plan(config: ml_collections.ConfigDict | config_lib.Config, hf_config: dict,
     raise ValueError("kv='free' needs generation.vllm.gpu_memory_utilization > 0")
   mc = config.model
   m = hf_io.config_from_hf(hf_config, source=source, param_dtype=mc.param_dtype, dtype=mc.dtype,
-                           lm_head_fp32=mc.lm_head_fp32, remat=mc.remat, attention=mc.attention,
+                           lm_head_fp32=mc.lm_head_fp32, remat=mc.remat,
+                           remat_policy=mc.remat_policy, attention=mc.attention,
                            attention_block_q=mc.attention_block_q,
                            attention_block_kv=mc.attention_block_kv)
   device_bytes = int(device_gib * GIB)

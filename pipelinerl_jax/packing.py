@@ -8,8 +8,13 @@ data (behaviour log-probs, policy versions, advantage, optional reference log-pr
 
 Samples are placed first-fit decreasing into rows of T = seq_len positions; `segment_ids`
 (1..k per row, 0 = padding) keep attention inside a sample and `positions` restart at 0 for each.
+The packer also hands over each row's samples as spans, `segment_starts` / `segment_lengths`
+[R, G] (sample g of a row starts at position start and covers length positions; unused slots are
+-1 / 0), so a fused attention kernel gets its segment offsets without recomputing them from the
+per-token ids. G = `max_segments` when set (rows then hold at most that many samples), else T.
 
-Shape letters: R rows, T positions per row, M micro-batches, P prompt, C completion tokens.
+Shape letters: R rows, T positions per row, M micro-batches, P prompt, C completion tokens, G
+sample slots per row.
 """
 
 from __future__ import annotations
@@ -100,10 +105,11 @@ def _kept_positions(samples: Sequence[Sample], seq_len: int, overlong: str) -> n
   return kept
 
 
-def _first_fit_decreasing(lengths: np.ndarray, seq_len: int):
+def _first_fit_decreasing(lengths: np.ndarray, seq_len: int, max_per_row: int = 0):
   """Row, offset and segment id (1..k, left to right) of each item, and the rows used.
 
-  Longest first, ties in input order; each item goes into the first row with room for it.
+  Longest first, ties in input order; each item goes into the first row with room for it (and,
+  with `max_per_row` > 0, fewer than that many items).
   """
   order = np.argsort(-lengths, kind='stable')
   free = np.full(len(lengths), seq_len, np.int64)  # at most one row per item
@@ -112,6 +118,8 @@ def _first_fit_decreasing(lengths: np.ndarray, seq_len: int):
   used = 0
   for i in order:
     fits = free[:used] >= lengths[i]
+    if max_per_row:
+      fits &= count[:used] < max_per_row
     r = int(fits.argmax()) if fits.any() else used
     used = max(used, r + 1)
     count[r] += 1
@@ -132,17 +140,20 @@ def _num_rows(used: int, num_rows: int | None, row_multiple: int, seq_len: int) 
 
 
 def pack_samples(samples: Sequence[Sample], seq_len: int, *, num_rows: int | None = None,
-                 row_multiple: int = 1,
-                 overlong: str = 'error') -> tuple[dict[str, np.ndarray], PackStats]:
+                 row_multiple: int = 1, overlong: str = 'error',
+                 max_segments: int = 0) -> tuple[dict[str, np.ndarray], PackStats]:
   """Packs samples into [R, seq_len] arrays; see the module docstring for the layout.
 
   Returns (batch, stats). batch keys: tokens, targets, positions, segment_ids, loss_mask,
-  behaviour_logprobs, advantages, versions, sample_index, and ref_logprobs when every sample has
-  them. Off the loss positions the per-token fields are 0 (versions -1, sample_index -1 on padding).
+  behaviour_logprobs, advantages, versions, sample_index, segment_starts and segment_lengths
+  ([R, G]), and ref_logprobs when every sample has them. Off the loss positions the per-token
+  fields are 0 (versions -1, sample_index -1 on padding). `max_segments` > 0 caps the samples
+  of a row (G = max_segments); 0 leaves rows uncapped (G = seq_len).
   """
-  if seq_len < 1 or row_multiple < 1 or (num_rows is not None and num_rows < 0):
-    raise ValueError(f'need seq_len >= 1, row_multiple >= 1, num_rows >= 0; got {seq_len}, '
-                     f'{row_multiple}, {num_rows}')
+  if (seq_len < 1 or row_multiple < 1 or (num_rows is not None and num_rows < 0)
+      or max_segments < 0):
+    raise ValueError(f'need seq_len >= 1, row_multiple >= 1, num_rows >= 0, max_segments >= 0; '
+                     f'got {seq_len}, {row_multiple}, {num_rows}, {max_segments}')
   if overlong not in _OVERLONG_MODES:
     raise ValueError(f'overlong={overlong!r}; expected one of {_OVERLONG_MODES}')
   has_ref = [s.ref_logprobs is not None for s in samples]
@@ -152,7 +163,7 @@ def pack_samples(samples: Sequence[Sample], seq_len: int, *, num_rows: int | Non
     raise ValueError(f'ref_logprobs given for some samples but missing for samples {missing[:8]}')
 
   kept_B = _kept_positions(samples, seq_len, overlong)
-  row_B, offset_B, segment_B, used = _first_fit_decreasing(kept_B, seq_len)
+  row_B, offset_B, segment_B, used = _first_fit_decreasing(kept_B, seq_len, max_segments)
   rows = _num_rows(used, num_rows, row_multiple, seq_len)
 
   shape = (rows, seq_len)
@@ -166,6 +177,8 @@ def pack_samples(samples: Sequence[Sample], seq_len: int, *, num_rows: int | Non
       'advantages': np.zeros(shape, np.float32),
       'versions': np.full(shape, -1, np.int32),
       'sample_index': np.full(shape, -1, np.int32),
+      'segment_starts': np.full((rows, max_segments or seq_len), -1, np.int32),
+      'segment_lengths': np.zeros((rows, max_segments or seq_len), np.int32),
   }
   if samples and all(has_ref):
     batch['ref_logprobs'] = np.zeros(shape, np.float32)
@@ -179,6 +192,8 @@ def pack_samples(samples: Sequence[Sample], seq_len: int, *, num_rows: int | Non
     batch['targets'][r, span] = seq[1:]
     batch['positions'][r, span] = np.arange(n)
     batch['segment_ids'][r, span] = segment_B[i]
+    batch['segment_starts'][r, segment_B[i] - 1] = o
+    batch['segment_lengths'][r, segment_B[i] - 1] = n
     batch['sample_index'][r, span] = i
     # Position j predicts token j + 1, a completion token from j = p - 1 on.
     c = n - (p - 1)
@@ -204,6 +219,26 @@ def pack_samples(samples: Sequence[Sample], seq_len: int, *, num_rows: int | Non
       fill=num_tokens / (rows * seq_len) if rows else 0.0,
   )
   return batch, stats
+
+
+def segment_spans(segment_ids_RxT, max_segments: int) -> tuple[np.ndarray, np.ndarray]:
+  """(segment_starts, segment_lengths) [R, max_segments] of rows laid out as the packer lays them
+  (segments 1..k left to right, each contiguous; 0 = padding): for batches made by hand."""
+  seg = np.asarray(segment_ids_RxT)
+  starts = np.full((seg.shape[0], max_segments), -1, np.int32)
+  lengths = np.zeros((seg.shape[0], max_segments), np.int32)
+  for r, row in enumerate(seg):
+    ids = np.unique(row[row != 0])
+    if ids.size > max_segments:
+      raise ValueError(f'row {r} holds {ids.size} samples, more than max_segments='
+                       f'{max_segments} (train.max_segments_per_row)')
+    for g, s in enumerate(ids):
+      at = np.flatnonzero(row == s)
+      if s != g + 1 or at[-1] - at[0] + 1 != at.size:
+        raise ValueError(f'row {r}: segment {s} is not the contiguous segment {g + 1} that '
+                         f'packing makes (ids 1..k, left to right)')
+      starts[r, g], lengths[r, g] = at[0], at.size
+  return starts, lengths
 
 
 def row_multiple(data_parallel: int, micro_batches: int, micro_batch_rows: int = 0) -> int:

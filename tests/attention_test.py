@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from pipelinerl_jax import config as config_lib
+from pipelinerl_jax import packing
 from pipelinerl_jax import sharding as sharding_lib
 from pipelinerl_jax.models import attention
 from pipelinerl_jax.models import transformer
@@ -173,4 +174,158 @@ def test_bad_attention_settings_are_refused():
   cfg = config_lib.base_config()
   cfg.model.attention = 'flash'
   with pytest.raises(ValueError, match='config.model.attention'):
+    config_lib.validate(cfg)
+
+
+# ---------------------------------------------------------------------------------------------
+# Segment-aware tile skipping (blockwise) and cuDNN's packed layout (its arguments, on CPU).
+
+
+def layout_rows(t):
+  """Rows of one sample, two samples, 16 equal samples, and 5 samples then padding."""
+  seg = np.zeros((4, t), np.int32)
+  seg[0] = 1
+  seg[1, :t // 3], seg[1, t // 3:] = 1, 2
+  seg[2] = np.repeat(np.arange(1, 17), t // 16)
+  for s, (a, b) in enumerate([(0, 5), (5, 20), (20, 22), (22, 40), (40, t - 9)]):
+    seg[3, a:b] = s + 1
+  return seg
+
+
+def test_blockwise_skips_cross_segment_tiles_and_still_equals_dense():
+  t = 64
+  seg = jnp.asarray(layout_rows(t))
+  q, k, v = qkv(4, t, 2, 2, 8, seed=4)
+  w = jax.random.normal(jax.random.PRNGKey(3), q.shape)
+  fn = functools.partial(attention.blockwise, block_q=16, block_kv=8)
+
+  @jax.jit
+  def both(q, k, v):
+    value_and_grad = lambda f: jax.value_and_grad(
+        lambda q, k, v: jnp.sum(w * jnp.tanh(f(q, k, v, seg))), argnums=(0, 1, 2))(q, k, v)
+    return fn(q, k, v, seg), dense_ref(q, k, v, seg), value_and_grad(fn), value_and_grad(dense_ref)
+
+  out, want_out, (_, got), (_, want) = both(q, k, v)
+  np.testing.assert_allclose(out, want_out, atol=2e-6)
+  for name, a, b in zip('qkv', got, want):
+    np.testing.assert_allclose(a, b, atol=2e-5, rtol=1e-5, err_msg=f'd{name}')
+
+  # Tiles per row and head: a row of 16 equal samples needs about the diagonal band only.
+  t_long = 512
+  rows = jnp.asarray(layout_rows(t_long))
+  one = attention.tiles_visited(rows[:1], 64, 64)
+  sixteen = attention.tiles_visited(rows[2:3], 64, 64)
+  assert one == (36, 36)                     # 8 query blocks: the causal triangle
+  assert sixteen[0] <= one[0] / 3 and sixteen[1] <= one[1] / 3, (sixteen, one)
+  # Rows split over devices share one trip count: the reduction over rows is the union.
+  both = attention.tiles_visited(rows[1:3], 64, 64)
+  assert both[0] >= attention.tiles_visited(rows[1:2], 64, 64)[0] >= sixteen[0]
+
+
+def spans(seg):
+  starts, lengths = packing.segment_spans(np.asarray(seg), 8)
+  return jnp.asarray(starts), jnp.asarray(lengths)
+
+
+def test_cudnn_arguments_describe_the_segment_mask():
+  """What PADDING_CAUSAL attends to with our (seqlen, offsets) is segment_mask on every real
+  token, both as read directly and after JAX's own packing of them (`_fix_seqlen_offsets`)."""
+  from jax._src.cudnn import fused_attention_stablehlo as fused
+  t = 48
+  seg = jnp.asarray(np.concatenate([layout_rows(t)[[0, 1, 3]], np.zeros((1, t), np.int32)]))
+  seqlen, offsets = attention.cudnn_segments(*spans(seg))
+  real = np.asarray(seg != 0)
+  want = np.asarray(attention.segment_mask(seg))
+  got = np.asarray(attention.segments_mask(seqlen, offsets, t))
+  np.testing.assert_array_equal(got[real], want[real])
+  assert not got[~real].any()                # padding lies in no segment
+
+  shape = jax.ShapeDtypeStruct((4, t, 2, 8), jnp.bfloat16)
+  flat_len, flat_off = fused._fix_seqlen_offsets(seqlen, seqlen, offsets, offsets, shape,
+                                                 shape)[:3:2]
+  # Used slots of all rows moved to the front, offsets into the flattened batch, scaled by the
+  # stride of a token; the filler slots have length 0.
+  flat_off = np.asarray(flat_off).ravel() // (2 * 8)
+  slot = np.full(4 * t, -1)
+  for s, (o, n) in enumerate(zip(flat_off, np.asarray(flat_len).ravel())):
+    slot[o:o + max(n, 0)] = s
+  slot = slot.reshape(4, t)
+  flat_mask = ((slot[:, :, None] == slot[:, None, :]) & (slot >= 0)[:, :, None]
+               & np.tril(np.ones((t, t), bool)))
+  np.testing.assert_array_equal(flat_mask[real], want[real])
+
+
+@jax.custom_vjp
+def _poison(x, covered):
+  return x
+
+
+def _poison_bwd(covered, g):
+  covered = covered.reshape(covered.shape + (1,) * (g.ndim - covered.ndim))
+  return jnp.where(covered, g, jnp.nan), None
+
+
+_poison.defvjp(lambda x, covered: (x, covered), _poison_bwd)
+
+
+class FakeCudnn:
+  """cuDNN's packed attention emulated in XLA, unwritten memory included: the output and dq,
+  dk, dv at tokens in no segment are NaN, as garbage could be."""
+  from jax._src.cudnn.fused_attention_stablehlo import MaskType
+
+  @classmethod
+  def dot_product_attention(cls, q, k, v, *, q_seqlen, kv_seqlen, q_offsets, kv_offsets, scale,
+                            mask_type, qkv_layout):
+    assert mask_type == cls.MaskType.PADDING_CAUSAL and qkv_layout == 'BTNH'
+    assert q_seqlen is kv_seqlen and q_offsets is kv_offsets
+    b, t, n, dh = q.shape
+    assert scale == pytest.approx(dh ** -0.5)
+    mask = attention.segments_mask(q_seqlen, q_offsets, t)
+    covered = mask.any(-1)
+    q, k, v = (_poison(x, covered) for x in (q, k, v))
+    out = attention.dense(q.reshape(b, t, k.shape[2], n // k.shape[2], dh), k, v, mask, q.dtype)
+    return jnp.where(covered[..., None, None, None], out, jnp.nan).reshape(q.shape)
+
+
+def test_cudnn_wrapper_equals_dense_on_real_tokens_and_keeps_padding_finite(monkeypatch):
+  monkeypatch.setattr(attention, '_cudnn_module', lambda grouped: FakeCudnn)
+  cudnn = attention.cudnn
+  t = 48
+  seg = jnp.asarray(np.concatenate([layout_rows(t)[[0, 1, 3]], np.zeros((1, t), np.int32)]))
+  starts, lengths = spans(seg)
+  q, k, v = qkv(4, t, 2, 3, 8, seed=6, dtype=jnp.bfloat16)
+  real = np.asarray(seg != 0)
+  w = jax.random.normal(jax.random.PRNGKey(1), q.shape) * real[:, :, None, None, None]
+
+  @jax.jit
+  def outputs_and_grads(q, k, v):
+    fns = (lambda q, k, v: cudnn(q, k, v, seg, starts, lengths),
+           lambda q, k, v: dense_ref(q, k, v, seg))
+    grad = lambda f: jax.grad(lambda q, k, v: jnp.sum(w * f(q, k, v).astype(jnp.float32)),
+                              argnums=(0, 1, 2))(q, k, v)
+    return [(f(q, k, v), grad(f)) for f in fns]
+
+  (out, got), (want, ref) = jax.tree.map(lambda x: np.asarray(x, np.float32),
+                                         outputs_and_grads(q, k, v))
+  np.testing.assert_allclose(out[real], want[real], atol=1e-2)
+  assert (out[~real] == 0).all()
+  for name, a, b in zip('qkv', got, ref):
+    assert np.isfinite(a).all(), name
+    np.testing.assert_allclose(a[real], b[real], atol=3e-2, err_msg=f'd{name}')
+    assert (a[~real] == 0).all(), name
+
+
+def test_cudnn_says_why_it_cannot_run_here():
+  q, k, v = qkv(1, 8, 1, 2, 8, seed=0, dtype=jnp.bfloat16)
+  seg = jnp.ones((1, 8), jnp.int32)
+  with pytest.raises(ValueError, match="model.attention='cudnn' needs a CUDA GPU with cuDNN; "
+                                       "JAX's backend is cpu"):
+    attention.packed(q, k, v, seg, implementation='cudnn', block_q=8, block_kv=8,
+                     segment_starts_RxG=jnp.zeros((1, 1), jnp.int32),
+                     segment_lengths_RxG=jnp.full((1, 1), 8, jnp.int32))
+  with pytest.raises(ValueError, match='needs the batch.s segment_starts'):
+    attention.packed(q, k, v, seg, implementation='cudnn', block_q=8, block_kv=8)
+  cfg = config_lib.base_config()
+  cfg.model.attention = 'cudnn'
+  with pytest.raises(ValueError, match="config.model.attention: 'cudnn' needs model.dtype"):
     config_lib.validate(cfg)

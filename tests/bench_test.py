@@ -11,6 +11,7 @@ import subprocess
 import sys
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -415,3 +416,34 @@ def test_ray_sync_bench_writes_json_and_prints_tables(tmp_path):
   (step,) = report['step_overhead']
   assert step['decode_steps'] >= 8  # one request's 8 tokens take 8 decode steps at least
   assert 0 < step['actor_engine_ms_per_step'] < step['ray_ms_per_step']
+
+
+def test_step_profile_counts_loop_matmuls_and_splits_kernel_time_by_scope():
+  from pipelinerl_jax.bench import step_profile
+
+  def f(x):
+    def body(c, _):
+      with jax.named_scope('attention_core'):
+        y = jnp.tanh(c @ x)
+      return y @ x, None
+    c = jax.lax.scan(body, x, None, length=3)[0]
+    with jax.named_scope('optimizer'):
+      c = c * 0.5 + 1
+    return c.sum()
+
+  x = jnp.ones((64, 64))
+  grad = jax.grad(f)
+  flops, whiles = step_profile.matmul_flops(jax.make_jaxpr(grad)(x))
+  assert whiles == 0 and flops == 3 * 2 * 3 * 2 * 64**3  # 3 steps x 2 dots x fwd + 2 bwd each
+  loop = lambda x: jax.lax.fori_loop(0, x.shape[0] // 32 + jnp.int32(x[0, 0] > 0), lambda i, c:
+                                     c @ x, x)
+  assert step_profile.matmul_flops(jax.make_jaxpr(loop)(x)) == (0.0, 1)  # trip count unknown
+
+  compiled = jax.jit(grad).lower(x).compile()
+  ops = step_profile.hlo_instructions(compiled.as_text())
+  assert any('attention_core' in op['scopes'] and op['matmul'] for op in ops.values())
+  jax.block_until_ready(compiled(x))
+  p = step_profile.profile_breakdown(lambda: compiled(x), compiled.as_text())
+  assert p['kernels'] > 0 and p['kernel_s'] == pytest.approx(sum(p['seconds'].values()))
+  assert p['seconds']['attention'] > 0 and p['seconds']['matmul'] > 0
+  assert p['seconds']['lm_head'] == 0 and sum(p['shares'].values()) == pytest.approx(1)

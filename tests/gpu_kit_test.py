@@ -101,7 +101,10 @@ def test_quick_runs_every_section_without_image_absent_packages(quick):
   for name, section in report['sections'].items():
     assert section['status'] == 'ok', (name, section.get('error'), section['items'])
     assert section['imported_absent_on_image'] == [], name
-    assert all(i['status'] == 'ok' for i in section['items']), name
+    # cuDNN attention needs a GPU: on CPU its items say so and are skipped.
+    assert all(i['status'] == 'ok' or (i['status'] == 'skipped' and 'cudnn' in i['name']
+                                       and 'needs a CUDA GPU' in i['reason'])
+               for i in section['items']), name
     assert section['jax_warnings'] == [] and section['output_tail'], name
   # config.py (which the train step's LossConfig / OptimizerConfig come from) needs
   # ml_collections: the one carried package, and nothing else outside the image.
@@ -121,22 +124,47 @@ def test_quick_env_reports_versions_and_ceilings(quick):
   assert positive(env['device_copy']['gb_per_s'])
 
 
-def test_quick_train_step_counts_flops_and_leaves_mfu_to_known_peaks(quick):
-  report, _ = quick
-  (name, r), = items(report, 'train').items()
-  assert name == 'tiny' and r['dtype'] == 'bfloat16' and r['remat'] is True
-  for key in ('tokens_per_s', 'flop_per_s', 'flops_per_step', 'step_s_median', 'compile_s',
-              'dense_attention_flops', 'memory_plan_bytes'):
-    assert positive(r[key]), key
-  assert r['memory_plan_bytes'] == sum(r['memory_plan_terms'].values())
-  assert r['plan_over_peak'] is None  # CPU: no measured peak
-  assert math.isfinite(r['loss']) and r['samples'] > r['rows']
-  assert r['mfu'] is None  # CPU: no datasheet peak
+def test_quick_train_section_checks_attention_then_runs_the_grid(quick):
+  report, stdout = quick
+  train = items(report, 'train')
+  assert list(train) == [
+      'tiny attention check blockwise', 'tiny attention check cudnn',
+      *(f'tiny attention {impl}' for impl in gpu.ATTENTION_IMPLS),
+      *(v.name for v in gpu.QUICK_TRAIN_GRID)]
+  check = train['tiny attention check blockwise']
+  assert check['ok'] and set(check['errors']) == {'out', 'dq', 'dk', 'dv'}
+  for impl in ('blockwise', 'dense'):
+    a = train[f'tiny attention {impl}']
+    assert positive(a['seconds']) and positive(a['pair_flops'])
+    assert a['executed_flops'] >= a['pair_flops'] and a['step_attention_s'] > a['seconds']
   matmul = items(report, 'env')['bf16_matmul']['tflops']
-  assert r['of_measured_matmul'] == pytest.approx(r['flop_per_s'] / (matmul * 1e12))
-  assert 0 < r['lm_head_flop_share'] < 1
   config = train_bench.MODEL_PRESETS['tiny']
-  assert r['flops_per_step'] >= 6 * train_bench.flop_params(config) * r['tokens']
+  for v in gpu.QUICK_TRAIN_GRID:
+    r = train[v.name]
+    if v.attention == 'cudnn':
+      assert r['status'] == 'skipped'
+      continue
+    assert r['dtype'] == 'bfloat16' and r['remat_policy'] == v.remat and r['micro'] == v.micro
+    for key in ('tokens_per_s', 'flop_per_s', 'flops_per_step', 'step_s_median', 'compile_s',
+                'dense_attention_flops', 'executed_flops', 'matmul_flops',
+                'compiled_peak_bytes'):
+      assert positive(r[key]), key
+    assert math.isfinite(r['loss']) and r['samples'] > r['rows']
+    assert r['mfu'] is None  # CPU: no datasheet peak
+    assert r['memory_plan_bytes'] == sum(r['memory_plan_terms'].values())
+    assert r['plan_over_compiled_peak'] > 0.5 and r['plan_over_device_peak'] is None
+    assert r['of_measured_matmul'] == pytest.approx(r['flop_per_s'] / (matmul * 1e12))
+    assert 0 < r['lm_head_flop_share'] < 1
+    assert r['flops_per_step'] >= 6 * train_bench.flop_params(config) * r['tokens']
+    # Executed: the backward's matmuls (twice the forward's) and, for blockwise, its tiles.
+    assert r['executed_flops'] > r['flops_per_step'] * 0.9
+    assert (r['attention_kernel_flops'] > 0) == (v.attention == 'blockwise')
+    if v.profile:
+      p = r['profile']
+      assert set(p['seconds']) == {'attention', 'matmul', 'lm_head', 'optimizer', 'other'}
+      assert p['kernels'] > 0 and positive(p['kernel_s'])
+      assert all(p['seconds'][c] > 0 for c in ('attention', 'matmul', 'lm_head', 'optimizer'))
+  assert 'kernels: attention' in stdout
 
 
 def test_quick_engine_decodes_every_token_with_and_without_updates(quick):
@@ -347,7 +375,7 @@ def test_jax_warnings_are_kept_for_the_json():
 def test_presets_short_is_one_size_of_each_gpu_section():
   short = gpu.PRESETS['short']
   assert short.sections == ('env', 'train', 'engine', 'publish')
-  assert len(short.train_models) == 1 and short.engine_slots == (256,)
+  assert {v.model for v in short.train_grid} == {'qwen2.5-1.5b'} and short.engine_slots == (256,)
   assert short.budget_s <= 200 and gpu.FULL.budget_s <= 540  # within a 10-minute command
   assert gpu.FULL.e2e_presets == ('tiny', 'reasoning') and gpu.QUICK.e2e_presets == ('tiny',)
   assert set(gpu.FULL.sections) == set(gpu.SECTIONS)

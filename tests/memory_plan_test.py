@@ -255,3 +255,20 @@ def test_plan_is_just_above_the_peaks_measured_on_an_h100():
                                              item['rows'] // item['micro'], item['seq_len'])
     peak = item['memory']['peak_bytes_in_use']
     assert peak <= sum(terms.values()) <= 1.10 * peak, (item['model'], sum(terms.values()), peak)
+
+
+def test_the_remat_policy_and_cudnn_statistics_change_the_saved_activations():
+  """What a policy keeps grows full < attention < dots < no remat; cuDNN's per-slot softmax
+  statistics count with the policies that keep attention's residuals."""
+  saved = {}
+  for name in ('none', 'full', 'attention', 'dots'):
+    c = config_lib.load_preset('qwen1p5b_8xh100')
+    c.model.remat, c.model.remat_policy = name != 'none', 'full' if name == 'none' else name
+    saved[name] = preset_plan('qwen1p5b_8xh100', config=c).trainer['saved']
+  assert saved['full'] < saved['attention'] < saved['dots'] < saved['none'], saved
+  c = config_lib.load_preset('qwen1p5b_8xh100')
+  c.model.remat_policy, c.model.attention = 'attention', 'cudnn'
+  plan = preset_plan('qwen1p5b_8xh100', config=c)
+  m = plan.facts
+  stats = 28 * m['rows_per_micro_batch'] * c.train.max_segments_per_row * 12 * 8192 * 4
+  assert plan.trainer['saved'] > saved['attention'] + stats * 0.5

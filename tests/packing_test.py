@@ -32,10 +32,13 @@ def simple_sample(p, c):
 def check_layout(samples, batch, stats, seq_len):
   """Checks every per-sample and padding invariant of a packed batch against its samples."""
   keys = {'tokens', 'targets', 'positions', 'segment_ids', 'loss_mask', 'behaviour_logprobs',
-          'advantages', 'versions', 'sample_index'}
+          'advantages', 'versions', 'sample_index', 'segment_starts', 'segment_lengths'}
   if all(s.ref_logprobs is not None for s in samples):
     keys.add('ref_logprobs')
   assert set(batch) == keys
+  starts, lengths = packing.segment_spans(batch['segment_ids'], seq_len)
+  np.testing.assert_array_equal(batch['segment_starts'], starts)
+  np.testing.assert_array_equal(batch['segment_lengths'], lengths)
   rows = stats.num_rows
   for key, x in batch.items():
     assert x.shape == (rows, seq_len), key
@@ -330,3 +333,30 @@ def test_packed_logprobs_match_per_sample_forward():
   leaked = np.asarray(logp_fn(batch['tokens'], batch['targets'], batch['positions'], one_segment))
   later = batch['segment_ids'] > 1
   assert np.max(np.abs(leaked - packed)[later]) > 0.1
+
+
+def test_segment_spans_describe_each_rows_samples_and_cap_them():
+  """The spans a fused kernel reads are the samples' positions; max_segments caps a row's
+  samples (packing opens another row) and sets the spans' width."""
+  rng = np.random.default_rng(3)
+  samples = random_samples(rng, 30, 3, 4)  # short samples: many per row
+  batch, stats = packing.pack_samples(samples, 32)
+  assert batch['segment_starts'].shape == (stats.num_rows, 32)
+  capped, capped_stats = packing.pack_samples(samples, 32, max_segments=3)
+  assert batch['segment_ids'].max() > 3 and capped['segment_ids'].max() == 3
+  assert capped['segment_starts'].shape == (capped_stats.num_rows, 3)
+  assert capped_stats.num_rows > stats.num_rows
+  for b, width in ((batch, 32), (capped, 3)):
+    starts, lengths = packing.segment_spans(b['segment_ids'], width)
+    np.testing.assert_array_equal(b['segment_starts'], starts)
+    np.testing.assert_array_equal(b['segment_lengths'], lengths)
+    for r, row in enumerate(b['segment_ids']):
+      for g in range(width):
+        span = slice(starts[r, g], starts[r, g] + lengths[r, g])
+        assert (lengths[r, g] == 0) == (g + 1 > row.max())
+        assert lengths[r, g] == 0 or (row[span] == g + 1).all() and (row == g + 1).sum() == \
+            lengths[r, g]
+  with pytest.raises(ValueError, match=r'row \d+ holds \d+ samples, more than max_segments=3'):
+    packing.segment_spans(batch['segment_ids'], 3)
+  with pytest.raises(ValueError, match='not the contiguous segment'):
+    packing.segment_spans(np.array([[1, 1, 2, 1]]), 4)

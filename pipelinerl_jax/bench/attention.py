@@ -11,6 +11,13 @@ outputs, `peak` = arguments + outputs + temp - aliased. It is known without runn
 program whose peak exceeds `--max_run_gb` is compiled and reported but not timed (dense at 16k
 would need more memory than a laptop has). Timed programs run `--warmup` times, then `--steps`
 times, each ended by `jax.block_until_ready`. Prints a table and writes JSON to `--out`.
+
+The GPU kit (bench/gpu.py, train section) also uses the two functions at the end, on attention
+alone at its own shapes: `check_against_dense` (an implementation's outputs and gradients
+against the dense reference in fp32, rows of one, two and many samples and padding) and
+`time_step_attention` (forward + backward of one layer's attention over a packed batch, one
+row per call as the train step's micro-batches run it, with the FLOPs the kernel executes and
+the causal pairs' FLOP floor).
 """
 
 from __future__ import annotations
@@ -26,6 +33,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from pipelinerl_jax import packing
+from pipelinerl_jax.models import attention as attention_lib
 from pipelinerl_jax.models import transformer
 
 # Qwen2-shaped, small enough that attention, not the MLP or the vocabulary, dominates at long T.
@@ -173,3 +182,125 @@ def main(argv: list[str] | None = None) -> dict:
 
 if __name__ == '__main__':
   main()
+
+
+# ---------------------------------------------------------------------------------------------
+# Attention alone: the GPU kit's numerics check and kernel timing.
+
+
+def check_rows(t: int) -> np.ndarray:
+  """Segment ids of 4 rows of length t: one sample; two; 16 equal; 5 unequal then padding."""
+  seg = np.zeros((4, t), np.int32)
+  seg[0] = 1
+  seg[1, :t // 3], seg[1, t // 3:] = 1, 2
+  seg[2] = np.repeat(np.arange(1, 17), -(-t // 16))[:t]
+  cuts = [0, t // 10, t // 4, t // 4 + 2, t // 2, t - t // 8]
+  for i, (a, b) in enumerate(zip(cuts[:-1], cuts[1:])):
+    seg[3, a:b] = i + 1
+  return seg
+
+
+def _attention_fn(impl: str, block: int):
+  def fn(q, k, v, seg, starts, lengths):
+    return attention_lib.packed(q, k, v, seg, implementation=impl, block_q=block, block_kv=block,
+                                segment_starts_RxG=starts, segment_lengths_RxG=lengths)
+  return fn
+
+
+def _qkv(shape, seed, dtype):
+  b, t, kh, g, dh = shape
+  keys = jax.random.split(jax.random.PRNGKey(seed), 3)
+  return (jax.random.normal(keys[0], shape, jnp.float32).astype(dtype),
+          jax.random.normal(keys[1], (b, t, kh, dh), jnp.float32).astype(dtype),
+          jax.random.normal(keys[2], (b, t, kh, dh), jnp.float32).astype(dtype))
+
+
+def check_against_dense(impl: str, *, t: int = 512, kv_heads: int = 2, group: int = 2,
+                        head_dim: int = 64, block: int = 128, dtype=jnp.bfloat16) -> dict:
+  """Max errors on real tokens of `impl` and of dense, both in `dtype`, against dense in fp32:
+  outputs and the gradients of q, k and v (of a weighted sum over real tokens). `ok` when
+  impl's errors are within twice dense's plus 1e-2 (the rounding of `dtype` itself)."""
+  seg = check_rows(t)
+  starts, lengths = packing.segment_spans(seg, 16)
+  seg, starts, lengths = (jnp.asarray(x) for x in (seg, starts, lengths))
+  real = np.asarray(seg != 0)
+  q, k, v = _qkv((4, t, kv_heads, group, head_dim), 0, jnp.float32)
+  w = jax.random.normal(jax.random.PRNGKey(1), q.shape) * real[:, :, None, None, None]
+
+  def outputs(fn, dt):
+    args = [x.astype(dt) for x in (q, k, v)]
+    loss = lambda q, k, v: jnp.sum(w * fn(q, k, v, seg, starts, lengths).astype(jnp.float32))
+    out = fn(*args, seg, starts, lengths)
+    return [x.astype(jnp.float32) for x in (out, *jax.grad(loss, argnums=(0, 1, 2))(*args))]
+
+  run = lambda name, dt: [np.asarray(x) for x in
+                          jax.jit(lambda: outputs(_attention_fn(name, block), dt))()]
+  exact = run('dense', jnp.float32)
+  errors = {}
+  for name in (impl, 'dense'):
+    errors[name] = [float(np.abs(a - b)[real].max()) for a, b in zip(run(name, dtype), exact)]
+  names = ('out', 'dq', 'dk', 'dv')
+  return dict(impl=impl, t=t, head_dim=head_dim, kv_heads=kv_heads, group=group,
+              errors={n: e for n, e in zip(names, errors[impl])},
+              dense_errors={n: e for n, e in zip(names, errors['dense'])},
+              ok=all(a <= 2 * b + 1e-2 for a, b in zip(errors[impl], errors['dense'])))
+
+
+def attention_pairs(segment_ids_RxT: np.ndarray) -> float:
+  """Causal (query, key) pairs within samples: sum of n (n + 1) / 2 over the samples."""
+  seg = np.asarray(segment_ids_RxT)
+  t = seg.shape[1]
+  real = seg > 0
+  lengths = np.bincount((np.arange(len(seg))[:, None] * (t + 1) + seg)[real]).astype(float)
+  return float(np.sum(lengths * (lengths + 1) / 2))
+
+
+def time_step_attention(impl: str, batch: dict[str, np.ndarray], *, kv_heads: int, group: int,
+                        head_dim: int, block: int = 1024, repeats: int = 1,
+                        dtype=jnp.bfloat16) -> dict:
+  """Forward + backward of one layer's attention over each packed row of `batch` (one row a
+  call, as micro-batches of one row run it): the seconds summed over the rows, the FLOPs the
+  kernel executes, and `pair_flops`, the floor: 12 Dh per causal pair and query head (forward
+  4, backward 8; a flash kernel recomputes the scores, 14)."""
+  seg_RxT = np.asarray(batch['segment_ids'])
+  rows, t = seg_RxT.shape
+  q, k, v = _qkv((1, t, kv_heads, group, head_dim), 0, dtype)
+  fn = _attention_fn(impl, block)
+
+  @jax.jit
+  def step(q, k, v, seg, starts, lengths):
+    loss = lambda q, k, v: jnp.sum(fn(q, k, v, seg, starts, lengths).astype(jnp.float32))
+    return jax.value_and_grad(loss, argnums=(0, 1, 2))(q, k, v)
+
+  row = lambda r: tuple(jnp.asarray(batch[key][r:r + 1]) for key in
+                        ('segment_ids', 'segment_starts', 'segment_lengths'))
+  start = time.perf_counter()
+  compiled = step.lower(q, k, v, *row(0)).compile()
+  compile_s = time.perf_counter() - start
+  jax.block_until_ready(compiled(q, k, v, *row(0)))
+  seconds = []
+  for r in range(rows):
+    args = row(r)
+    jax.block_until_ready(args)
+    runs = []
+    for _ in range(repeats):
+      start = time.perf_counter()
+      jax.block_until_ready(compiled(q, k, v, *args))
+      runs.append(time.perf_counter() - start)
+    seconds.append(min(runs))
+  heads = kv_heads * group
+  pairs = attention_pairs(seg_RxT)
+  if impl == 'dense':
+    executed = 12.0 * head_dim * heads * rows * t * t
+  elif impl == 'cudnn':
+    executed = 14.0 * head_dim * heads * pairs
+  else:
+    bq = bk = min(block, t)
+    tiles = [attention_lib.tiles_visited(seg_RxT[r:r + 1], bq, bk) for r in range(rows)]
+    executed = head_dim * heads * bq * bk * sum(4.0 * f + 10.0 * b for f, b in tiles)
+  total = float(sum(seconds))
+  return dict(impl=impl, rows=rows, t=t, heads=heads, kv_heads=kv_heads, head_dim=head_dim,
+              block=block if impl == 'blockwise' else None, compile_s=compile_s,
+              seconds=total, seconds_per_row=seconds, pair_flops=12.0 * head_dim * heads * pairs,
+              executed_flops=executed, executed_tflops=executed / total / 1e12,
+              pair_tflops=12.0 * head_dim * heads * pairs / total / 1e12)

@@ -14,9 +14,15 @@ Sections, in this order:
   env      devices and versions (JAX, jaxlib, CUDA, torch), the bf16 peak used for MFU (from the
            device kind, or --peak_tflops), and two measured ceilings: a bf16 matmul and a device
            copy.
-  train    the jitted train step at Qwen2.5-0.5B and 1.5B shapes (random weights, bf16 compute,
-           fp32 master weights, remat, packed rows): tokens/s, model FLOP/s and MFU. FLOPs are
-           bench.train_step's count: 6 N per token plus attention over each sample's own context.
+  train    attention alone, then the jitted train step at Qwen2.5-0.5B and 1.5B shapes (random
+           weights, bf16 compute, fp32 master weights, packed rows). Attention: cuDNN's kernel
+           against dense numerically (rows of one, two, many samples and padding), then each
+           implementation's forward + backward over the step's rows, with the causal pairs'
+           FLOP floor. The step: the variants of TRAIN_GRID (attention x remat policy x lm_head
+           precision x rows per micro-batch), most telling first: tokens/s, model FLOP/s and
+           MFU (bench.train_step's count: 6 N per token plus attention over each sample's own
+           context), the FLOPs the program executes, XLA's peak memory, and for some a profile
+           of one step's kernel time by part (attention, matmul, lm_head, optimizer, other).
   engine   the JAX engine's decode tokens/s at H = 64, 256, 512 (256-token prompts, 1024 new
            tokens each, no early stop), without and with a weight update before every token step
            (the trainer's publish path: a fresh copy of the params, then `update_params`), and the
@@ -63,7 +69,7 @@ import sys
 import time
 import threading
 import traceback
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
 from pipelinerl_jax import platforms  # imports no JAX
 
@@ -99,12 +105,47 @@ BF16_PEAKS = (
 )
 
 
+class TrainVariant(NamedTuple):
+  """One train-step measurement of the grid: a model preset and its numerics."""
+  model: str
+  attention: str           # models/attention.py: 'cudnn' | 'blockwise' | 'dense'
+  remat: str               # 'none' or a transformer.REMAT_POLICIES name
+  lm_head: str             # 'fp32' (an fp32 matmul) | 'dtype' (bf16, fp32 accumulation)
+  micro: int               # micro-batches of the step: rows per micro-batch = rows / micro
+  profile: bool = False    # trace one more step: the kernel time by part
+
+  @property
+  def name(self) -> str:
+    return (f'{self.model} {self.attention} remat={self.remat} head={self.lm_head} '
+            f'micro={self.micro}')
+
+
+# Most telling first, so that a section cut short keeps them (predictions:
+# docs/attention-2026-11-26.md). The H100 run of 2026-11-26 measured blockwise/full/fp32/micro=8.
+TRAIN_GRID = (
+    TrainVariant('qwen2.5-1.5b', 'cudnn', 'full', 'dtype', 8, profile=True),
+    TrainVariant('qwen2.5-0.5b', 'cudnn', 'full', 'dtype', 8, profile=True),
+    TrainVariant('qwen2.5-1.5b', 'cudnn', 'none', 'dtype', 8),
+    TrainVariant('qwen2.5-1.5b', 'cudnn', 'dots', 'dtype', 8),
+    TrainVariant('qwen2.5-1.5b', 'blockwise', 'full', 'fp32', 8),  # its loops: ~1e5 kernels
+    TrainVariant('qwen2.5-1.5b', 'cudnn', 'full', 'fp32', 8),
+    TrainVariant('qwen2.5-1.5b', 'cudnn', 'attention', 'dtype', 8),
+    TrainVariant('qwen2.5-0.5b', 'cudnn', 'none', 'dtype', 8),
+    TrainVariant('qwen2.5-1.5b', 'cudnn', 'attention', 'dtype', 4),
+    TrainVariant('qwen2.5-0.5b', 'cudnn', 'dots', 'dtype', 4),
+    TrainVariant('qwen2.5-0.5b', 'blockwise', 'full', 'fp32', 8),
+)
+QUICK_TRAIN_GRID = (  # every code path once (cuDNN's is skipped off a GPU)
+    TrainVariant('tiny', 'blockwise', 'attention', 'dtype', 2, profile=True),
+    TrainVariant('tiny', 'cudnn', 'full', 'dtype', 2),
+)
+
+
 @dataclasses.dataclass(frozen=True)
 class Sizes:
-  train_models: tuple[str, ...]   # bench.train_step presets
+  train_grid: tuple[TrainVariant, ...]  # the train step's variants, in this order
   train_rows: int                 # packed rows per optimizer step
   train_seq_len: int
-  train_micro: int                # micro-batches per step
   train_steps: int
   engine_model: str
   engine_slots: tuple[int, ...]   # H values
@@ -121,16 +162,15 @@ class Sizes:
   e2e_presets: tuple[str, ...] = ('tiny', 'reasoning')
 
 
-FULL = Sizes(train_models=('qwen2.5-0.5b', 'qwen2.5-1.5b'), train_rows=8, train_seq_len=8192,
-             train_micro=8, train_steps=3, engine_model='qwen2.5-0.5b',
-             engine_slots=(64, 256, 512), prompt_len=256, new_tokens=1024,
+FULL = Sizes(train_grid=TRAIN_GRID, train_rows=8, train_seq_len=8192, train_steps=3,
+             engine_model='qwen2.5-0.5b', engine_slots=(64, 256, 512), prompt_len=256, new_tokens=1024,
              publish_models=('qwen2.5-0.5b', 'qwen2.5-1.5b'), repeats=10, matmul_n=8192,
              copy_mib=1024, e2e_rl_s=45.0, e2e_steps=100_000, budget_s=510.0)
 # About 3 minutes of a lease: a fix checked on the sizes that matter most.
-SHORT = dataclasses.replace(FULL, train_models=('qwen2.5-1.5b',), engine_slots=(256,),
+SHORT = dataclasses.replace(FULL, train_grid=(TRAIN_GRID[0], TRAIN_GRID[3]), engine_slots=(256,),
                             publish_models=('qwen2.5-0.5b',), budget_s=180.0,
                             sections=('env', 'train', 'engine', 'publish'))
-QUICK = Sizes(train_models=('tiny',), train_rows=4, train_seq_len=64, train_micro=2,
+QUICK = Sizes(train_grid=QUICK_TRAIN_GRID, train_rows=4, train_seq_len=64,
               train_steps=2, engine_model='tiny', engine_slots=(2, 4), prompt_len=8,
               new_tokens=8, publish_models=('tiny',), repeats=3, matmul_n=256, copy_mib=4,
               e2e_rl_s=0.0, e2e_steps=3, budget_s=300.0, e2e_presets=('tiny',))
@@ -408,9 +448,26 @@ def run_env(s: Section) -> None:
         seconds_runs=times)
 
 
+ATTENTION_IMPLS = ('cudnn', 'blockwise', 'dense')  # the attention-alone items, per model shape
+MIN_VARIANT_S = 20.0       # a train variant is not started with less time left than this
+
+
+def _skip_or_fail(s: Section, item: str, error: BaseException) -> None:
+  """cuDNN attention's refusal on a host without a CUDA GPU (the --quick run on CPU) is a skip;
+  anything else a failure."""
+  if isinstance(error, ValueError) and 'needs a CUDA GPU' in str(error):
+    s.skip(item, _one_line(error))
+  else:
+    s.fail(item, error)
+
+
 def run_train(s: Section) -> None:
+  """Attention alone (cuDNN against dense numerically, then each implementation's forward +
+  backward at the kit's shapes), then the train step over TRAIN_GRID."""
   import jax
+  import numpy as np
   from pipelinerl_jax import sharding as sharding_lib
+  from pipelinerl_jax.bench import attention as attention_bench
   from pipelinerl_jax.bench import train_step as train_bench
 
   z = s.sizes
@@ -418,37 +475,89 @@ def run_train(s: Section) -> None:
   mesh = sharding_lib.make_mesh(1, 1, 1, devices=[device])
   peak = bf16_peak(device.device_kind, s.args.peak_tflops)
   limit = memory_limit_bytes(device)
-  for name in z.train_models:
-    config = train_bench.MODEL_PRESETS[name]
-    plan = train_memory_plan(dataclasses.replace(config, dtype='bfloat16', remat=True),
-                             z.train_rows, z.train_rows // z.train_micro, z.train_seq_len)
-    need = sum(plan.values())
-    if need > MEMORY_HEADROOM * limit:
-      s.skip(name, f'needs ~{need / 2**30:.1f} GiB, the device offers {limit / 2**30:.1f}')
-      continue
-    if s.remaining() < 10:
-      s.skip(name, 'time budget')
+  grid = z.train_grid
+  models = list(dict.fromkeys(v.model for v in grid))
+
+  for name in models:  # numerics first: a wrong kernel's speed is worth nothing
+    c = train_bench.MODEL_PRESETS[name]
+    for impl in (('blockwise', 'cudnn') if s.args.quick else ('cudnn',)):
+      item = f'{name} attention check {impl}'
+      try:
+        r = attention_bench.check_against_dense(
+            impl, t=min(512, z.train_seq_len), kv_heads=c.num_kv_heads,
+            group=c.num_heads // c.num_kv_heads, head_dim=c.head_dim, block=128)
+      except Exception as e:
+        _skip_or_fail(s, item, e)
+        continue
+      if r['ok']:
+        s.add(item, **r)
+      else:
+        s.record['items'].append(dict(name=item, status='error', error='errors beyond 2x dense '
+                                      f"bf16's + 1e-2: {r['errors']}", **r))
+        s.save()
+
+  for name in models:  # the batch the train step of this model gets (bench_model's seed 0)
+    c = train_bench.MODEL_PRESETS[name]
+    batch, _ = train_bench.make_batch(np.random.default_rng(0), z.train_rows, z.train_seq_len,
+                                      0.9, c.vocab_size)
+    for impl in ATTENTION_IMPLS:
+      item = f'{name} attention {impl}'
+      if s.remaining() < MIN_VARIANT_S:
+        s.skip(item, 'time budget')
+        continue
+      try:
+        r = attention_bench.time_step_attention(
+            impl, batch, kv_heads=c.num_kv_heads, group=c.num_heads // c.num_kv_heads,
+            head_dim=c.head_dim, block=c.attention_block_q)
+      except Exception as e:
+        _skip_or_fail(s, item, e)
+        gc.collect()
+        continue
+      floor = r['pair_flops'] / (peak['tflops'] * 1e12) if peak['tflops'] else None
+      s.add(item, model=name, layers=c.num_layers, step_attention_s=r['seconds'] * c.num_layers,
+            pair_floor_s=floor, **r)
+      gc.collect()
+
+  for v in grid:
+    if s.remaining() < MIN_VARIANT_S:
+      s.skip(v.name, 'time budget')
       continue
     args = train_bench.parse_args([
-        f'--model={name}', f'--rows={z.train_rows}', f'--seq_len={z.train_seq_len}',
-        f'--micro={z.train_micro}', f'--steps={z.train_steps}', '--warmup=1',
-        '--dtype=bfloat16', '--remat'])
+        f'--model={v.model}', f'--rows={z.train_rows}', f'--seq_len={z.train_seq_len}',
+        f'--micro={v.micro}', f'--steps={z.train_steps}', '--warmup=1', '--dtype=bfloat16',
+        f'--attention={v.attention}', f'--lm_head={v.lm_head}',
+        f'--max_timed_s={max(1.0, min(10.0, s.remaining() / 8))}',
+        *(['--remat', f'--remat_policy={v.remat}'] if v.remat != 'none' else []),
+        *(['--profile'] if v.profile else [])])
+    config = train_bench.MODEL_PRESETS[v.model]
     try:
-      r = train_bench.bench_model(name, args, mesh)
-    except Exception as e:  # e.g. out of memory: the next model may still fit
-      s.fail(name, e)
+      r = train_bench.bench_model(v.model, args, mesh, memory_limit=int(MEMORY_HEADROOM * limit))
+    except Exception as e:  # e.g. out of memory: the next variant may still fit
+      _skip_or_fail(s, v.name, e)
       gc.collect()
+      continue
+    fields = {k: val for k, val in r.items() if k != 'model_config'}
+    if 'skipped' in r:
+      s.record['items'].append(dict(name=v.name, status='skipped', reason=r['skipped'], **fields))
+      s.save()
       continue
     lm_head = 6.0 * config.vocab_size * config.hidden_size * r['tokens']
     memory = _device_memory(device)
-    peak_bytes = memory.get('peak_bytes_in_use')  # none on CPU
-    s.add(name, **{k: v for k, v in r.items() if k != 'model_config'},
+    peak_bytes = memory.get('peak_bytes_in_use')  # none on CPU; the process's, over variants
+    plan = train_memory_plan(train_bench.model_config(v.model, args), z.train_rows,
+                             z.train_rows // v.micro, z.train_seq_len)
+    compiled = r.get('compiled_peak_bytes')
+    s.add(v.name, variant=v._asdict(), **fields,
           mfu=r['flop_per_s'] / (peak['tflops'] * 1e12) if peak['tflops'] else None,
+          executed_mfu=(r['executed_flop_per_s'] / (peak['tflops'] * 1e12)
+                        if peak['tflops'] else None),
           bf16_peak_tflops=peak['tflops'], bf16_peak_source=peak['source'],
-          lm_head_fp32=config.lm_head_fp32, lm_head_flop_share=lm_head / r['flops_per_step'],
+          lm_head_flop_share=lm_head / r['flops_per_step'],
           dense_attention_flops=dense_attention_flops(config, z.train_rows, z.train_seq_len),
-          memory=memory, memory_plan_bytes=need, memory_plan_terms=plan,
-          plan_over_peak=need / peak_bytes if peak_bytes else None)
+          memory=memory, memory_plan_bytes=sum(plan.values()), memory_plan_terms=plan,
+          plan_over_compiled_peak=sum(plan.values()) / compiled if compiled else None,
+          plan_over_device_peak=sum(plan.values()) / peak_bytes if peak_bytes else None)
+    del r
     gc.collect()
 
 
@@ -825,13 +934,25 @@ def describe(section: str, item: dict[str, Any]) -> str:
     if 'tflops' in item:
       return f"{g('n')}^3 bf16: {g('tflops'):.1f} TFLOP/s"
     return f"{_fmt_si(g('bytes'), 'B')}: {g('gb_per_s'):.1f} GB/s (read + write)"
+  if section == 'train' and 'errors' in item:
+    return f"max errors {item['errors']} (dense bf16: {item['dense_errors']})"
+  if section == 'train' and 'pair_flops' in item:
+    floor = f", floor {g('pair_floor_s') * 1e3:.2f} ms" if g('pair_floor_s') else ''
+    return (f"fwd+bwd {g('rows')}x{g('t')}: {g('seconds') * 1e3:.2f} ms a layer{floor}, "
+            f"{g('pair_tflops'):.1f} TFLOP/s on causal pairs, x{g('layers')} layers = "
+            f"{g('step_attention_s'):.3f} s a step")
   if section == 'train':
     mfu = f"MFU {g('mfu'):.1%}" if g('mfu') is not None else 'MFU -'
     if g('of_measured_matmul') is not None:
       mfu += f" ({g('of_measured_matmul'):.1%} of the measured matmul)"
-    return (f"{g('rows')}x{g('seq_len')} bf16 remat: {g('tokens')} tok/step, "
+    shares = (g('profile') or {}).get('shares') or {}
+    split = ', '.join(f'{k} {v:.0%}' for k, v in shares.items() if v)
+    return (f"{g('rows')}x{g('seq_len')}: {g('tokens')} tok/step, "
             f"{g('step_s_median'):.3f} s/step, {g('tokens_per_s'):.0f} tok/s, "
-            f"{_fmt_si(g('flop_per_s'), 'FLOP/s')}, {mfu}, compile {g('compile_s'):.0f} s")
+            f"{_fmt_si(g('flop_per_s'), 'FLOP/s')}, {mfu}, executed "
+            f"{_fmt_si(g('executed_flops'))} ({_fmt_si(g('executed_flop_per_s'), 'FLOP/s')}), "
+            f"peak {_fmt_si(g('compiled_peak_bytes'), 'B')}, compile {g('compile_s'):.0f} s"
+            + (f'; kernels: {split}' if split else ''))
   if section == 'engine':
     return (f"{g('tokens_per_s'):.0f} tok/s, {g('ms_per_step'):.2f} ms/step, "
             f"{g('updates')} updates, KV {_fmt_si(g('kv_cache_bytes'), 'B')}, "

@@ -3,12 +3,23 @@
   python -m pipelinerl_jax.bench.train_step --model=tiny,50m --rows=8 --seq_len=512 --micro=2
   python -m pipelinerl_jax.bench.train_step --model=tiny --mesh=1,4,2 --devices=8   # CPU
   python -m pipelinerl_jax.bench.train_step --quick                                 # seconds
+  python -m pipelinerl_jax.bench.train_step --model=qwen2.5-1.5b --rows=8 --seq_len=8192 \
+      --micro=8 --dtype=bfloat16 --attention=cudnn --remat --remat_policy=attention \
+      --lm_head=dtype --profile                                                      # a GPU
 
 Each model is randomly initialized from a preset (no download) and trained on one fixed packed
 batch: random samples of varying lengths put through `packing.pack_samples`, so rows hold
 several segments and the segment mask does real work. The step is compiled ahead of time
-(`compile_s`), run `--warmup` times, then timed `--steps` times, each ended by
-`jax.block_until_ready`. Prints one table row per model and writes one JSON object to `--out`.
+(`compile_s`; XLA's own memory figure for it, `compiled_peak_bytes`), run `--warmup` times, then
+timed `--steps` times (fewer past `--max_timed_s`), each ended by `jax.block_until_ready`.
+
+Where the time goes: `flops_per_step` are model FLOPs (`train_flops`); `executed_flops` what the
+program runs: the jaxpr's matmuls (remat's recomputation included; `bench.step_profile`) plus
+the attention kernel's work, which the jaxpr does not show as matmuls (cuDNN's causal pairs,
+blockwise's visited tiles; `attention_kernel_flops`). `xla_cost_flops` is XLA's cost analysis
+as is (it counts a loop's body once). `--profile` traces one more step and splits its kernel
+time into attention, matmul, lm_head, optimizer and other. Prints one table row per model and
+writes one JSON object to `--out`.
 """
 
 from __future__ import annotations
@@ -53,6 +64,8 @@ from pipelinerl_jax import config as config_lib  # noqa: E402
 from pipelinerl_jax import packing  # noqa: E402
 from pipelinerl_jax import sharding as sharding_lib  # noqa: E402
 from pipelinerl_jax import train  # noqa: E402
+from pipelinerl_jax.bench import step_profile  # noqa: E402
+from pipelinerl_jax.models import attention as attention_lib  # noqa: E402
 from pipelinerl_jax.models import transformer  # noqa: E402
 
 
@@ -89,9 +102,10 @@ MODEL_PRESETS = {
 QUICK_DEFAULTS = dict(model='tiny', rows=4, seq_len=64, micro=2, steps=2, warmup=1)
 
 RESULT_KEYS = ('model', 'params', 'flop_params', 'mesh', 'devices', 'device_kind', 'dtype',
-               'remat', 'rows', 'seq_len', 'micro', 'samples', 'tokens', 'fill', 'compile_s',
-               'step_s_median', 'step_s_min', 'tokens_per_s', 'flops_per_step', 'flop_per_s',
-               'loss')
+               'remat', 'remat_policy', 'attention', 'lm_head', 'rows', 'seq_len', 'micro',
+               'samples', 'tokens', 'fill', 'compile_s', 'compiled_peak_bytes', 'step_s_median',
+               'step_s_min', 'tokens_per_s', 'flops_per_step', 'flop_per_s', 'executed_flops',
+               'matmul_flops', 'attention_kernel_flops', 'xla_cost_flops', 'loss')
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -111,6 +125,16 @@ def build_parser() -> argparse.ArgumentParser:
   p.add_argument('--dtype', default='float32', choices=('float32', 'bfloat16'),
                  help='activation / matmul dtype (master weights stay float32)')
   p.add_argument('--remat', action='store_true', help='rematerialize each layer in backward')
+  p.add_argument('--remat_policy', default='full', choices=tuple(transformer.REMAT_POLICIES),
+                 help='with --remat, what each layer keeps (transformer.REMAT_POLICIES)')
+  p.add_argument('--attention', default='blockwise', choices=attention_lib.IMPLEMENTATIONS)
+  p.add_argument('--lm_head', default='fp32', choices=('fp32', 'dtype'),
+                 help='fp32: an fp32 lm_head matmul; dtype: in --dtype, fp32 accumulation')
+  p.add_argument('--max_segments', type=int, default=64, help='samples per packed row at most')
+  p.add_argument('--max_timed_s', type=float, default=0.0,
+                 help='stop timing after this many seconds (at least one step; 0 = off)')
+  p.add_argument('--profile', action='store_true',
+                 help='trace one more step and split its kernel time (bench.step_profile)')
   p.add_argument('--fill', type=float, default=0.9, help='target fraction of real positions')
   p.add_argument('--seed', type=int, default=0)
   p.add_argument('--out', default='/tmp/bench_train_step.json', help='JSON output path')
@@ -172,12 +196,14 @@ def random_samples(rng: np.random.Generator, count_positions: int, seq_len: int,
 
 
 def make_batch(rng: np.random.Generator, rows: int, seq_len: int, fill: float,
-               vocab_size: int) -> tuple[dict[str, np.ndarray], packing.PackStats]:
+               vocab_size: int, max_segments: int = 64
+               ) -> tuple[dict[str, np.ndarray], packing.PackStats]:
   """A packed [rows, seq_len] batch about `fill` full; samples that do not fit are dropped."""
   samples = random_samples(rng, int(fill * rows * seq_len), seq_len, vocab_size)
-  while samples and packing.pack_samples(samples, seq_len)[1].num_rows > rows:
+  pack = lambda **kw: packing.pack_samples(samples, seq_len, max_segments=max_segments, **kw)
+  while samples and pack()[1].num_rows > rows:
     samples.pop()  # first-fit decreasing left too little room: shed the last sample drawn
-  return packing.pack_samples(samples, seq_len, num_rows=rows)
+  return pack(num_rows=rows)
 
 
 def flop_params(config: transformer.ModelConfig) -> int:
@@ -208,17 +234,63 @@ def train_flops(config: transformer.ModelConfig, segment_ids_RxT: np.ndarray) ->
   return 6.0 * flop_params(config) * num_tokens + attention
 
 
+def attention_kernel_flops(config: transformer.ModelConfig, segment_ids_MxRxT: np.ndarray
+                           ) -> float:
+  """FLOPs of one step's attention kernels that `step_profile.matmul_flops` cannot see: cuDNN's
+  (a custom call: 4 Dh per causal (query, key) pair and head forward, 10 backward) and
+  blockwise's (loops of data-dependent length: every visited tile whole, the same per pair).
+  A remat policy that keeps no attention residuals ('full') runs the forward again. Dense
+  attention is plain matmuls, counted by the jaxpr: 0 here."""
+  if config.attention == 'dense':
+    return 0.0
+  per_pair = config.head_dim * (14 + (4 if config.remat and config.remat_policy == 'full' else 0))
+  heads = config.num_layers * config.num_heads
+  if config.attention == 'cudnn':
+    seg = np.asarray(segment_ids_MxRxT).reshape(-1, segment_ids_MxRxT.shape[-1])
+    t = seg.shape[1]
+    real = seg > 0
+    lengths = np.bincount((np.arange(len(seg))[:, None] * (t + 1) + seg)[real]).astype(float)
+    return heads * per_pair * float(np.sum(lengths * (lengths + 1) / 2))
+  t = segment_ids_MxRxT.shape[-1]
+  bq, bk = min(config.attention_block_q, t), min(config.attention_block_kv, t)
+  # One trip count for a micro-batch's rows (the reduction over rows), run on every row.
+  tiles = 0
+  for micro_RxT in np.asarray(segment_ids_MxRxT):
+    fwd, bwd = attention_lib.tiles_visited(micro_RxT, bq, bk)
+    tiles += len(micro_RxT) * (fwd * (per_pair - 10 * config.head_dim) + bwd * 10 * config.head_dim)
+  return heads * float(tiles) * bq * bk
+
+
+def _xla_flops(compiled) -> float | None:
+  try:
+    cost = compiled.cost_analysis()
+  except Exception:  # noqa: BLE001 -- not every backend offers it
+    return None
+  cost = cost[0] if isinstance(cost, (list, tuple)) else cost
+  return float(cost['flops']) if cost and 'flops' in cost else None
+
+
 # ---------------------------------------------------------------------------------------------
 # One model: build, compile, time.
 
 
-def bench_model(name: str, args: argparse.Namespace, mesh) -> dict:
-  config = dataclasses.replace(MODEL_PRESETS[name], dtype=args.dtype, remat=args.remat)
+def model_config(name: str, args: argparse.Namespace) -> transformer.ModelConfig:
+  return dataclasses.replace(MODEL_PRESETS[name], dtype=args.dtype, remat=args.remat,
+                             remat_policy=args.remat_policy, attention=args.attention,
+                             lm_head_fp32=args.lm_head == 'fp32')
+
+
+def bench_model(name: str, args: argparse.Namespace, mesh, memory_limit: int = 0) -> dict:
+  """One model's row. With `memory_limit` > 0, a program whose compiled peak exceeds it is
+  reported (`skipped`) and not run."""
+  config = model_config(name, args)
   rng = np.random.default_rng(args.seed)
-  batch_RxT, stats = make_batch(rng, args.rows, args.seq_len, args.fill, config.vocab_size)
+  batch_RxT, stats = make_batch(rng, args.rows, args.seq_len, args.fill, config.vocab_size,
+                                args.max_segments)
   flops = train_flops(config, batch_RxT['segment_ids'])
   batch_MxRxT = packing.split_microbatches({k: batch_RxT[k] for k in train.BATCH_KEYS},
                                            args.micro)
+  attention_flops = attention_kernel_flops(config, batch_MxRxT['segment_ids'])
   batch_MxRxT = jax.device_put(batch_MxRxT, sharding_lib.batch_sharding(mesh, leading_dims=1))
 
   opt_config = config_lib.OptimizerConfig(lr=1e-6)
@@ -228,34 +300,62 @@ def bench_model(name: str, args: argparse.Namespace, mesh) -> dict:
   num_params = sum(x.size for x in jax.tree.leaves(params))
   state, shardings = train.create_sharded_state(params, optimizer, mesh)
   del params  # the state holds the placed copy; this one would double the memory
-  step_fn = train.jit_train_step(
-      train.make_train_step(config, config_lib.LossConfig(), optimizer,
-                            train.lr_schedule(opt_config)),
-      shardings, mesh)
+  step = train.make_train_step(config, config_lib.LossConfig(), optimizer,
+                               train.lr_schedule(opt_config))
+  step_fn = train.jit_train_step(step, shardings, mesh)
 
   t0 = time.perf_counter()
   compiled = step_fn.lower(state, batch_MxRxT).compile()
   compile_s = time.perf_counter() - t0
+  mem = compiled.memory_analysis()
+  peak = (mem.argument_size_in_bytes + mem.output_size_in_bytes + mem.temp_size_in_bytes
+          - mem.alias_size_in_bytes) if mem is not None else None
+  try:  # the accounting must not cost the timing
+    matmuls, while_loops = step_profile.matmul_flops(jax.make_jaxpr(step)(state, batch_MxRxT))
+  except Exception:  # noqa: BLE001
+    matmuls, while_loops = float('nan'), None
+  devices = mesh.devices.ravel()
+  result = dict(
+      model=name, params=int(num_params), flop_params=flop_params(config),
+      mesh=','.join(str(mesh.shape[a]) for a in sharding_lib.MESH_AXES),
+      devices=len(devices), device_kind=devices[0].device_kind, dtype=args.dtype,
+      remat=args.remat, remat_policy=args.remat_policy if args.remat else 'none',
+      attention=args.attention, lm_head=args.lm_head, rows=args.rows, seq_len=args.seq_len,
+      micro=args.micro, samples=stats.num_samples, tokens=stats.num_tokens, fill=stats.fill,
+      compile_s=compile_s, compiled_peak_bytes=peak, flops_per_step=flops,
+      executed_flops=matmuls + attention_flops, matmul_flops=matmuls,
+      attention_kernel_flops=attention_flops, while_loops=while_loops,
+      xla_cost_flops=_xla_flops(compiled), model_config=dataclasses.asdict(config))
+  if memory_limit and peak and peak > memory_limit:
+    return dict(result, skipped=f'compiled peak {peak / 2**30:.1f} GiB > {memory_limit / 2**30:.1f}')
 
   for _ in range(args.warmup):
     state, metrics = jax.block_until_ready(compiled(state, batch_MxRxT))
   step_s = []
-  for _ in range(args.steps):
+  while len(step_s) < args.steps and not (
+      args.max_timed_s and step_s and sum(step_s) + np.median(step_s) > args.max_timed_s):
     t0 = time.perf_counter()
     state, metrics = jax.block_until_ready(compiled(state, batch_MxRxT))
     step_s.append(time.perf_counter() - t0)
+  if args.profile:
+    box = {}
+
+    def one_step():
+      box['out'] = compiled(state, batch_MxRxT)
+      return box['out']
+
+    try:  # a profiler that cannot start (no CUPTI) costs the breakdown, not the timing
+      result['profile'] = step_profile.profile_breakdown(one_step, compiled.as_text())
+    except Exception as e:
+      result['profile'] = dict(error=f'{type(e).__name__}: {e}'.splitlines()[0][:300])
+    if 'out' in box:
+      state, metrics = box['out']
 
   median = float(np.median(step_s))
-  devices = mesh.devices.ravel()
-  return dict(
-      model=name, params=int(num_params), flop_params=flop_params(config),
-      mesh=','.join(str(mesh.shape[a]) for a in sharding_lib.MESH_AXES),
-      devices=len(devices), device_kind=devices[0].device_kind, dtype=args.dtype,
-      remat=args.remat, rows=args.rows, seq_len=args.seq_len, micro=args.micro,
-      samples=stats.num_samples, tokens=stats.num_tokens, fill=stats.fill,
-      compile_s=compile_s, step_s_median=median, step_s_min=float(np.min(step_s)),
-      tokens_per_s=stats.num_tokens / median, flops_per_step=flops, flop_per_s=flops / median,
-      loss=float(metrics['loss']), model_config=dataclasses.asdict(config))
+  return dict(result, step_s_median=median, step_s_min=float(np.min(step_s)), step_s_runs=step_s,
+              tokens_per_s=stats.num_tokens / median, flop_per_s=flops / median,
+              executed_flop_per_s=result['executed_flops'] / median,
+              loss=float(metrics['loss']))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -275,7 +375,8 @@ TABLE_COLUMNS = (  # header, row -> cell
     ('params', lambda r: _si(r['params'])),
     ('mesh', lambda r: r['mesh']),
     ('device', lambda r: f"{r['devices']}x {r['device_kind']}"),
-    ('dtype', lambda r: r['dtype'] + (' remat' if r['remat'] else '')),
+    ('numerics', lambda r: (f"{r['dtype']} {r['attention']} remat={r['remat_policy']} "
+                            f"head={r['lm_head']}")),
     ('tokens/step', lambda r: f"{r['tokens']} ({r['fill']:.0%})"),
     ('compile s', lambda r: f"{r['compile_s']:.2f}"),
     ('step s med', lambda r: f"{r['step_s_median']:.4f}"),
@@ -289,7 +390,7 @@ def format_table(results: list[dict]) -> str:
   cells = [[h for h, _ in TABLE_COLUMNS]] + [[f(r) for _, f in TABLE_COLUMNS] for r in results]
   widths = [max(len(row[i]) for row in cells) for i in range(len(TABLE_COLUMNS))]
   # Text left-aligned, numbers right-aligned, as a reader scans them.
-  left = {'model', 'mesh', 'device', 'dtype'}
+  left = {'model', 'mesh', 'device', 'numerics'}
   lines = []
   for row in cells:
     lines.append('  '.join(c.ljust(w) if h in left else c.rjust(w)

@@ -40,8 +40,8 @@ _ARCHITECTURES = ('Qwen2ForCausalLM', 'LlamaForCausalLM')
 _MODEL_TYPES = {'qwen2': 'Qwen2ForCausalLM', 'llama': 'LlamaForCausalLM'}
 # HF's per-class defaults for fields a config.json may leave out.
 _DEFAULT_MAX_POSITIONS = {'Qwen2ForCausalLM': 32768, 'LlamaForCausalLM': 2048}
-_OVERRIDABLE = ('param_dtype', 'dtype', 'lm_head_fp32', 'remat', 'attention', 'attention_block_q',
-                'attention_block_kv')
+_OVERRIDABLE = ('param_dtype', 'dtype', 'lm_head_fp32', 'remat', 'remat_policy', 'attention',
+                'attention_block_q', 'attention_block_kv')
 
 _ST_DTYPES = {
     'F64': np.dtype(np.float64), 'F32': np.dtype(np.float32), 'F16': np.dtype(np.float16),
@@ -60,8 +60,8 @@ _SAVE_DTYPES = {'bfloat16': 'BF16', 'float32': 'F32', 'float16': 'F16'}
 def load_config(model_dir: str | os.PathLike, **overrides) -> ModelConfig:
   """ModelConfig from `model_dir/config.json`.
 
-  Overrides set the numerics only: param_dtype, dtype, lm_head_fp32, remat and the attention
-  implementation (attention, attention_block_q, attention_block_kv).
+  Overrides set the numerics only: param_dtype, dtype, lm_head_fp32, remat, remat_policy and
+  the attention implementation (attention, attention_block_q, attention_block_kv).
   """
   path = Path(model_dir) / CONFIG_FILE
   if not path.is_file():

@@ -32,6 +32,7 @@ from typing import Any, NamedTuple
 
 import flax.linen as nn
 import jax
+from jax.ad_checkpoint import checkpoint_name
 import jax.numpy as jnp
 
 from pipelinerl_jax.models import attention as attention_lib
@@ -66,13 +67,17 @@ class ModelConfig:
   architecture: str = 'Qwen2ForCausalLM'
   param_dtype: str = 'float32'    # master weights
   dtype: str = 'float32'          # activations / matmuls
-  lm_head_fp32: bool = True       # logits in fp32: keeps trainer and sampler log-probs close
+  # Logits in fp32 (keeps trainer and sampler log-probs close); False: the lm_head matmul in
+  # `dtype` with fp32 accumulation, forward and backward (logsumexp and entropy stay fp32).
+  lm_head_fp32: bool = True
   remat: bool = False             # rematerialize each layer in the backward pass
+  remat_policy: str = 'full'      # with remat, what a layer keeps: REMAT_POLICIES
   # Training rows only (decode always attends densely to its cache). 'blockwise' keeps one
   # block_q x block_kv tile of scores at a time, where 'dense' builds [T, T] per head: 30 GB for
   # one 16k row of a 7B model. Blocks of 1024 keep the loop short on GPUs (each iteration costs
   # a few kernel launches) while a tile stays ~100 MB; a row shorter than a block is one tile.
-  attention: str = 'blockwise'    # 'dense' | 'blockwise'
+  # 'cudnn': cuDNN's fused kernel over the packer's segment spans (Hopper GPUs).
+  attention: str = 'blockwise'    # 'dense' | 'blockwise' | 'cudnn'
   attention_block_q: int = 1024
   attention_block_kv: int = 1024
 
@@ -80,6 +85,8 @@ class ModelConfig:
     if self.attention not in attention_lib.IMPLEMENTATIONS:
       raise ValueError(f'attention={self.attention!r} is not one of '
                        f'{attention_lib.IMPLEMENTATIONS}')
+    if self.remat_policy not in REMAT_POLICIES:
+      raise ValueError(f'remat_policy={self.remat_policy!r} is not one of {tuple(REMAT_POLICIES)}')
     if self.attention_block_q < 1 or self.attention_block_kv < 1:
       raise ValueError(f'attention blocks must be >= 1, got attention_block_q='
                        f'{self.attention_block_q}, attention_block_kv={self.attention_block_kv}')
@@ -97,6 +104,32 @@ class ModelConfig:
     if self.qkv_bias:
       per_layer += q + 2 * kv
     return v * d * (1 if self.tie_embeddings else 2) + l * per_layer + d
+
+
+# What a rematerialized layer keeps for its backward pass besides its input (the rest is
+# recomputed): 'full' nothing; 'attention' attention's inputs, output and statistics, so only
+# the projections, the MLP and the elementwise work are recomputed; 'dots' also every weight
+# matmul's output, so only elementwise work is. More kept: less recomputed, more memory.
+REMAT_POLICIES = {'full': 'nothing but the layer input', 'attention': 'attention residuals',
+                  'dots': 'attention residuals and every weight matmul output'}
+
+
+def remat_policy(name: str):
+  """The `jax.checkpoint` policy of a REMAT_POLICIES name (None: save nothing)."""
+  if name == 'full':
+    return None
+  names = jax.checkpoint_policies.save_only_these_names(*attention_lib.SAVED_NAMES)
+
+  def attention(prim, *args, **params):
+    # cuDNN's output and softmax statistics leave its forward primitive unnamed.
+    return prim.name == attention_lib.CUDNN_FORWARD_PRIMITIVE or names(prim, *args, **params)
+
+  if name == 'attention':
+    return attention
+  if name == 'dots':
+    return jax.checkpoint_policies.save_from_both_policies(
+        attention, jax.checkpoint_policies.dots_with_no_batch_dims_saveable)
+  raise ValueError(f'remat_policy={name!r} is not one of {tuple(REMAT_POLICIES)}')
 
 
 class KVCache(NamedTuple):
@@ -167,7 +200,8 @@ class Attention(nn.Module):
   config: ModelConfig
 
   @nn.compact
-  def __call__(self, x_RxTxD, positions_RxT, segment_ids_RxT, mask_RxTxS, layer_cache):
+  def __call__(self, x_RxTxD, positions_RxT, segment_ids_RxT, mask_RxTxS, layer_cache,
+               spans=None):
     c = self.config
     b, t, _ = x_RxTxD.shape
     q = _dense(c.num_heads * c.head_dim, c.qkv_bias, c, 'q_proj')(x_RxTxD)
@@ -199,9 +233,14 @@ class Attention(nn.Module):
     g = c.num_heads // c.num_kv_heads
     q_RxTxKxQxDh = q_RxTxNxDh.reshape(b, t, c.num_kv_heads, g, c.head_dim)
     if layer_cache is None:
-      out_RxTxKxQxDh = attention_lib.packed(
-          q_RxTxKxQxDh, k_RxSxKxDh.astype(c.dtype), v_RxSxKxDh.astype(c.dtype), segment_ids_RxT,
-          implementation=c.attention, block_q=c.attention_block_q, block_kv=c.attention_block_kv)
+      starts_RxG, lengths_RxG = spans if spans is not None else (None, None)
+      with jax.named_scope('attention_core'):  # the profile breakdown finds attention by this
+        out_RxTxKxQxDh = attention_lib.packed(
+            q_RxTxKxQxDh, k_RxSxKxDh.astype(c.dtype), v_RxSxKxDh.astype(c.dtype),
+            segment_ids_RxT, implementation=c.attention, block_q=c.attention_block_q,
+            block_kv=c.attention_block_kv, segment_starts_RxG=starts_RxG,
+            segment_lengths_RxG=lengths_RxG)
+        out_RxTxKxQxDh = checkpoint_name(out_RxTxKxQxDh, 'attention_out')
     else:
       out_RxTxKxQxDh = attention_lib.dense(q_RxTxKxQxDh, k_RxSxKxDh, v_RxSxKxDh, mask_RxTxS,
                                            c.dtype)
@@ -227,12 +266,12 @@ class DecoderLayer(nn.Module):
   config: ModelConfig
 
   @nn.compact
-  def __call__(self, carry, positions_RxT, segment_ids_RxT, mask_RxTxS):
+  def __call__(self, carry, positions_RxT, segment_ids_RxT, mask_RxTxS, spans):
     x_RxTxD, cache = carry
     c = self.config
     norm = lambda name: RMSNorm(c.rms_norm_eps, c.dtype, c.param_dtype, name=name)
     h, cache = Attention(c, name='attn')(norm('input_norm')(x_RxTxD), positions_RxT,
-                                         segment_ids_RxT, mask_RxTxS, cache)
+                                         segment_ids_RxT, mask_RxTxS, cache, spans)
     x_RxTxD = x_RxTxD + h
     x_RxTxD = x_RxTxD + MLP(c, name='mlp')(norm('post_attn_norm')(x_RxTxD))
     if cache is not None:
@@ -243,24 +282,26 @@ class DecoderLayer(nn.Module):
 class Transformer(nn.Module):
   """Returns final-norm hidden states [R, T, D] and the updated cache (None without one).
 
-  Training rows pass `segment_ids_RxT` (and no cache); generation passes the cache and the
-  mask of cache slots each token sees.
+  Training rows pass `segment_ids_RxT` (and no cache), and for cuDNN attention `spans`, the
+  packer's (segment_starts_RxG, segment_lengths_RxG); generation passes the cache and the mask
+  of cache slots each token sees.
   """
   config: ModelConfig
 
   @nn.compact
   def __call__(self, tokens_RxT, positions_RxT, segment_ids_RxT=None, mask_RxTxS=None,
-               cache: KVCache | None = None):
+               cache: KVCache | None = None, spans=None):
     c = self.config
     embed = nn.Embed(c.vocab_size, c.hidden_size, dtype=c.dtype, param_dtype=c.param_dtype,
                      embedding_init=nn.initializers.normal(0.02), name='embed')
     x_RxTxD = embed(tokens_RxT)
-    layer_cls = nn.remat(DecoderLayer, prevent_cse=False) if c.remat else DecoderLayer
+    layer_cls = (nn.remat(DecoderLayer, prevent_cse=False, policy=remat_policy(c.remat_policy))
+                 if c.remat else DecoderLayer)
     layers = nn.scan(layer_cls, variable_axes={'params': 0}, split_rngs={'params': True},
-                     in_axes=(nn.broadcast,) * 3, length=c.num_layers)(c, name='layers')
+                     in_axes=(nn.broadcast,) * 4, length=c.num_layers)(c, name='layers')
     carry = None if cache is None else (cache.k, cache.v, jnp.zeros((), jnp.int32))
     (x_RxTxD, new_caches), _ = layers((x_RxTxD, carry), positions_RxT, segment_ids_RxT,
-                                      mask_RxTxS)
+                                      mask_RxTxS, spans)
     x_RxTxD = RMSNorm(c.rms_norm_eps, c.dtype, c.param_dtype, name='final_norm')(x_RxTxD)
     if not c.tie_embeddings and self.is_initializing():
       # Created here so init makes it; applied by `logits`, which may run in fp32 / chunks.
@@ -280,25 +321,58 @@ def cache_mask(positions_RxT: jax.Array, cache_len: int) -> jax.Array:
 def init_params(config: ModelConfig, rng: jax.Array) -> dict:
   """Random params (normal(0.02) kernels, unit norms). Jitted: eager init is ~4x slower."""
   tokens = jnp.zeros((1, 1), jnp.int32)
+  # The params do not depend on the attention kernel; init's one-token call needs none of
+  # cuDNN's (a GPU, bf16, the packer's spans).
+  config = dataclasses.replace(config, attention='dense')
   init = lambda key: Transformer(config).init(key, tokens, tokens, jnp.ones((1, 1), jnp.int32))
   return jax.jit(init)(rng)['params']
 
 
-def hidden_states(params, config: ModelConfig, tokens_RxT, positions_RxT, segment_ids_RxT):
+def hidden_states(params, config: ModelConfig, tokens_RxT, positions_RxT, segment_ids_RxT,
+                  spans=None):
   h, _ = Transformer(config).apply({'params': params}, tokens_RxT, positions_RxT,
-                                   segment_ids_RxT)
+                                   segment_ids_RxT, spans=spans)
   return h
 
 
+@jax.custom_vjp
+def _low_precision_head(h_RxTxD: jax.Array, w_DxV: jax.Array) -> jax.Array:
+  """fp32 logits of h (compute dtype) and w (master dtype) multiplied in h's dtype with fp32
+  accumulation, forward and backward: autodiff would multiply the fp32 logits' gradient by the
+  weights in fp32, off the bf16 tensor cores, in the two backward matmuls."""
+  return jnp.einsum('btd,dv->btv', h_RxTxD, w_DxV.astype(h_RxTxD.dtype),
+                    preferred_element_type=jnp.float32)
+
+
+def _low_precision_head_fwd(h_RxTxD, w_DxV):
+  return _low_precision_head(h_RxTxD, w_DxV), (h_RxTxD, w_DxV)
+
+
+def _low_precision_head_bwd(residuals, dz_RxTxV):
+  h_RxTxD, w_DxV = residuals
+  dz_RxTxV = dz_RxTxV.astype(h_RxTxD.dtype)
+  dh = jnp.einsum('btv,dv->btd', dz_RxTxV, w_DxV.astype(h_RxTxD.dtype),
+                  preferred_element_type=jnp.float32)
+  dw = jnp.einsum('btd,btv->dv', h_RxTxD, dz_RxTxV, preferred_element_type=jnp.float32)
+  return dh.astype(h_RxTxD.dtype), dw.astype(w_DxV.dtype)
+
+
+_low_precision_head.defvjp(_low_precision_head_fwd, _low_precision_head_bwd)
+
+
 def logits(params, config: ModelConfig, h_RxTxD: jax.Array) -> jax.Array:
-  """Logits [R, T, V]; fp32 when config.lm_head_fp32."""
+  """Logits [R, T, V] in fp32: an fp32 matmul when config.lm_head_fp32, else one in
+  config.dtype with fp32 accumulation."""
   if config.tie_embeddings:
     w_DxV = params['embed']['embedding'].T
   else:
     w_DxV = params['lm_head']['kernel']
-  dtype = jnp.float32 if config.lm_head_fp32 else config.dtype
-  return jnp.einsum('btd,dv->btv', h_RxTxD.astype(dtype), w_DxV.astype(dtype),
-                    preferred_element_type=jnp.float32)
+  with jax.named_scope('lm_head'):  # the profile breakdown finds the head by this
+    if config.lm_head_fp32 or jnp.dtype(config.dtype) == jnp.float32:
+      dtype = jnp.float32 if config.lm_head_fp32 else config.dtype
+      return jnp.einsum('btd,dv->btv', h_RxTxD.astype(dtype), w_DxV.astype(dtype),
+                        preferred_element_type=jnp.float32)
+    return _low_precision_head(h_RxTxD.astype(config.dtype), w_DxV)
 
 
 def forward_logits(params, config: ModelConfig, tokens_RxT, positions_RxT=None,
@@ -314,13 +388,15 @@ def forward_logits(params, config: ModelConfig, tokens_RxT, positions_RxT=None,
 
 
 def token_logprobs(params, config: ModelConfig, tokens_RxT, targets_RxT, positions_RxT,
-                   segment_ids_RxT, temperature: float = 1.0, chunk_size: int = 1024):
+                   segment_ids_RxT, temperature: float = 1.0, chunk_size: int = 1024,
+                   spans=None):
   """log pi(target_t | tokens_<=t) and the entropy of that distribution, both [R, T] fp32.
 
   Logits are made `chunk_size` positions at a time so a [R, T, V] array never exists at once
-  (V is 152k for Qwen2.5); rematerialized in the backward pass for the same reason.
+  (V is 152k for Qwen2.5); rematerialized in the backward pass for the same reason. `spans`:
+  the packer's (segment_starts_RxG, segment_lengths_RxG), which cuDNN attention needs.
   """
-  h_RxTxD = hidden_states(params, config, tokens_RxT, positions_RxT, segment_ids_RxT)
+  h_RxTxD = hidden_states(params, config, tokens_RxT, positions_RxT, segment_ids_RxT, spans)
   b, t, d = h_RxTxD.shape
   chunk = min(chunk_size, t)
   pad = (-t) % chunk

@@ -93,6 +93,7 @@ def build_learner(config: config_lib.Config, workdir: str, model_dir: str,
   model_config = hf_io.load_config(
       model_dir, param_dtype=config.model.param_dtype, dtype=config.model.dtype,
       lm_head_fp32=config.model.lm_head_fp32, remat=config.model.remat,
+      remat_policy=config.model.remat_policy,
       attention=config.model.attention, attention_block_q=config.model.attention_block_q,
       attention_block_kv=config.model.attention_block_kv)
   mesh = sharding_lib.make_mesh(*config.train.mesh_sizes)
@@ -218,7 +219,8 @@ def make_trainer(parts: Parts, stream: stream_lib.SampleStream, stop: threading.
                                             tr.micro_batches, tr.micro_batch_rows),
           mode=rl.mode, max_lag=rl.max_lag if rl.mode == 'pipeline' else None,
           conventional_steps=rl.conventional_steps, total_steps=rl.total_steps,
-          max_time_s=rl.max_time_s, overlong=tr.overlong, eval_every_steps=config.eval.every_steps),
+          max_time_s=rl.max_time_s, overlong=tr.overlong, max_segments=tr.max_segments_per_row,
+          eval_every_steps=config.eval.every_steps),
       stop=stop, log=log, gen_stats=parts.engine.stats, after_publish=after_publish,
       evaluate=parts.evaluate)
   if parts.resumed:

@@ -35,6 +35,7 @@ class TrainerConfig:
   total_steps: int = 100
   max_time_s: float = 0.0           # 0 = no limit
   overlong: str = 'error'
+  max_segments: int = 0             # samples per packed row at most (0 = no cap)
   eval_every_steps: int = 0         # with an `evaluate` function; 0 = never
 
 
@@ -93,12 +94,14 @@ def length_limit_stats(hit_length_limit: Sequence[bool]) -> dict[str, float]:
 def prepare_batch(groups: list[stream_lib.Group], config: TrainerConfig):
   samples = [s for g in groups for s in g.samples]
   batch, pstats = packing.pack_samples(samples, config.seq_len, row_multiple=config.row_multiple,
-                                       overlong=config.overlong)
+                                       overlong=config.overlong,
+                                       max_segments=config.max_segments)
   rows = bucket_rows(pstats.num_rows, config.row_multiple)
   if rows != pstats.num_rows:
     batch, pstats = packing.pack_samples(samples, config.seq_len, num_rows=rows,
                                          row_multiple=config.row_multiple,
-                                         overlong=config.overlong)
+                                         overlong=config.overlong,
+                                         max_segments=config.max_segments)
   return batch, pstats
 
 
