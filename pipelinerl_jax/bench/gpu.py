@@ -841,12 +841,21 @@ def _vllm_serve(s: Section, z: VllmSizes, name: str) -> None:
   before = torch.cuda.mem_get_info() if on_cuda else None
   t0 = time.perf_counter()
   engine, run_config = _vllm_engine(config, model_dir, slots, max_len)
+  start_s = time.perf_counter() - t0
+  # Each item on its own: one that fails is recorded and the next still runs.
+  items = (
+      (f'start {name}', lambda: _vllm_start_item(s, engine, config, run_config, name, before,
+                                                  start_s, save_s, on_cuda)),
+      (f'update {name}', lambda: _vllm_update_item(s, engine, config, (p0, p1),
+                                                   f'update {name}', z.repeats)),
+      ('stepped', lambda: _vllm_stepped_item(s, engine, config, p0, p1, z)),
+      ('decode', lambda: _vllm_decode_items(s, engine, config, (p0, p1), z)))
   try:
-    _vllm_start_item(s, engine, config, run_config, name, before, time.perf_counter() - t0,
-                     save_s, on_cuda)
-    _vllm_update_item(s, engine, config, (p0, p1), f'update {name}', z.repeats)
-    _vllm_stepped_item(s, engine, config, p0, p1, z)
-    _vllm_decode_items(s, engine, config, (p0, p1), z)
+    for label, item in items:
+      try:
+        item()
+      except Exception as e:
+        s.fail(label, e)
   finally:
     engine.close()
 
@@ -1046,12 +1055,15 @@ def _vllm_decode_items(s, engine, config, param_sets, z: VllmSizes) -> None:
   run_once), without and with an update before every token step."""
   from pipelinerl_jax.bench import generation as gen_bench
   params_for = lambda version: param_sets[version % 2]
+  done = [i for i in s.record['items'] if 'update_s' in i and i['status'] == 'ok']
+  update_s = done[-1]['update_s'] if done else 0.0  # one update, measured before
   last = None  # (H, ms per step) of the previous timed run, to predict the next one
   for mode, every in (('none', 0), ('update', 1)):
     for h in z.slots:
       name = f'H={h} {mode}'
       if last is not None:
-        predicted = last[1] / 1e3 * max(1.0, h / last[0]) * z.new_tokens * 1.5 + 5
+        step_s = last[1] / 1e3 * max(1.0, h / last[0]) + (update_s if every else 0.0)
+        predicted = step_s * z.new_tokens * 1.5 + 5
         if predicted > s.remaining():
           s.skip(name, f'time budget (predicted {predicted:.0f} s)')
           continue
