@@ -339,3 +339,19 @@ def test_bad_sections_are_refused_with_one_line(capsys):
   with pytest.raises(SystemExit) as e:
     gpu.main(['--sections=env,bogus'])
   assert e.value.code == 2 and "--sections" in capsys.readouterr().err
+
+
+def test_vllm_part_env_keeps_one_memory_fraction_name_and_stays_offline():
+  env = gpu.vllm_child_env({'XLA_PYTHON_CLIENT_MEM_FRACTION': '0.9',
+                            'XLA_CLIENT_MEM_FRACTION': '0.9', 'VLLM_USE_FLASHINFER_SAMPLER': '1'})
+  assert 'XLA_PYTHON_CLIENT_MEM_FRACTION' not in env and env['XLA_CLIENT_MEM_FRACTION'] == '0.9'
+  assert env['VLLM_ENABLE_V1_MULTIPROCESSING'] == '0' and env['HF_HUB_OFFLINE'] == '1'
+  assert env['VLLM_USE_FLASHINFER_SAMPLER'] == '1'  # the user's choice wins
+  assert env['XLA_PYTHON_CLIENT_PREALLOCATE'] == 'false'
+  old_only = gpu.vllm_child_env({'XLA_PYTHON_CLIENT_MEM_FRACTION': '0.5'})
+  assert old_only['XLA_PYTHON_CLIENT_MEM_FRACTION'] == '0.5'  # the only one given stays
+
+
+def test_logprob_deltas_over_groups():
+  d = gpu.logprob_deltas([[-1.0, -2.0], [-3.0]], [[-1.5, -2.0], [-2.0]])
+  assert d == dict(tokens=3, mean=pytest.approx(0.5), max=1.0)

@@ -704,10 +704,14 @@ def vllm_model_config(name: str):
 def vllm_child_env(base: dict[str, str]) -> dict[str, str]:
   """A vllm part's environment. vLLM in this process (V1 multiprocessing off); FlashInfer's
   sampler off (not carried to the image; with processed log-probs vLLM uses its own sampler
-  anyway). JAX 0.11.2's CUDA plugin refuses both memory-fraction names at once and falls back to
-  the CPU: keep the newer one only."""
+  anyway). Offline: the GPU machine reaches no network, so no hub look-up and no usage report
+  may wait on one. JAX 0.11.2's CUDA plugin refuses both memory-fraction names at once and falls
+  back to the CPU: keep the newer one only."""
   env = dict(base, VLLM_ENABLE_V1_MULTIPROCESSING='0')
-  env.setdefault('VLLM_USE_FLASHINFER_SAMPLER', '0')
+  for name, value in (('VLLM_USE_FLASHINFER_SAMPLER', '0'), ('HF_HUB_OFFLINE', '1'),
+                      ('TRANSFORMERS_OFFLINE', '1'), ('VLLM_NO_USAGE_STATS', '1'),
+                      ('DO_NOT_TRACK', '1')):
+    env.setdefault(name, value)
   env.setdefault('XLA_PYTHON_CLIENT_PREALLOCATE', 'false')  # vLLM sizes itself from free memory
   if 'XLA_CLIENT_MEM_FRACTION' in env:
     env.pop('XLA_PYTHON_CLIENT_MEM_FRACTION', None)
