@@ -65,9 +65,10 @@ STAGE_DIR = '/tmp/pjx_stage'     # on the device: the payload being assembled
 SITE_DIR = '/tmp/site'           # on the device: where the wheels are installed
 PAYLOAD = 'payload.tar.xz'
 VLLM_WHEEL = 'vllm-0.26.0-cp38-abi3-manylinux_2_28_x86_64.whl'
+# The kit's default --workdir: a machine still warm from a kit run reuses its demo model.
 DEFAULT_RUN = ('export VLLM_USE_FLASHINFER_SAMPLER=0; set -o pipefail; python3 -m '
                'pipelinerl_jax.bench.gpu --sections=vllm --budget_s=330 --out=$OUT/vllm.json '
-               '--workdir=/tmp/pjx_kit 2>&1 | tee $OUT/vllm.log')
+               '2>&1 | tee $OUT/vllm.log')
 PIP_PLATFORMS = ('manylinux_2_31_x86_64', 'manylinux_2_28_x86_64', 'manylinux_2_27_x86_64',
                  'manylinux_2_26_x86_64', 'manylinux_2_24_x86_64', 'manylinux_2_17_x86_64',
                  'manylinux2014_x86_64', 'manylinux1_x86_64')

@@ -688,7 +688,7 @@ VLLM_FULL = VllmSizes(model='qwen2.5-0.5b', update_models=('qwen2.5-1.5b',), slo
 VLLM_QUICK = VllmSizes(model='quick', update_models=('quick',), slots=(2, 4), prompt_len=8,
                        new_tokens=8, check_requests=2, check_prompt_len=8, check_tokens=8,
                        check_update_at=3, repeats=2, e2e_rl_s=0.0, e2e_steps=0)
-VLLM_PARTS = dict(serve=6.0, update=2.0, e2e=3.0)  # shares of the section's time
+VLLM_PARTS = dict(serve=7.0, update=2.0, e2e=2.0)  # shares of the section's time
 VLLM_P1_SCALE = 2.0      # the second weight set, scaled: peaked, unlike the first (see serve)
 LOGPROB_BUDGET = 1e-2    # mean |log mu - log pi| in nats the README sets for bf16 serving
 
