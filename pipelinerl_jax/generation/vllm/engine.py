@@ -24,8 +24,10 @@ and queues it; the next `step()` turns it into HF-named DLPack views (`transport
 copy) and calls the worker's `reload_weights(weights_iterator=...)`, which loads with checkpoint names and
 re-packs the CPU GEMM weights (a plain `model.load_weights` leaves the CPU model broken). Requests
 in flight keep their KV cache, computed under older weights (PipelineRL's stale KV cache). Every
-token records the version that was loaded when its step ran; vLLM's own weight-version spans
-are set alongside and cross-checked when a request finishes.
+token records the version that was loaded when its step ran; where vLLM labels weight versions
+itself (`LLMEngine.set_weight_version`, per-token spans on finished outputs: vLLM 0.32, the CPU
+pin) they are set alongside and cross-checked when a request finishes; vLLM 0.26 (the GPU
+image's torch 2.11 build) has neither, and the engine's own record stands alone.
 
 Whole or not at all: a load that raises part-way leaves vLLM with some layers new and others on
 the meta device (unusable). The engine then discards vLLM's half-finished reload state and
@@ -206,6 +208,7 @@ class VllmEngine(api.Engine):
     if config.lm_head_fp32:
       kwargs['hf_overrides'] = {'head_dtype': 'float32'}
     kwargs.update(llm_kwargs)
+    self.llm_kwargs = dict(kwargs)  # what vLLM was started with (memory share, graphs, ...)
     self._llm = vllm.LLM(**kwargs)
     self._core = self._llm.llm_engine
     try:
@@ -220,7 +223,7 @@ class VllmEngine(api.Engine):
       self._head.set(_checkpoint_tensor(self.model_dir, 'lm_head.weight'))
 
     self._version = version
-    self._core.set_weight_version(str(version))
+    _label_weights(self._core, version)
     # How to rebuild the weights now served (for a rollback): None = reload the checkpoint,
     # _NO_ROLLBACK = they came from buffers that may since have been overwritten.
     self._loaded: Callable[[], list] | None | object = None
@@ -319,6 +322,29 @@ class VllmEngine(api.Engine):
                 broken=self._broken)
 
   @property
+  def model(self) -> torch.nn.Module:
+    """The torch module vLLM serves (to inspect its weights; updates go through the engine)."""
+    self._check_usable()
+    return self._worker.model_runner.get_model()
+
+  def kv_cache_info(self) -> dict[str, Any]:
+    """What vLLM allocated for its KV cache: bytes (over distinct buffers: layers may share
+    one), blocks and tokens per block."""
+    self._check_usable()
+    buffers = {}
+    pending = list(getattr(self._worker.model_runner, 'kv_caches', None) or ())
+    while pending:
+      t = pending.pop()
+      if isinstance(t, (list, tuple)):
+        pending.extend(t)
+      elif isinstance(t, torch.Tensor):
+        storage = t.untyped_storage()
+        buffers[storage.data_ptr()] = storage.nbytes()
+    cache = self._core.vllm_config.cache_config
+    return dict(bytes=sum(buffers.values()), buffers=len(buffers), num_blocks=cache.num_gpu_blocks,
+                block_size=cache.block_size)
+
+  @property
   def num_unfinished(self) -> int:
     return self._requests.num_unfinished
 
@@ -401,6 +427,10 @@ class VllmEngine(api.Engine):
         self._worker.reload_weights(weights_iterator=iter(tensors))
         if self._head is not None:
           self._head.set(dict(tensors)['lm_head.weight'])
+        # Copies from CUDA tensors (DLPack aliases of the trainer's params) are queued on this
+        # thread's stream: loaded means copied, so the caller may free its buffers after this.
+        if any(t.device.type == 'cuda' for _, t in tensors):
+          torch.cuda.synchronize()
       finally:
         update.done()
     except Exception as e:
@@ -413,7 +443,7 @@ class VllmEngine(api.Engine):
     del tensors
     self._loaded = make_tensors if update.keep else _NO_ROLLBACK
     self._version = version
-    self._core.set_weight_version(str(version))
+    _label_weights(self._core, version)
     self._counts['updates'] += 1
     self._update_seconds += time.perf_counter() - start
     return version
@@ -439,6 +469,13 @@ class VllmEngine(api.Engine):
       self._broken = (f'a weight load failed part-way ({cause!r}) and restoring version '
                       f'{self._version} failed too ({e!r})')
       raise RuntimeError(self._broken) from e
+
+
+def _label_weights(core, version: int) -> None:
+  """Tells vLLM the version it now serves, where it keeps one (0.32 does, 0.26 does not)."""
+  set_version = getattr(core, 'set_weight_version', None)
+  if set_version is not None:
+    set_version(str(version))
 
 
 def _abort_layerwise_reload(worker):
