@@ -169,6 +169,7 @@ def test_sample_draws_only_allowed_tokens_with_renormalized_logprobs(rule):
     assert len(set(tokens[0])) > 10
 
 
+
 # --- engine -------------------------------------------------------------------------------------
 
 
@@ -380,6 +381,6 @@ def test_generation_on_another_device(params_a):
   eng.update_params(jax.tree.map(jnp.copy, source), 1)
   jax.tree.map(lambda x: x.delete(), source)  # the engine holds copies on devices[1]
   out = api.generate(eng, reqs)[0]
-  assert eng._state.cache.k.devices() == {devices[1]}
+  assert eng._state.pool.k.devices() == {devices[1]}
   np.testing.assert_array_equal(out.tokens, run(params_a, reqs)['r0'].tokens)
   np.testing.assert_array_equal(out.versions, np.ones(5))

@@ -147,6 +147,14 @@ class RequestQueue:
     with self._lock:
       self._ids.difference_update(request_ids)
 
+  def discard(self, request_ids: Iterable[str]) -> None:
+    """Drops these requests wherever they are: pending ones leave the queue, and every id is no
+    longer unfinished."""
+    ids = set(request_ids)
+    with self._lock:
+      self._pending = collections.deque(r for r in self._pending if r.request_id not in ids)
+      self._ids.difference_update(ids)
+
   def clear(self) -> None:
     with self._lock:
       self._pending.clear()
