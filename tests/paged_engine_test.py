@@ -228,6 +228,20 @@ def test_pages_return_on_abort_and_recompute(params_a, params_b):
   assert eng.num_unfinished == 0
 
 
+def test_a_reader_takes_over_a_prompt_whose_writer_is_aborted_while_loading(params_a):
+  base, _ = run(params_a, PAGED)
+  config = dataclasses.replace(PAGED, prefill_chunk=4, sync_every=1)
+  with engine_lib.JaxEngine(CFG, params_a, config) as eng:
+    for r in requests():
+      eng.submit(r)
+    eng.step()  # g0 writes the prompt's first chunk; g1, g2 wait for its pages
+    eng.abort(['g0'])
+    done = {}
+    for _ in range(100):  # without a new writer, g1 and g2 would wait forever
+      done.update((c.request_id, c) for c in eng.step())
+  assert_same(done, {k: v for k, v in base.items() if k != 'g0'})
+
+
 def test_chunked_prefill_interleaves_with_decoding_and_equals_one_prefill(params_a):
   long_prompt = list(np.random.default_rng(3).integers(0, CFG.vocab_size, 41))
   reqs = [api.Request('short', OTHER, api.SamplingParams(temperature=1.0, max_tokens=20),

@@ -74,7 +74,9 @@ class Engine(abc.ABC):
   @abc.abstractmethod
   def step(self) -> list[Completion]:
     """Applies a pending weight update, admits pending requests into free slots, then
-    generates one token for every busy slot. Returns the requests this step finished."""
+    generates one token for every busy slot. Returns the requests finished since the last call
+    (an engine that does not wait for its token steps reports a request a few steps after its
+    last token was drawn)."""
 
   @abc.abstractmethod
   def update_params(self, params: Any, version: int) -> None:

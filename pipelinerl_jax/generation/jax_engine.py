@@ -283,8 +283,11 @@ class _Prefix:
 
 @dataclasses.dataclass(eq=False)
 class _Sequence(api.SequenceRecord):
-  """A request in the engine: its tokens so far and where it stands."""
+  """A request in the engine: its tokens so far and where it stands. While it sits in a slot,
+  the engine's per-slot arrays hold its position and the steps it still needs."""
   stop_ids: frozenset[int] = frozenset()
+  max_tokens: int = 0
+  filtered: bool = False          # top-k / top-p
   order: int = 0                  # admission order (the youngest is preempted first)
   slot: int | None = None
   pages: list[int] = dataclasses.field(default_factory=list)  # its block table
@@ -292,9 +295,7 @@ class _Sequence(api.SequenceRecord):
   context: list[int] = dataclasses.field(default_factory=list)  # (prompt + tokens)[:-1]
   loaded: int = 0                 # context positions whose prefill is dispatched
   decoding: bool = False
-  position: int = 0               # position of its next decode input (mirrors the device)
-  outstanding: int = 0            # decode steps dispatched, their tokens not collected yet
-  epoch: int = 0                  # bumped when it leaves its slot: in-flight tokens then drop
+  first_step: int = 0             # tokens of earlier decode steps are not its own (any more)
   done: bool = False
 
   __eq__ = object.__eq__  # identity, as the host's bookkeeping means it
@@ -303,18 +304,15 @@ class _Sequence(api.SequenceRecord):
   @property
   def last_needed_position(self) -> int:
     """The input position of the step that draws its last token (`max_tokens`)."""
-    return len(self.request.prompt_tokens) + self.request.sampling.max_tokens - 2
-
-  @property
-  def remaining(self) -> int:
-    """Decode steps it still needs, counting those in flight."""
-    return self.request.sampling.max_tokens - len(self.tokens) - self.outstanding
+    return len(self.request.prompt_tokens) + self.max_tokens - 2
 
 
 class _Dispatched(NamedTuple):
   tokens_H: jax.Array
   logprobs_H: jax.Array
-  occupants: tuple[tuple[int, _Sequence, int], ...]  # (slot, sequence, its epoch)
+  occupants: tuple          # [H] the slots' sequences when it was dispatched
+  decoding: np.ndarray      # [H] bool: the slots that decoded in it
+  index: int                # decode steps dispatched before it
   version: int
 
 
@@ -338,14 +336,25 @@ class JaxEngine(api.Engine):
     self._params = self._serving(self._place(params))
     self._version = version
     self._pages = PagePool(self._pool_size())
-    self._state = self._place(init_state(self.model_config, config.num_slots,
-                                         self._pages.num_pages, config.page_size))
-    self._slots: list[_Sequence | None] = [None] * config.num_slots
+    h = config.num_slots
+    self._state = self._place(init_state(self.model_config, h, self._pages.num_pages,
+                                         config.page_size))
+    self._slots: list[_Sequence | None] = [None] * h
+    self._loading: list[_Sequence] = []   # in a slot, their context not all prefilled yet
+    # Per slot, for the sequence decoding there (the host's mirror of the device): the
+    # position of its next input, decode steps still to dispatch (0: none), the input position
+    # of its last step, pages held.
+    self._pos = np.zeros(h, np.int64)
+    self._left = np.zeros(h, np.int64)
+    self._last = np.zeros(h, np.int64)
+    self._npages = np.zeros(h, np.int64)
+    self._filtered = 0                    # decoding sequences with top-k / top-p
     self._waiting: collections.deque[_Sequence] = collections.deque()  # preempted, oldest first
     self._requests = api.RequestQueue()
     self._prefixes: dict[tuple[int, ...], _Prefix] = {}
     self._pending: list[_Dispatched] = []
-    self._table = np.zeros((config.num_slots, config.table_width), np.int32)
+    self._dispatched = 0
+    self._table = np.zeros((h, config.table_width), np.int32)
     self._table_dev: dict[int, jax.Array] = {}  # read width -> the decode table on the device
     self._admitted = 0
     self._collected = True  # a collection happened since pages were last reserved
@@ -416,9 +425,10 @@ class JaxEngine(api.Engine):
       finished += self._collect(keep_newest=True)
     if self._collected:
       self._reserve()
-    if None in self._slots:
+    if self._waiting or self._requests.num_pending:
       self._admit()
-    self._load()
+    if self._loading:
+      self._load()
     if (not self._dispatch() or not self.config.sync_every) and self._pending:
       finished += self._collect(keep_newest=False)  # nothing left to overlap with
     self._step_seconds += time.perf_counter() - start
@@ -435,8 +445,8 @@ class JaxEngine(api.Engine):
         seq.done = True
         self._release_pages(seq)
     for d in self._pending:  # sequences whose last token is in flight hold no slot any more
-      for _, seq, _ in d.occupants:
-        if seq.request.request_id in ids:
+      for seq in d.occupants:
+        if seq is not None and seq.request.request_id in ids:
           seq.done = True
     self._requests.discard(ids)
     self._counts['aborted'] += len(ids)
@@ -483,7 +493,7 @@ class JaxEngine(api.Engine):
     self._closed = True
     self._params = self._state = self._next_params = None
     self._slots = [None] * self.config.num_slots
-    self._pending, self._table_dev, self._prefixes = [], {}, {}
+    self._pending, self._table_dev, self._prefixes, self._loading = [], {}, {}, []
     self._waiting.clear()
     self._requests.clear()
 
@@ -532,9 +542,9 @@ class JaxEngine(api.Engine):
     """Gives `seq` the slot and pages to load its context and decode `lookahead` steps (the
     caller has checked there are enough free pages), sharing its prompt's pages when it can."""
     full = list(seq.request.prompt_tokens) + seq.tokens
-    seq.context, seq.position = full[:-1], len(full) - 1
-    seq.slot, seq.decoding, seq.outstanding = slot, False, 0
-    last = min(seq.position + self._lookahead() - 1, seq.last_needed_position)
+    seq.context, position = full[:-1], len(full) - 1
+    seq.slot, seq.decoding, seq.first_step = slot, False, self._dispatched
+    last = min(position + self._lookahead() - 1, seq.last_needed_position)
     prefix = self._usable_prefix(seq)
     shared = prefix.pages if prefix is not None else []
     if prefix is not None:
@@ -551,6 +561,9 @@ class JaxEngine(api.Engine):
         self._prefixes[prefix.key] = prefix
     seq.prefix = prefix
     self._slots[slot] = seq
+    self._loading.append(seq)
+    self._pos[slot], self._last[slot] = position, seq.last_needed_position
+    self._left[slot], self._npages[slot] = 0, len(seq.pages)
 
   def _prompt_pages(self, seq: _Sequence) -> int:
     """Full pages of the prompt's context: what the samples of a prompt can share."""
@@ -564,6 +577,17 @@ class JaxEngine(api.Engine):
       return None
     return prefix
 
+  def _start_decoding(self, seq: _Sequence) -> None:
+    """Its context is in (prefill dispatched): it decodes from the next step on."""
+    slot = seq.slot
+    seq.decoding = True
+    self._loading.remove(seq)
+    self._left[slot] = seq.max_tokens - len(seq.tokens)
+    self._filtered += seq.filtered
+    self._table[slot] = paged_attention.TRASH_PAGE
+    self._table[slot, :len(seq.pages)] = seq.pages
+    self._table_dev = {}
+
   def _release_pages(self, seq: _Sequence, drop_in_flight: bool = True) -> None:
     """Returns the sequence's pages and slot. Tokens of its steps still in flight are dropped
     (it will decode them again), unless `drop_in_flight` is False (they are its last ones)."""
@@ -574,46 +598,55 @@ class JaxEngine(api.Engine):
       prefix.holders -= 1
       if prefix.holders == 0 and self._prefixes.get(prefix.key) is prefix:
         del self._prefixes[prefix.key]
-    if seq.slot is not None:
-      if self._slots[seq.slot] is seq:
-        self._slots[seq.slot] = None
+      if prefix.writer is seq and not prefix.ready:  # aborted while loading: a reader writes
+        heirs = [s for s in self._loading if s.prefix is prefix and s is not seq]
+        if heirs:
+          prefix.writer, heirs[0].loaded = heirs[0], 0
+    slot = seq.slot
+    if slot is not None:
+      if self._slots[slot] is seq:
+        self._slots[slot] = None
       if seq.decoding:
-        self._table[seq.slot] = paged_attention.TRASH_PAGE
+        self._filtered -= seq.filtered
+        self._table[slot] = paged_attention.TRASH_PAGE
         self._table_dev = {}
+      else:
+        self._loading.remove(seq)
+      self._left[slot] = self._npages[slot] = 0
     seq.slot, seq.decoding = None, False
     if drop_in_flight:
-      seq.epoch += 1
-      seq.outstanding = 0
+      seq.first_step = self._dispatched
 
   def _reserve(self) -> None:
     """Pages for the next `lookahead` steps of every decoding sequence; when the pool is short,
     the youngest decoding sequences wait (their pages return; they are loaded again later)."""
     self._collected = False
-    decoding = sorted((s for s in self._slots if s is not None and s.decoding),
-                      key=lambda s: s.order)
-
-    def missing(s):
-      last = min(s.position + self._lookahead() - 1, s.last_needed_position)
-      return max(0, self._pages_through(last) - len(s.pages))
-
-    while decoding and sum(map(missing, decoding)) > self._pages.num_free:
-      victim = decoding.pop()
-      self._release_pages(victim)
-      self._waiting.appendleft(victim)
-      self._counts['preemptions'] += 1
-    for s in decoding:
-      n = missing(s)
-      if n:
-        s.pages += self._pages.take(n)
-        self._table[s.slot, :len(s.pages)] = s.pages
-        self._table_dev = {}
+    slots = np.flatnonzero(self._left > 0)
+    need = (np.minimum(self._pos[slots] + self._lookahead() - 1, self._last[slots])
+            // self.config.page_size + 1)
+    missing = np.maximum(0, need - self._npages[slots])
+    if missing.sum() > self._pages.num_free:
+      by_age = sorted(range(len(slots)), key=lambda j: self._slots[slots[j]].order)
+      while by_age and missing.sum() > self._pages.num_free:
+        j = by_age.pop()
+        victim = self._slots[slots[j]]
+        self._release_pages(victim)
+        self._waiting.appendleft(victim)
+        self._counts['preemptions'] += 1
+        missing[j] = 0
+    for slot, n in zip(slots[missing > 0].tolist(), missing[missing > 0].tolist()):
+      seq = self._slots[slot]
+      seq.pages += self._pages.take(n)
+      self._table[slot, :len(seq.pages)] = seq.pages
+      self._npages[slot] = len(seq.pages)
+      self._table_dev = {}
 
   def _admit(self) -> None:
     """Waiting sequences (preempted first, then new requests, in order) into free slots while
     the pool has their pages, keeping a page of growth for every `page_size` decode steps of the
     sequences in flight. A request that does not fit waits; nothing behind it overtakes it."""
     free = [i for i, s in enumerate(self._slots) if s is None]
-    decoding = sum(1 for s in self._slots if s is not None and s.decoding)
+    decoding = int(np.count_nonzero(self._left))
     reserve = -(-decoding * self._lookahead() // self.config.page_size)
     eos = frozenset(self.config.eos_token_ids)
     while free:
@@ -621,8 +654,10 @@ class JaxEngine(api.Engine):
         new = self._requests.take(1)
         if not new:
           return
-        r = new[0]
-        self._waiting.append(_Sequence(r, stop_ids=eos | frozenset(r.sampling.stop_token_ids)))
+        r, sp = new[0], new[0].sampling
+        self._waiting.append(_Sequence(r, stop_ids=eos | frozenset(sp.stop_token_ids),
+                                       max_tokens=sp.max_tokens,
+                                       filtered=sp.top_k > 0 or sp.top_p < 1.0))
       seq = self._waiting[0]
       full_len = len(seq.request.prompt_tokens) + len(seq.tokens)
       last = min(full_len - 2 + self._lookahead(), seq.last_needed_position)
@@ -651,13 +686,11 @@ class JaxEngine(api.Engine):
     `prefill_token_budget` positions (one chunk per sequence per step when chunked); a reader of
     a shared prompt waits until the prompt's writer has dispatched those pages."""
     c = self.config
-    loading = sorted((s for s in self._slots if s is not None and not s.decoding),
-                     key=lambda s: s.order)
-    budget = c.prefill_token_budget
+    budget_left = c.prefill_token_budget
     served = set()  # sequences given a chunk in this step
-    while loading:
+    while self._loading:
       rows = []
-      for seq in loading:
+      for seq in sorted(self._loading, key=lambda s: s.order):
         if seq.prefix is not None and seq.prefix.writer is not seq and not seq.prefix.ready:
           continue  # its prompt's pages are not written yet
         if c.prefill_chunk and seq in served:
@@ -666,19 +699,18 @@ class JaxEngine(api.Engine):
         if c.prefill_chunk:
           n = min(n, c.prefill_chunk)
         t = self._bucket_len(max(n, 1))
-        if t > budget and (rows or served):  # the first row of a step always goes
+        if t > budget_left and (rows or served):  # the first row of a step always goes
           break
         rows.append((seq, n, t))
-        budget -= t
+        budget_left -= t
         served.add(seq)
       if not rows:
         return
       self._prefill_rows(rows)
-      loading = [s for s in loading if not s.decoding]
 
   def _prefill_rows(self, rows) -> None:
     """One prefill call per length bucket (rows padded to a power of two); updates each
-    sequence's progress, marks prompt pages ready and readies sequences whose context is in."""
+    sequence's progress, marks prompt pages ready and starts sequences whose context is in."""
     groups = collections.defaultdict(list)
     for seq, n, t in rows:
       groups[t].append((seq, n))
@@ -698,10 +730,7 @@ class JaxEngine(api.Engine):
               seq.loaded >= len(seq.prefix.pages) * self.config.page_size):
             seq.prefix.ready = True
           if seq.loaded >= len(seq.context):
-            seq.decoding = True
-            self._table[seq.slot] = paged_attention.TRASH_PAGE
-            self._table[seq.slot, :len(seq.pages)] = seq.pages
-            self._table_dev = {}
+            self._start_decoding(seq)
 
   def _make_chunk(self, part, t: int) -> Chunk:
     c = self.config
@@ -725,8 +754,8 @@ class JaxEngine(api.Engine):
       if start + n >= len(seq.context):
         sp = seq.request.sampling
         chunk.start_slot[row] = seq.slot
-        chunk.last_tokens[row] = (list(seq.request.prompt_tokens) + seq.tokens)[-1]
-        chunk.next_positions[row] = seq.position
+        chunk.last_tokens[row] = seq.tokens[-1] if seq.tokens else seq.request.prompt_tokens[-1]
+        chunk.next_positions[row] = len(seq.context)
         chunk.seeds[row] = _seed_words(seq.request.seed)
         chunk.steps[row] = len(seq.tokens)
         chunk.temperature[row] = sp.temperature
@@ -738,32 +767,31 @@ class JaxEngine(api.Engine):
 
   def _dispatch(self) -> bool:
     """One decode step for every decoding sequence that needs a token (not waited for)."""
-    running = [s for s in self._slots if s is not None and s.decoding and s.remaining > 0]
-    if not running:
+    decoding = self._left > 0
+    if not decoding.any():
       return False
     c = self.config
     if c.decode_attention == 'xla':
-      width = self._width(self._pages_through(max(min(s.position, s.last_needed_position)
-                                                  for s in running)))
+      longest = int(np.minimum(self._pos, self._last)[decoding].max())
+      width = self._width(self._pages_through(longest))
     else:  # the kernels read each row's own length: one compile for every length
       width = c.table_width
     table = self._table_dev.get(width)
     if table is None:
       # A copy: on CPU a device array may alias the numpy buffer, which the host edits later.
       table = self._table_dev[width] = self._place(jnp.asarray(self._table[:, :width].copy()))
-    filtered = any(s.request.sampling.top_k > 0 or s.request.sampling.top_p < 1.0
-                   for s in running)
     self._state, tokens_H, logprobs_H = decode_step(
-        self._params, self._state, table, config=self.model_config, filtered=filtered)
-    self._pending.append(_Dispatched(tokens_H, logprobs_H,
-                                     tuple((s.slot, s, s.epoch) for s in running),
-                                     self._version))
+        self._params, self._state, table, config=self.model_config, filtered=self._filtered > 0)
+    self._pending.append(_Dispatched(tokens_H, logprobs_H, tuple(self._slots), decoding,
+                                     self._dispatched, self._version))
+    self._dispatched += 1
     self._counts['decode_steps'] += 1
-    for s in running:
-      s.position += 1
-      s.outstanding += 1
-      if s.remaining == 0:  # its last token is in flight: its slot and pages can go now
-        self._release_pages(s, drop_in_flight=False)
+    self._pos += decoding
+    self._left -= decoding
+    for slot in np.flatnonzero(decoding & (self._left == 0)).tolist():
+      # Its last token is in flight: its slot and pages can go now (before the next prefill
+      # overwrites them on the device, this step has written them).
+      self._release_pages(self._slots[slot], drop_in_flight=False)
     return True
 
   def _collect(self, keep_newest: bool) -> list[api.Completion]:
@@ -775,18 +803,21 @@ class JaxEngine(api.Engine):
     batch, self._pending = self._pending[:n], self._pending[n:]
     self._collected = True
     host = jax.device_get([(d.tokens_H, d.logprobs_H) for d in batch])
-    finished = []
+    finished, appended = [], 0
     for d, (tokens_H, logprobs_H) in zip(batch, host):
-      for slot, seq, epoch in d.occupants:
-        if seq.done or seq.epoch != epoch:
+      tokens, logprobs, occupants = tokens_H.tolist(), logprobs_H.tolist(), d.occupants
+      for slot in np.flatnonzero(d.decoding).tolist():
+        seq = occupants[slot]
+        if seq.done or d.index < seq.first_step:
           continue
-        token = int(tokens_H[slot])
-        seq.append(token, float(logprobs_H[slot]), d.version)
-        seq.outstanding -= 1
-        self._counts['tokens_generated'] += 1
+        token = tokens[slot]
+        seq.tokens.append(token)
+        seq.logprobs.append(logprobs[slot])
+        seq.versions.append(d.version)
+        appended += 1
         if token in seq.stop_ids:
           reason = 'stop'
-        elif len(seq.tokens) >= seq.request.sampling.max_tokens:
+        elif len(seq.tokens) >= seq.max_tokens:
           reason = 'length'
         else:
           continue
@@ -795,5 +826,6 @@ class JaxEngine(api.Engine):
           self._release_pages(seq)
         finished.append(seq.completion(reason))
     self._requests.finish(c.request_id for c in finished)
+    self._counts['tokens_generated'] += appended
     self._counts['completions'] += len(finished)
     return finished

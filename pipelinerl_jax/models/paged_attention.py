@@ -85,7 +85,8 @@ def attend(q_RxTxKxQxDh: jax.Array, cache: PagedKVCache, layer: jax.Array,
     raise ValueError(f'paged attention {implementation!r} is not one of {IMPLEMENTATIONS}')
   if implementation == 'xla' or q_RxTxKxQxDh.shape[1] != 1:
     return _attend_xla(q_RxTxKxQxDh, cache, layer, table_RxW, positions_RxT)
-  lengths_R = positions_RxT[:, 0] + 1
+  # A parked slot's position is past every table: the kernels read at most the table.
+  lengths_R = jnp.clip(positions_RxT[:, 0] + 1, 1, table_RxW.shape[1] * cache.k.shape[3])
   if implementation == 'pallas':
     return _attend_pallas(q_RxTxKxQxDh, cache, layer, table_RxW, lengths_R, interpret)
   return _attend_cudnn(q_RxTxKxQxDh, cache, layer, table_RxW, lengths_R)
