@@ -505,7 +505,8 @@ def run_engine(s: Section) -> None:
   """The paged decode attention candidates first (checked, timed), then the engine at the
   headline H (256 at full sizes) with the fastest correct one: no update, an update before
   every token step (the engine's own cost), and with the trainer's publish copy too; then the
-  XLA read at that H, the other H values, and one collection per token step (sync_every 1)."""
+  other H values, largest first, the XLA read at the headline H, and one collection per token
+  step (sync_every 1). Items the time left cannot hold are skipped."""
   import jax
   import jax.numpy as jnp
   from pipelinerl_jax.bench import generation as gen_bench
@@ -553,9 +554,9 @@ def run_engine(s: Section) -> None:
   # 2. The engine.
   sync = engine_lib.EngineConfig.sync_every  # the default
   plan = [(headline, best, ('none', 'update', 'update+publish'), sync)]
+  plan += [(h, best, ('none',), sync) for h in sorted(slots, reverse=True) if h != headline]
   if best != 'xla':
     plan.append((headline, 'xla', ('none',), sync))
-  plan += [(h, best, ('none',), sync) for h in slots if h != headline]
   plan.append((headline, best, ('none',), 1))
   last = None  # (H, seconds per step) of the previous timed run, to predict the next one
   for h, impl, modes, sync_every in plan:
