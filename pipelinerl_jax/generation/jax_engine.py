@@ -18,10 +18,12 @@ sits in which slot, the page allocator (`PagePool`) and each sequence's pages. O
   2. every `sync_every` token steps, collects the tokens of the steps dispatched before the
      newest one, in one transfer while the newest still runs on the device: appends them with
      their log mu and policy version, finishes the sequences that stopped (their pages return),
-     reserves pages for the next steps (preempting the youngest sequence when the pool is short:
-     it waits and is loaded again later) and admits waiting requests while pages last;
-  3. prefills what was admitted (whole contexts, or `prefill_chunk` positions of each per step,
-     so a long prompt never stalls the sequences in flight);
+     and reserves pages for the next steps (preempting the youngest sequence when the pool is
+     short: it waits and is loaded again later);
+  3. admits waiting requests into free slots while the pool has their pages (a slot is free once
+     its sequence has stopped, or as soon as its last token is in flight), and prefills them
+     (whole contexts, or `prefill_chunk` positions of each per step, so a long prompt never
+     stalls the sequences in flight);
   4. dispatches one decode step for the decoding slots and returns without waiting for it.
 So the host never waits for a token step it does not need, a stop is seen at most `sync_every`
 steps late (the tokens a stopped sequence decodes meanwhile are dropped), and weights still
@@ -49,7 +51,6 @@ from __future__ import annotations
 import collections
 import dataclasses
 import functools
-import math
 import threading
 import time
 from typing import Any, NamedTuple

@@ -149,12 +149,16 @@ def sample(rng: jax.Array, logits_RxV: jax.Array, temperature: Scalar = 1.0, top
   temperature_R = jnp.broadcast_to(jnp.asarray(temperature, jnp.float32), (b,))
   greedy_R = temperature_R <= 0.0
   scaled_RxV = logits_RxV / jnp.where(greedy_R, 1.0, temperature_R)[:, None]
+  # What each row's log-prob is taken under: the drawn distribution; for greedy rows the plain
+  # softmax, which `scaled` already is unless filtering changed it.
+  measured_RxV = scaled_RxV
   if not is_off(top_k, top_p):
     scaled_RxV = filter_logits(scaled_RxV, top_k, top_p)
+    measured_RxV = jnp.where(greedy_R[:, None], logits_RxV, scaled_RxV)
 
   drawn_R = jax.vmap(jax.random.categorical)(row_keys(rng, b), scaled_RxV)
   tokens_R = jnp.where(greedy_R, jnp.argmax(logits_RxV, axis=-1), drawn_R).astype(jnp.int32)
-  logp_RxV = jnp.where(greedy_R[:, None], jax.nn.log_softmax(logits_RxV, axis=-1),
-                       jax.nn.log_softmax(scaled_RxV, axis=-1))
-  logprobs_R = jnp.take_along_axis(logp_RxV, tokens_R[:, None], axis=-1)[:, 0]
+  # One reduction over the vocab instead of a whole log-softmax.
+  logprobs_R = (jnp.take_along_axis(measured_RxV, tokens_R[:, None], axis=-1)[:, 0]
+                - jax.nn.logsumexp(measured_RxV, axis=-1))
   return tokens_R, logprobs_R
