@@ -502,11 +502,11 @@ def check_attention(impl: str, case: dict, repeats: int, interpret: bool) -> dic
 
 
 def run_engine(s: Section) -> None:
-  """The paged decode attention candidates first (checked, timed), then the engine at the
-  headline H (256 at full sizes) with the fastest correct one: no update, an update before
-  every token step (the engine's own cost), and with the trainer's publish copy too; then the
-  other H values, largest first, the XLA read at the headline H, and one collection per token
-  step (sync_every 1). Items the time left cannot hold are skipped."""
+  """At the headline H (256 at full sizes): the XLA read (checked, timed) and the engine on it;
+  the kernels' reads, checked against XLA and timed; the engine with the fastest correct read,
+  with no update, an update before every token step (the engine's own cost) and with the
+  trainer's publish copy too; then the other H values, largest first, and one collection per
+  token step (sync_every 1). Items the time left cannot hold are skipped."""
   import jax
   import jax.numpy as jnp
   from pipelinerl_jax.bench import generation as gen_bench
@@ -535,11 +535,10 @@ def run_engine(s: Section) -> None:
   slots = list(z.engine_slots) + ([] if s.args.quick else list(ENGINE_MORE_SLOTS))
   headline = max(h for h in slots if h <= 256)
 
-  # 1. The reads, at the headline H.
-  timed = {}
   case = attention_case(config, headline, z.prompt_len, z.new_tokens)
-  kernels = ENGINE_KERNELS if on_gpu else ('pallas',)
-  for impl in ('xla',) + kernels:
+  timed = {}
+
+  def read(impl: str) -> None:
     try:
       r = check_attention(impl, case, z.repeats, interpret=not on_gpu and impl != 'xla')
       s.add(f'attention {impl}', slots=headline, copy_gb_per_s=copy_bw / 1e9,
@@ -548,29 +547,23 @@ def run_engine(s: Section) -> None:
         timed[impl] = r['seconds_per_layer']
     except Exception as e:
       s.fail(f'attention {impl}', e)
-  del case
-  best = min(timed, key=timed.get) if timed else 'xla'
 
-  # 2. The engine.
   sync = engine_lib.EngineConfig.sync_every  # the default
-  plan = [(headline, best, ('none', 'update', 'update+publish'), sync)]
-  plan += [(h, best, ('none',), sync) for h in sorted(slots, reverse=True) if h != headline]
-  if best != 'xla':
-    plan.append((headline, 'xla', ('none',), sync))
-  plan.append((headline, best, ('none',), 1))
-  last = None  # (H, seconds per step) of the previous timed run, to predict the next one
-  for h, impl, modes, sync_every in plan:
+  last = None  # (H, seconds per step, warm-up seconds) of the previous run, to predict the next
+
+  def engine(h: int, impl: str, modes: tuple[str, ...], sync_every: int = sync) -> None:
+    nonlocal last
     tag = f'H={h} {impl}' + ('' if sync_every == sync else f' sync_every={sync_every}')
     dense = kv_cache_bytes(config, h, max_len)
     need = 2 * param_bytes + 2 * 4 * config.num_params + dense + 4 * 4 * h * config.vocab_size
     if need > MEMORY_HEADROOM * limit:
       s.skip(tag, f'needs ~{need / 2**30:.1f} GiB, the device offers {limit / 2**30:.1f}')
-      continue
+      return
     if last is not None:
-      predicted = last[1] * h / last[0] * (z.new_tokens + 16) * 1.5 + 10
+      predicted = len(modes) * last[1] * h / last[0] * (z.new_tokens + 16) * 1.5 + last[2]
       if predicted > s.remaining():
         s.skip(tag, f'time budget (predicted {predicted:.0f} s)')
-        continue
+        return
     engine_config = engine_lib.EngineConfig(
         num_slots=h, max_seq_len=max_len, min_prefill_len=min(16, z.prompt_len),
         page_size=ENGINE_PAGE_SIZE, decode_attention=impl, sync_every=sync_every)
@@ -578,7 +571,7 @@ def run_engine(s: Section) -> None:
       eng = engine_lib.JaxEngine(config, served[0], engine_config)
     except Exception as e:
       s.fail(tag, e)
-      continue
+      return
     try:
       t0 = time.perf_counter()
       widths = eng.precompile()
@@ -608,7 +601,7 @@ def run_engine(s: Section) -> None:
         live_kv = h * (z.prompt_len + z.new_tokens / 2) * kv_token_bytes
         step_s = r['wall_s'] / max(decode_steps, 1)
         pool = sum(x.nbytes for x in jax.tree.leaves(eng._state.pool))
-        last = (h, step_s)
+        last = (h, step_s, warmup_s)
         s.add(name, slots=h, mode=mode, attention=impl, sync_every=sync_every,
               model=z.engine_model, dtype=config.dtype, prompt_len=z.prompt_len,
               new_tokens=z.new_tokens, decode_steps=decode_steps, seconds_per_step=step_s,
@@ -625,6 +618,22 @@ def run_engine(s: Section) -> None:
     finally:
       eng.close()
       gc.collect()
+
+  # The XLA read and the engine on it first: a kernel that crashes the process (a compiler
+  # fault) then costs only what follows.
+  kernels = ENGINE_KERNELS if on_gpu else ('pallas',)
+  read('xla')
+  engine(headline, 'xla', ('none',))
+  for impl in kernels:
+    read(impl)
+  del case
+  best = min(timed, key=timed.get) if timed else 'xla'
+  modes = ('update', 'update+publish') if best == 'xla' else ('none', 'update', 'update+publish')
+  engine(headline, best, modes)
+  for h in sorted(slots, reverse=True):
+    if h != headline:
+      engine(h, best, ('none',))
+  engine(headline, best, ('none',), sync_every=1)
 
 
 def dlpack_handoff(torch, arrays, repeats: int) -> dict[str, Any]:
