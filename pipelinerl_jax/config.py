@@ -321,6 +321,18 @@ class GenerationConfig(_Section):
   top_p: float = 1.0
   top_k: int = 0                  # 0 = off
   recompute_kv: bool = False      # paper default keeps the stale KV cache (section 5.1)
+  # The JAX engine (generation/jax_engine.py): a paged KV cache of kv_page_size positions per
+  # page; kv_pool_mb of memory (0 = every slot at max length, or half the device's free memory
+  # if that is less: generation/budget.py); how a decode step reads it ('xla' on any backend,
+  # 'pallas' / 'cudnn' GPU kernels: models/paged_attention.py); token steps between two
+  # transfers of their results to the host; positions of a prompt prefilled per step (0 = whole
+  # prompts at admission); the samples of a prompt sharing its pages.
+  kv_page_size: int = 16
+  kv_pool_mb: int = 0
+  decode_attention: Literal['xla', 'pallas', 'cudnn'] = 'xla'
+  sync_every: int = 4
+  prefill_chunk: int = 0
+  share_prompts: bool = True
   vllm: VllmConfig = VllmConfig()
   remote: RemoteConfig = RemoteConfig()
 
@@ -341,6 +353,10 @@ class GenerationConfig(_Section):
     _check(self.temperature >= 0, 'temperature', f'must be >= 0, got {self.temperature}')
     _check(0 < self.top_p <= 1, 'top_p', f'must be in (0, 1], got {self.top_p}')
     _check(self.top_k >= 0, 'top_k', f'must be >= 0, got {self.top_k}')
+    _check(self.kv_page_size >= 1, 'kv_page_size', f'must be >= 1, got {self.kv_page_size}')
+    _check(self.kv_pool_mb >= 0, 'kv_pool_mb', f'must be >= 0, got {self.kv_pool_mb}')
+    _check(self.sync_every >= 0, 'sync_every', f'must be >= 0, got {self.sync_every}')
+    _check(self.prefill_chunk >= 0, 'prefill_chunk', f'must be >= 0, got {self.prefill_chunk}')
 
   @property
   def max_seq_len(self) -> int:

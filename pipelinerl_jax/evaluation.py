@@ -145,7 +145,8 @@ def evaluate_params(config: config_lib.Config, model_config, params, tokenizer, 
   engine = jax_engine.JaxEngine(
       model_config, params,
       jax_engine.EngineConfig(num_slots=slots, max_seq_len=g.max_seq_len,
-                              eos_token_ids=(tokenizer.eos_token_id,)),
+                              eos_token_ids=(tokenizer.eos_token_id,),
+                              **dict(jax_engine.engine_options(g), recompute_kv=False)),
       device=device)
   sampling = api.SamplingParams(temperature=ev.temperature, top_p=g.top_p, top_k=g.top_k,
                                 max_tokens=g.max_new_tokens)

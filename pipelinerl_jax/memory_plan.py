@@ -368,11 +368,15 @@ def plan(config: ml_collections.ConfigDict | config_lib.Config, hf_config: dict,
 
   generator = {}
   if g.backend == 'jax':
-    # The JAX engine's fp32 params copy and its KV cache, on the first device the mesh leaves
-    # free (or on device 0, beside the trainer).
-    engine = (m.num_params * _bytes(m.param_dtype) + 2 * m.num_layers * g.num_slots
-              * (g.max_prompt_len + g.max_new_tokens) * m.num_kv_heads * m.head_dim
-              * _bytes(m.dtype))
+    # The JAX engine's params (held in the compute dtype) and its KV pool (generation.
+    # kv_pool_mb, or every slot at full length: the pool's largest size), on the first device
+    # the mesh leaves free (or on device 0, beside the trainer).
+    page_bytes = budget.kv_page_bytes(m.num_layers, m.num_kv_heads, m.head_dim, g.kv_page_size,
+                                      m.dtype)
+    pages = budget.kv_pool_pages(num_slots=g.num_slots, max_seq_len=g.max_seq_len,
+                                 page_size=g.kv_page_size, page_bytes=page_bytes,
+                                 pool_mb=g.kv_pool_mb)
+    engine = m.num_params * _bytes(m.dtype) + pages * page_bytes
     generator = dict(engine=engine)
     facts['generator_devices'] = 1 if mesh.size < num_devices else 0
     if mesh.size > num_devices:

@@ -169,6 +169,31 @@ def test_sample_draws_only_allowed_tokens_with_renormalized_logprobs(rule):
     assert len(set(tokens[0])) > 10
 
 
+@pytest.mark.parametrize('candidates', [8, 256])
+def test_filtering_without_a_full_sort_keeps_the_same_tokens(monkeypatch, candidates):
+  """8 candidates: peaked rows are served from candidates while a flat row under top-p sends
+  the batch to the full sort; 256: every row from candidates (V = 40)."""
+  monkeypatch.setattr(sampling, 'CANDIDATES', candidates)
+  rng = np.random.default_rng(2)
+  logits = rng.normal(size=(6, CFG.vocab_size)).astype(np.float32)
+  for r in range(5):  # peaked: four tokens well above the rest (a tie among them)
+    logits[r, rng.permutation(CFG.vocab_size)[:4]] += [12.0, 11.0, 11.0, 9.5]
+  logits[5] = rng.normal(size=CFG.vocab_size) * 0.01  # flat
+  k = np.array([0, 2, 0, 3, 0, 0], np.int32)
+  p = np.array([0.9, 1.0, 0.5, 0.8, 1.0, 0.95], np.float32)
+  # Fresh functions: jit's trace cache would keep the other parameter's CANDIDATES.
+  filtered = jax.jit(lambda *a: sampling.filter_logits(*a))
+  gaps = jax.jit(lambda *a: sampling.candidate_gaps(*a))
+  for rows in (slice(0, 5), slice(0, 6)):
+    served = bool(gaps(logits[rows], k[rows], p[rows])[1])
+    assert served == (candidates == 256 or rows.stop == 5)
+    out = np.asarray(filtered(logits[rows], k[rows], p[rows]))
+    for r in range(out.shape[0]):
+      want = np.isfinite(np_filtered_logprobs(logits[r], 1.0, k[r], p[r]))
+      np.testing.assert_array_equal(np.isfinite(out[r]), want, err_msg=f'row {r}')
+      np.testing.assert_array_equal(out[r][want], logits[r][want])
+
+
 # --- engine -------------------------------------------------------------------------------------
 
 
@@ -380,6 +405,6 @@ def test_generation_on_another_device(params_a):
   eng.update_params(jax.tree.map(jnp.copy, source), 1)
   jax.tree.map(lambda x: x.delete(), source)  # the engine holds copies on devices[1]
   out = api.generate(eng, reqs)[0]
-  assert eng._state.cache.k.devices() == {devices[1]}
+  assert eng._state.pool.k.devices() == {devices[1]}
   np.testing.assert_array_equal(out.tokens, run(params_a, reqs)['r0'].tokens)
   np.testing.assert_array_equal(out.versions, np.ones(5))

@@ -168,21 +168,37 @@ def test_quick_train_section_checks_attention_then_runs_the_grid(quick):
   assert 'kernels: attention' in stdout
 
 
-def test_quick_engine_decodes_every_token_with_and_without_updates(quick):
+def test_quick_engine_checks_the_reads_and_decodes_every_token_with_and_without_updates(quick):
   report, _ = quick
   z = gpu.QUICK
   engine = items(report, 'engine')
-  assert set(engine) == {f'H={h} {m}' for h in z.engine_slots for m in ('none', 'update')}
+  # On CPU: the XLA read and the Pallas kernel in its interpreter, checked against it.
+  reads = {n: r for n, r in engine.items() if n.startswith('attention ')}
+  assert set(reads) == {'attention xla', 'attention pallas'}
+  assert reads['attention xla']['max_error'] == 0
+  assert reads['attention pallas']['correct'] and reads['attention pallas']['interpret']
+  for r in reads.values():
+    assert positive(r['seconds_per_layer']) and positive(r['live_bytes_per_layer'])
+  h = max(z.engine_slots)  # the headline H; an interpreted kernel never runs the engine
+  runs = {n: r for n, r in engine.items() if not n.startswith('attention ')}
+  assert set(runs) == ({f'H={h} xla {m}' for m in ('none', 'update', 'update+publish')}
+                       | {f'H={x} xla none' for x in z.engine_slots if x != h}
+                       | {f'H={h} xla sync_every=1 none'})
   config = dataclasses.replace(train_bench.MODEL_PRESETS[z.engine_model], dtype='bfloat16')
-  for r in engine.values():
+  kv_token = 2 * config.num_layers * config.num_kv_heads * config.head_dim * 2
+  for r in runs.values():
     h = r['slots']
-    assert r['tokens'] == h * z.new_tokens and r['steps'] == z.new_tokens  # no early stop
-    assert r['updates'] == (0 if r['mode'] == 'none' else z.new_tokens - 1)
-    assert positive(r['tokens_per_s']) and r['mean_busy'] == h
+    assert r['tokens'] == h * z.new_tokens  # no early stop
+    assert r['decode_steps'] == z.new_tokens  # one step per token, none wasted
+    assert r['updates'] == (0 if r['mode'] == 'none' else r['steps'] - 1)
+    assert positive(r['tokens_per_s']) and positive(r['roofline'])
     assert r['compiles'] == 0 and r['retraces'] == 0  # the warm-up compiled every shape
-    cache = jax.eval_shape(lambda h=h: transformer.init_cache(config, h,
-                                                              z.prompt_len + z.new_tokens))
-    assert r['kv_cache_bytes'] == sum(x.size * x.dtype.itemsize for x in cache)
+    assert r['live_kv_bytes'] == h * (z.prompt_len + z.new_tokens / 2) * kv_token
+    assert r['bytes_per_step'] == r['param_bytes'] + r['live_kv_bytes']
+    assert r['param_bytes'] == 2 * config.num_params  # the engine holds bf16 params
+    assert r['dense_kv_bytes'] == gpu.kv_cache_bytes(config, h, z.prompt_len + z.new_tokens)
+    # Every slot at full length holds the dense cache's positions, plus the trash page.
+    assert r['kv_cache_bytes'] >= r['dense_kv_bytes'] >= r['kv_peak_bytes'] > 0
 
 
 def test_quick_publish_times_copies_and_dlpack_aliases_every_buffer(quick):

@@ -248,6 +248,11 @@ def test_stream_credits_order_and_stop():
     ('train.micro_batch_rows', -1, 'must be >= 0'),
     ('model.attention', 'flash', "must be one of 'blockwise', 'dense'"),
     ('model.attention_block_kv', 0, 'must be >= 1'),
+    ('generation.kv_page_size', 0, 'must be >= 1'),
+    ('generation.kv_pool_mb', -1, 'must be >= 0'),
+    ('generation.decode_attention', 'flash', "must be one of 'xla', 'pallas', 'cudnn'"),
+    ('generation.sync_every', -1, 'must be >= 0'),
+    ('generation.prefill_chunk', -8, 'must be >= 0'),
 ])
 def test_invalid_config_values_name_the_key(key, value, message):
   # Through a plain dict: ConfigDict's own type check only guards single-field writes.

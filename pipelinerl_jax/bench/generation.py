@@ -2,7 +2,8 @@
 with and without in-flight weight updates.
 
   python -m pipelinerl_jax.bench.generation [--quick] [--out PATH] [--slots 1,8,32]
-                                            [--backends jax,vllm]
+                                            [--backends jax,vllm] [--model demo]
+                                            [--engine page_size=16,sync_every=4,...]
 
 For each backend, H and mode, a warm-up compiles every shape it needs, then --repeats timed
 runs of the same workload shapes (other seeds) keep at most H requests in flight; the median is
@@ -10,10 +11,12 @@ reported. Modes:
   none              no update
   update            new weights every --update-every token steps, stale KV cache kept
   update+recompute  same, every in-flight sequence re-prefilled under the new weights (JAX only)
-The model is random (throughput does not depend on the weights' values); vLLM serves it from a
-Qwen2 checkpoint written under --workdir in fp32, one in-process engine for every H (its
-max_num_seqs is the largest H) and receives updates as DLPack views of the same JAX params.
-Prints a table and writes the rows as JSON. Nothing here asserts timing.
+The model is random (throughput does not depend on the weights' values): --model 'full' (the
+default), 'quick' (--quick) or 'demo' (the CPU demo's shapes: `make demo`'s model, H = 128,
+8-token prompts, 12 new tokens). vLLM serves it from a Qwen2 checkpoint written under --workdir in
+fp32, one in-process engine for every H (its max_num_seqs is the largest H) and receives updates
+as DLPack views of the same JAX params. --engine sets JAX EngineConfig fields (name=value, comma
+separated). Prints a table and writes the rows as JSON. Nothing here asserts timing.
 """
 
 from __future__ import annotations
@@ -39,11 +42,18 @@ MODES = ('none', 'update', 'update+recompute')
 BACKENDS = ('jax', 'vllm')
 
 
-def model_config(quick: bool) -> transformer.ModelConfig:
+MODELS = ('full', 'quick', 'demo')
+
+
+def model_config(model: str) -> transformer.ModelConfig:
   """Qwen2-shaped (q/k/v biases) so vLLM can serve it; head_dim 32 (vLLM on CPU needs >= 32)."""
-  if quick:
+  if model == 'quick':
     return transformer.ModelConfig(vocab_size=64, hidden_size=64, intermediate_size=64,
                                    num_layers=2, num_heads=2, num_kv_heads=1, head_dim=32,
+                                   qkv_bias=True)
+  if model == 'demo':  # config.DemoModelConfig's shapes over the character tokenizer
+    return transformer.ModelConfig(vocab_size=32, hidden_size=64, intermediate_size=256,
+                                   num_layers=2, num_heads=2, num_kv_heads=2, head_dim=32,
                                    qkv_bias=True)
   return transformer.ModelConfig(vocab_size=512, hidden_size=128, intermediate_size=384,
                                  num_layers=4, num_heads=4, num_kv_heads=2, head_dim=32,
@@ -110,7 +120,7 @@ def measure(eng: api.Engine, args, config, h: int, every: int, param_sets) -> di
 
 
 def bench(args) -> list[dict]:
-  config = model_config(args.quick)
+  config = model_config(args.model)
   params_a = transformer.init_params(config, jax.random.PRNGKey(0))
   params_b = transformer.init_params(config, jax.random.PRNGKey(1))
   max_seq_len = args.max_prompt + args.max_new_tokens
@@ -121,7 +131,7 @@ def bench(args) -> list[dict]:
     vllm_eng = None
     if backend == 'vllm':
       from pipelinerl_jax.generation.vllm import engine as vllm_engine  # imports torch
-      model_dir = pathlib.Path(args.workdir) / f'qwen2_gen_{"quick" if args.quick else "full"}'
+      model_dir = pathlib.Path(args.workdir) / f'qwen2_gen_{args.model}'
       hf_io.save_params(params_a, config, model_dir, dtype='float32')
       vllm_eng = vllm_engine.VllmEngine(model_dir, vllm_engine.VllmEngineConfig(
           max_num_seqs=max(args.slots), max_model_len=max_seq_len, kv_cache_bytes=64 << 20))
@@ -137,12 +147,16 @@ def bench(args) -> list[dict]:
           else:
             engine_config = engine_lib.EngineConfig(num_slots=h, max_seq_len=max_seq_len,
                                                     min_prefill_len=args.min_prefill_len,
-                                                    recompute_kv=mode == 'update+recompute')
+                                                    recompute_kv=mode == 'update+recompute',
+                                                    **args.engine)
             with engine_lib.JaxEngine(config, param_sets[0], engine_config) as eng:
               row = measure(eng, args, config, h, every, param_sets)
               stats = eng.stats()
+              stats['kv_bytes'] = sum(x.nbytes for x in jax.tree.leaves(eng._state[0]))
           row = dict(backend=backend, mode=mode, prefill_calls=stats.get('prefill_calls', 0),
-                     kv_recomputes=stats.get('kv_recomputes', 0), **row)
+                     kv_recomputes=stats.get('kv_recomputes', 0),
+                     preemptions=stats.get('preemptions', 0), kv_bytes=stats.get('kv_bytes'),
+                     **row)
           rows.append(row)
           print_row(row)
     finally:
@@ -161,9 +175,28 @@ def print_row(r):
         f'{r["warmup_s"]:>8.1f} {r["retraces"]:>7}', flush=True)
 
 
+def parse_engine_fields(parser, text: str) -> dict[str, Any]:
+  """'name=value,...' -> EngineConfig fields, each value parsed as its field's type."""
+  fields = {f.name: f for f in dataclasses.fields(engine_lib.EngineConfig)}
+  out = {}
+  for item in filter(None, text.split(',')):
+    name, _, value = item.partition('=')
+    if name not in fields or not value:
+      parser.error(f'--engine: {item!r} is not name=value of an EngineConfig field '
+                   f'({", ".join(fields)})')
+    default = fields[name].default
+    out[name] = (value.lower() in ('1', 'true') if isinstance(default, bool)
+                 else type(default)(value))
+  return out
+
+
 def main(argv=None):
   parser = argparse.ArgumentParser(description=__doc__.split('\n\n')[0])
   parser.add_argument('--quick', action='store_true', help='tiny model and workload (seconds)')
+  parser.add_argument('--model', choices=MODELS, default=None,
+                      help="model shapes (default 'full'; 'quick' with --quick)")
+  parser.add_argument('--engine', default='',
+                      help='JAX EngineConfig fields, e.g. page_size=16,sync_every=1')
   parser.add_argument('--out', default='/tmp/pipelinerl_jax_bench/generation.json')
   parser.add_argument('--slots', default=None, help='comma-separated H values')
   parser.add_argument('--modes', default=','.join(MODES))
@@ -177,14 +210,18 @@ def main(argv=None):
   parser.add_argument('--min-prefill-len', type=int, default=None)
   parser.add_argument('--repeats', type=int, default=None, help='timed runs; the median is shown')
   args = parser.parse_args(argv)
+  args.model = args.model or ('quick' if args.quick else 'full')
   defaults = (dict(slots='1,4', requests_per_slot=2, max_prompt=16, max_new_tokens=16,
                    min_prefill_len=16, repeats=1) if args.quick else
+              dict(slots='128', requests_per_slot=3, max_prompt=8, max_new_tokens=12,
+                   min_prefill_len=8, repeats=3) if args.model == 'demo' else
               dict(slots='1,8,32', requests_per_slot=3, max_prompt=64, max_new_tokens=128,
                    min_prefill_len=64, repeats=3))
   for name, value in defaults.items():
     if getattr(args, name) is None:
       setattr(args, name, value)
   args.slots = [int(s) for s in str(args.slots).split(',')]
+  args.engine = parse_engine_fields(parser, args.engine)
   args.modes = [m for m in args.modes.split(',') if m]
   unknown = set(args.modes) - set(MODES)
   if unknown:
@@ -194,7 +231,7 @@ def main(argv=None):
     parser.error(f'unknown backends {sorted(set(args.backends) - set(BACKENDS))}; choose from '
                  f'{BACKENDS}')
 
-  device, config = jax.devices()[0], model_config(args.quick)
+  device, config = jax.devices()[0], model_config(args.model)
   print(f'device: {device.device_kind} ({jax.default_backend()}), jax {jax.__version__}; '
         f'model: D={config.hidden_size} L={config.num_layers} V={config.vocab_size}; '
         f'S={args.max_prompt + args.max_new_tokens}')

@@ -74,7 +74,9 @@ class Engine(abc.ABC):
   @abc.abstractmethod
   def step(self) -> list[Completion]:
     """Applies a pending weight update, admits pending requests into free slots, then
-    generates one token for every busy slot. Returns the requests this step finished."""
+    generates one token for every busy slot. Returns the requests finished since the last call
+    (an engine that does not wait for its token steps reports a request a few steps after its
+    last token was drawn)."""
 
   @abc.abstractmethod
   def update_params(self, params: Any, version: int) -> None:
@@ -146,6 +148,14 @@ class RequestQueue:
   def finish(self, request_ids: Iterable[str]) -> None:
     with self._lock:
       self._ids.difference_update(request_ids)
+
+  def discard(self, request_ids: Iterable[str]) -> None:
+    """Drops these requests wherever they are: pending ones leave the queue, and every id is no
+    longer unfinished."""
+    ids = set(request_ids)
+    with self._lock:
+      self._pending = collections.deque(r for r in self._pending if r.request_id not in ids)
+      self._ids.difference_update(ids)
 
   def clear(self) -> None:
     with self._lock:

@@ -5,6 +5,7 @@ memory plan (`memory_plan.py`) computes ahead of a run:
   staged_bytes          what one whole update takes in a transport buffer (tensors aligned)
   STAGING_BUFFERS       how many whole updates a generator holds staged at once
   vllm_memory_fraction  the `gpu_memory_utilization` vLLM is given on a CUDA device
+  kv_pool_pages         the pages of the JAX engine's paged KV cache
 
 vLLM's share. vLLM asks for `gpu_memory_utilization x total` bytes for its own weights,
 activations, CUDA graphs and KV cache (what is left of its budget after a profile run), on top
@@ -31,6 +32,10 @@ ALIGN = 256            # bytes: each tensor's offset in a transport buffer is a 
 # update waits until the engine has loaded (or dropped) the previous one (transport/collective).
 STAGING_BUFFERS = 1
 MIN_VLLM_BYTES = GIB // 2  # below this vLLM cannot even hold a small model's activations
+# The JAX engine's KV pool, when generation.kv_pool_mb is 0: at most this share of the memory
+# its device has free when the engine starts (the rest is for activations, logits, a weight
+# update in flight and, on a shared device, the trainer).
+KV_FREE_SHARE = 0.5
 ITEMSIZE = {'float32': 4, 'bfloat16': 2, 'float16': 2}
 
 
@@ -83,3 +88,31 @@ def vllm_memory_fraction(share: float, free_bytes: int, total_bytes: int,
         f'processes, the CUDA context, the weight-staging buffer) and {reserve_bytes / GIB:.2f} '
         'GiB are kept for weight updates; raise the share or free the GPU')
   return budget / total_bytes
+
+
+def kv_page_bytes(num_layers: int, num_kv_heads: int, head_dim: int, page_size: int,
+                  dtype: str) -> int:
+  """Bytes of one page of the JAX engine's pool: keys and values of `page_size` positions in
+  every layer."""
+  return 2 * num_layers * num_kv_heads * head_dim * page_size * ITEMSIZE[dtype]
+
+
+def kv_pool_pages(*, num_slots: int, max_seq_len: int, page_size: int, page_bytes: int,
+                  pool_mb: int = 0, free_bytes: int | None = None) -> int:
+  """Pages of the JAX engine's KV pool, its trash page included. `pool_mb` MiB when set;
+  otherwise enough for every slot at max_seq_len (a dense cache's memory: more is never used),
+  or fewer when that exceeds KV_FREE_SHARE of `free_bytes` (the device's free memory, when it
+  reports it). Raises a one-line ValueError naming generation.kv_pool_mb when the pool cannot
+  hold one full-length sequence."""
+  per_sequence = -(-max_seq_len // page_size)
+  if pool_mb:
+    pages = (pool_mb << 20) // page_bytes
+  else:
+    pages = 1 + num_slots * per_sequence
+    if free_bytes is not None:
+      pages = min(pages, int(KV_FREE_SHARE * free_bytes) // page_bytes)
+  if pages < 1 + per_sequence:
+    raise ValueError(f'generation.kv_pool_mb={pool_mb}: a pool of {pages} pages of '
+                     f'{page_bytes / 2**20:.2f} MiB cannot hold one sequence of {max_seq_len} '
+                     f'positions ({per_sequence} pages and the trash page)')
+  return pages

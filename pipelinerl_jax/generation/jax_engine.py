@@ -1,22 +1,49 @@
-"""Embedded JAX generation engine: continuous batching over H slots with in-flight weight updates.
+"""Embedded JAX generation engine: continuous batching over H slots on a paged KV cache, with
+in-flight weight updates.
 
-Numerics are two pure jitted functions over an explicit `DecodeState`:
-  * `prefill` loads R sequences into R slots: their context (every token but the last) goes
-    into the KV cache, the last token becomes the slot's next input.
-  * `decode_step` runs that input for all H slots at once (free slots are computed and
-    ignored), samples, and makes the sampled token the next input.
-So a step yields exactly one token per busy slot, the first generated token included, and the
-only thing the host does between steps is bookkeeping. `JaxEngine` is the thin mutable shell:
-current params and version, the pending queue, and which request sits in which slot.
+Numerics are two pure jitted functions over an explicit `DecodeState` (the page pool and each
+slot's decode inputs; models/paged_attention.py has the pool's layout):
+  * `prefill` writes R context chunks into the pool through their rows' block tables; a row whose
+    chunk ends its sequence's context makes its slot ready: the slot's next input is the
+    sequence's last token.
+  * `decode_step` runs that input for all H slots at once (a slot that is not decoding has a
+    block table of trash pages, so its writes land nowhere), samples, and makes the sampled token
+    the next input.
+So a step yields exactly one token per decoding slot, the first generated token included.
 
-Invariant of a busy slot: the cache holds positions 0..p-1 of its sequence, and its next input
-is the token at position p. A weight update between two steps therefore leaves every slot
-consistent: by default the cache keeps the keys/values computed under older weights (the stale
-KV cache of PipelineRL); with `recompute_kv` every slot is re-prefilled under the new weights.
+`JaxEngine` is the mutable shell: current params and version, the pending queue, which sequence
+sits in which slot, the page allocator (`PagePool`) and each sequence's pages. One `step()`:
+  1. applies a pending weight update (new params only; with `recompute_kv`, every sequence in a
+     slot is loaded again under them);
+  2. every `sync_every` token steps, collects the tokens of the steps dispatched before the
+     newest one, in one transfer while the newest still runs on the device: appends them with
+     their log mu and policy version, finishes the sequences that stopped (their pages return),
+     and reserves pages for the next steps (preempting the youngest sequence when the pool is
+     short: it waits and is loaded again later);
+  3. admits waiting requests into free slots while the pool has their pages (a slot is free once
+     its sequence has stopped, or as soon as its last token is in flight), and prefills them
+     (whole contexts, or `prefill_chunk` positions of each per step, so a long prompt never
+     stalls the sequences in flight);
+  4. dispatches one decode step for the decoding slots and returns without waiting for it.
+So the host never waits for a token step it does not need, a stop is seen at most `sync_every`
+steps late (the tokens a stopped sequence decodes meanwhile are dropped), and weights still
+change between two token steps: each step records the version it ran with.
 
-Shapes are fixed, so steady state never recompiles: the decode step has one variant per
-(model config, H, S, filtering on/off), and prefill one per (row bucket, length bucket), both
-powers of two. `TRACES` counts traces, for tests and the benchmark.
+Invariant of a decoding slot: the pool holds positions 0..p-1 of its sequence, and its next input
+is the token at position p. A weight update between two steps leaves every slot consistent: by
+default the pool keeps the keys/values computed under older weights (the stale KV cache of
+PipelineRL); with `recompute_kv` every sequence is prefilled again under the new weights.
+
+The G samples of a prompt share its pages (`share_prompts`): the full pages of the prompt are
+written once, under one params version, and every sample admitted under that version reads them
+(reference counts return them when the last reader is done); each sample writes the prompt's
+last, partial page into a page of its own, where the samples diverge.
+
+Shapes are bucketed, so steady state never recompiles: the decode step has one variant per (model
+config, H, read width W, filtering on/off) and prefill one per (row bucket, length bucket,
+width), powers of two. W, the block-table entries a step reads, is a power-of-two bucket of the
+longest sequence's pages for the 'xla' read and the whole table for the kernels (which read each
+row's own length). `TRACES` counts traces, for tests and the benchmark.
 """
 
 from __future__ import annotations
@@ -33,26 +60,66 @@ import jax.numpy as jnp
 import numpy as np
 
 from pipelinerl_jax.generation import api
+from pipelinerl_jax.generation import budget
 from pipelinerl_jax.generation import sampling
+from pipelinerl_jax.models import paged_attention
 from pipelinerl_jax.models import transformer
 
 TRACES: collections.Counter = collections.Counter()  # function name -> times traced
+PARKED = 1 << 30  # the position of a slot that is not decoding: past every table, so its writes
+                  # go to the trash page
+# The fewest positions a call reads per row: shorter reads are cheap, and every read width is a
+# compile (of the decode step, or of prefill).
+MIN_READ_POSITIONS = 512
 
 
 @dataclasses.dataclass(frozen=True)
 class EngineConfig:
   num_slots: int = 8               # H: sequences decoded together
-  max_seq_len: int = 1024          # S: cache length; every prompt + max_tokens must fit
+  max_seq_len: int = 1024          # S: every prompt + max_tokens must fit
   eos_token_ids: tuple[int, ...] = ()  # stop every request, on top of its own stop_token_ids
   recompute_kv: bool = False       # re-prefill in-flight sequences under new weights
-  min_prefill_len: int = 16        # smallest prompt-length bucket
+  page_size: int = 16              # Z: token positions per KV page
+  pool_mb: int = 0                 # the KV pool's memory; 0 = `budget.kv_pool_pages`' rule
+  num_pages: int = 0               # A, exactly (the trash page included); overrides pool_mb
+  decode_attention: str = 'xla'    # how a decode step reads the pool: 'xla' | 'pallas' | 'cudnn'
+  sync_every: int = 4              # token steps between two collections of their results (0:
+                                   # each step's at once, no overlap: the lowest latency)
+  prefill_chunk: int = 0           # positions of one context prefilled per step (0 = all at once)
+  share_prompts: bool = True       # the samples of one prompt share its full pages
+  min_prefill_len: int = 16        # smallest prefill length bucket
   prefill_token_budget: int = 16384  # rows x bucket length per prefill call (bounds memory)
+
+  def __post_init__(self):
+    for name in ('num_slots', 'max_seq_len', 'page_size', 'min_prefill_len',
+                 'prefill_token_budget'):
+      if getattr(self, name) < 1:
+        raise ValueError(f'EngineConfig.{name}={getattr(self, name)} must be >= 1')
+    for name in ('pool_mb', 'num_pages', 'prefill_chunk', 'sync_every'):
+      if getattr(self, name) < 0:
+        raise ValueError(f'EngineConfig.{name}={getattr(self, name)} must be >= 0')
+    if self.decode_attention not in paged_attention.IMPLEMENTATIONS:
+      raise ValueError(f'EngineConfig.decode_attention={self.decode_attention!r} is not one of '
+                       f'{paged_attention.IMPLEMENTATIONS}')
+
+  @property
+  def table_width(self) -> int:
+    """Block-table entries of a slot: pages of one sequence at max_seq_len."""
+    return -(-self.max_seq_len // self.page_size)
+
+
+def engine_options(g) -> dict[str, Any]:
+  """The EngineConfig fields a generation config (`config.GenerationConfig`) sets, besides the
+  slots, lengths and stop tokens each place that builds an engine decides."""
+  return dict(recompute_kv=g.recompute_kv, page_size=g.kv_page_size, pool_mb=g.kv_pool_mb,
+              decode_attention=g.decode_attention, sync_every=g.sync_every,
+              prefill_chunk=g.prefill_chunk, share_prompts=g.share_prompts)
 
 
 class Slots(NamedTuple):
   """Per-slot decode inputs, [H] each (rng: [H, 2] raw keys)."""
   tokens: jax.Array       # int32 next input: last prompt token or last sample
-  positions: jax.Array    # int32 position of that input; the cache holds 0..position-1
+  positions: jax.Array    # int32 position of that input; the pool holds 0..position-1
   rng: jax.Array          # uint32 key of the request in the slot, from its seed
   steps: jax.Array        # int32 tokens sampled so far; folded into rng for the next draw
   temperature: jax.Array  # fp32
@@ -61,33 +128,39 @@ class Slots(NamedTuple):
 
 
 class DecodeState(NamedTuple):
-  cache: transformer.KVCache  # [L, H, S, K, Dh]
+  pool: paged_attention.PagedKVCache  # [L, A, K, Z, Dh]
   slots: Slots
 
 
-class Load(NamedTuple):
-  """R sequences to put into slots, context padded to a bucket length T. Padding rows carry
-  slot id H, so every write they make is dropped."""
-  slot_ids: jax.Array     # [R] int32
-  context: jax.Array      # [R, T] int32, sequence minus its last token
-  lengths: jax.Array      # [R] int32 context length = position of the last token
-  last_tokens: jax.Array  # [R] int32
-  seeds: jax.Array        # [R, 2] uint32 request seed (high, low word)
-  steps: jax.Array        # [R] int32 tokens already generated
-  temperature: jax.Array  # [R] fp32
-  top_k: jax.Array        # [R] int32
-  top_p: jax.Array        # [R] fp32
+class Chunk(NamedTuple):
+  """R context chunks to write into the pool, padded to T positions. A row whose chunk ends its
+  context also readies `start_slot` (H for none: the write is dropped). Padding rows and columns
+  sit at PARKED, past every table: they write to the trash page."""
+  tokens: jax.Array        # [R, T] int32
+  positions: jax.Array     # [R, T] int32
+  table: jax.Array         # [R, W] int32 the row's block table
+  start_slot: jax.Array    # [R] int32
+  last_tokens: jax.Array   # [R] int32 the sequence's last token, its first decode input
+  next_positions: jax.Array  # [R] int32 that token's position (the context length)
+  seeds: jax.Array         # [R, 2] uint32 request seed (high, low word)
+  steps: jax.Array         # [R] int32 tokens already generated
+  temperature: jax.Array   # [R] fp32
+  top_k: jax.Array         # [R] int32
+  top_p: jax.Array         # [R] fp32
 
 
-def init_state(config: transformer.ModelConfig, num_slots: int, max_len: int) -> DecodeState:
-  """All slots free: position S, so a free slot's cache writes are dropped."""
+def init_state(config: transformer.ModelConfig, num_slots: int, num_pages: int, page_size: int
+               ) -> DecodeState:
+  """An all-zero pool; every slot parked."""
   h = num_slots
   key_shape = jax.random.PRNGKey(0).shape
-  slots = Slots(tokens=jnp.zeros((h,), jnp.int32), positions=jnp.full((h,), max_len, jnp.int32),
+  slots = Slots(tokens=jnp.zeros((h,), jnp.int32), positions=jnp.full((h,), PARKED, jnp.int32),
                 rng=jnp.zeros((h, *key_shape), jnp.uint32), steps=jnp.zeros((h,), jnp.int32),
                 temperature=jnp.ones((h,), jnp.float32), top_k=jnp.zeros((h,), jnp.int32),
                 top_p=jnp.ones((h,), jnp.float32))
-  return DecodeState(transformer.init_cache(config, h, max_len), slots)
+  pool = paged_attention.init_pool(config.num_layers, num_pages, config.num_kv_heads, page_size,
+                                   config.head_dim, config.dtype)
+  return DecodeState(pool, slots)
 
 
 def request_key(seed_2: jax.Array) -> jax.Array:
@@ -97,51 +170,52 @@ def request_key(seed_2: jax.Array) -> jax.Array:
 
 
 @functools.partial(jax.jit, static_argnames=('config',), donate_argnames=('state',))
-def prefill(params, state: DecodeState, load: Load, *, config: transformer.ModelConfig
+def prefill(params, state: DecodeState, chunk: Chunk, *, config: transformer.ModelConfig
             ) -> DecodeState:
-  """Writes each row's context into the cache of its slot and makes it ready to decode."""
+  """Writes each row's chunk into the pool; readies the slots of rows that end a context."""
   TRACES['prefill'] += 1
-  n, t = load.context.shape
-  # A fresh T-long cache: the context attends only to itself, so the cost is T^2, not T*S.
-  col_T = jnp.arange(t, dtype=jnp.int32)
-  positions_RxT = jnp.where(col_T[None] < load.lengths[:, None], col_T[None], t)
-  _, fresh = transformer.decode(params, config, load.context, positions_RxT,
-                                transformer.init_cache(config, n, t))  # logits are DCE'd
-  # Columns past a row's length are zeros here; each is rewritten before any query sees it.
-  cache = transformer.KVCache(
-      k=state.cache.k.at[:, load.slot_ids, :t].set(fresh.k, mode='drop'),
-      v=state.cache.v.at[:, load.slot_ids, :t].set(fresh.v, mode='drop'))
-  rows = Slots(tokens=load.last_tokens, positions=load.lengths,
-               rng=jax.vmap(request_key)(load.seeds), steps=load.steps,
-               temperature=load.temperature, top_k=load.top_k, top_p=load.top_p)
-  slots = jax.tree.map(lambda all_H, new_R: all_H.at[load.slot_ids].set(new_R, mode='drop'),
+  # Chunks of several positions read through the XLA gather (the kernels serve T = 1); the
+  # hidden states are not used, so no logits are made.
+  xla = dataclasses.replace(config, decode_attention='xla')
+  _, pool = transformer.decode_paged(params, xla, chunk.tokens, chunk.positions, state.pool,
+                                     chunk.table)
+  rows = Slots(tokens=chunk.last_tokens, positions=chunk.next_positions,
+               rng=jax.vmap(request_key)(chunk.seeds), steps=chunk.steps,
+               temperature=chunk.temperature, top_k=chunk.top_k, top_p=chunk.top_p)
+  slots = jax.tree.map(lambda all_H, new_R: all_H.at[chunk.start_slot].set(new_R, mode='drop'),
                        state.slots, rows)
-  return DecodeState(cache, slots)
+  return DecodeState(pool, slots)
 
 
 @functools.partial(jax.jit, static_argnames=('config', 'filtered'), donate_argnames=('state',))
-def decode_step(params, state: DecodeState, *, config: transformer.ModelConfig, filtered: bool
+def decode_step(params, state: DecodeState, table_HxW: jax.Array, *,
+                config: transformer.ModelConfig, filtered: bool
                 ) -> tuple[DecodeState, jax.Array, jax.Array]:
   """One token for every slot: returns (state, tokens [H], log mu [H]).
 
-  `filtered` compiles top-k / top-p in; without it no row pays for the vocab sort.
+  A slot reads the first W entries of its table row (W = table_HxW's width). The head multiplies
+  in the model's dtype with fp32 accumulation (bf16 on GPUs: the weights are read once, in half
+  the bytes); sampling is in fp32. `filtered` compiles top-k / top-p in.
   """
   TRACES['decode_step'] += 1
   s = state.slots
-  logits_Hx1xV, cache = transformer.decode(params, config, s.tokens[:, None],
-                                           s.positions[:, None], state.cache)
+  h_Hx1xD, pool = transformer.decode_paged(params, config, s.tokens[:, None],
+                                           s.positions[:, None], state.pool, table_HxW)
+  logits_HxV = transformer.logits(params, config, h_Hx1xD, fp32_head=False)[:, 0]
   keys_H = jax.vmap(jax.random.fold_in)(s.rng, s.steps)
   if filtered:
-    tokens_H, logprobs_H = sampling.sample(keys_H, logits_Hx1xV[:, 0], s.temperature, s.top_k,
-                                           s.top_p)
+    tokens_H, logprobs_H = sampling.sample(keys_H, logits_HxV, s.temperature, s.top_k, s.top_p)
   else:
-    tokens_H, logprobs_H = sampling.sample(keys_H, logits_Hx1xV[:, 0], s.temperature)
-  # A finished slot keeps decoding garbage until reused; capped at S its writes are dropped,
-  # and below S they land where the next occupant writes before it reads.
-  max_len = cache.k.shape[2]
-  slots = s._replace(tokens=tokens_H, positions=jnp.minimum(s.positions + 1, max_len),
+    tokens_H, logprobs_H = sampling.sample(keys_H, logits_HxV, s.temperature)
+  slots = s._replace(tokens=tokens_H, positions=jnp.minimum(s.positions + 1, PARKED),
                      steps=s.steps + 1)
-  return DecodeState(cache, slots), tokens_H, logprobs_H
+  return DecodeState(pool, slots), tokens_H, logprobs_H
+
+
+@jax.jit
+def _cast_floats(params, dtype_like):
+  return jax.tree.map(lambda x: x.astype(dtype_like.dtype)
+                      if jnp.issubdtype(x.dtype, jnp.floating) else x, params)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -157,32 +231,134 @@ def _seed_words(seed: int) -> tuple[int, int]:
   return seed >> 32, seed & 0xFFFFFFFF
 
 
-@dataclasses.dataclass
+class PagePool:
+  """The host's allocator of the pool's pages: ids 1..A-1 (0 is the trash page), each with a
+  reference count (a prompt's pages are held by every sample that reads them)."""
+
+  def __init__(self, num_pages: int):
+    if num_pages < 2:
+      raise ValueError(f'a KV pool needs at least 2 pages (one is the trash page), got '
+                       f'{num_pages}')
+    self.num_pages = num_pages
+    self._free = list(range(num_pages - 1, 0, -1))  # popped from the end: lowest ids first
+    self._refs = [0] * num_pages
+    self.peak_in_use = 0
+
+  @property
+  def num_free(self) -> int:
+    return len(self._free)
+
+  def take(self, n: int) -> list[int]:
+    if n > len(self._free):
+      raise RuntimeError(f'{n} pages asked, {len(self._free)} free')  # callers check first
+    pages = [self._free.pop() for _ in range(n)]
+    for p in pages:
+      self._refs[p] = 1
+    self.peak_in_use = max(self.peak_in_use, self.num_pages - 1 - len(self._free))
+    return pages
+
+  def share(self, pages: list[int]) -> None:
+    for p in pages:
+      assert self._refs[p] > 0, f'page {p} is not in use'
+      self._refs[p] += 1
+
+  def release(self, pages: list[int]) -> None:
+    for p in pages:
+      self._refs[p] -= 1
+      assert self._refs[p] >= 0, f'page {p} released twice'
+      if self._refs[p] == 0:
+        self._free.append(p)
+
+
+@dataclasses.dataclass(eq=False)
+class _Prefix:
+  """The full pages of a prompt's context, written once under `version` by `writer`; valid for
+  new readers while anyone still holds them."""
+  key: tuple[int, ...]
+  pages: list[int]
+  version: int
+  writer: '_Sequence'
+  ready: bool = False   # the writer's prefill of these pages is dispatched
+  holders: int = 0
+
+
+@dataclasses.dataclass(eq=False)
 class _Sequence(api.SequenceRecord):
-  """A request in a slot, with the token ids that end it."""
+  """A request in the engine: its tokens so far and where it stands. While it sits in a slot,
+  the engine's per-slot arrays hold its position and the steps it still needs."""
   stop_ids: frozenset[int] = frozenset()
+  max_tokens: int = 0
+  filtered: bool = False          # top-k / top-p
+  order: int = 0                  # admission order (the youngest is preempted first)
+  slot: int | None = None
+  pages: list[int] = dataclasses.field(default_factory=list)  # its block table
+  prefix: _Prefix | None = None
+  context: list[int] = dataclasses.field(default_factory=list)  # (prompt + tokens)[:-1]
+  loaded: int = 0                 # context positions whose prefill is dispatched
+  decoding: bool = False
+  first_step: int = 0             # tokens of earlier decode steps are not its own (any more)
+  done: bool = False
+
+  __eq__ = object.__eq__  # identity, as the host's bookkeeping means it
+  __hash__ = object.__hash__
+
+  @property
+  def last_needed_position(self) -> int:
+    """The input position of the step that draws its last token (`max_tokens`)."""
+    return len(self.request.prompt_tokens) + self.max_tokens - 2
+
+
+class _Dispatched(NamedTuple):
+  tokens_H: jax.Array
+  logprobs_H: jax.Array
+  occupants: tuple          # [H] the slots' sequences when it was dispatched
+  decoding: np.ndarray      # [H] bool: the slots that decoded in it
+  index: int                # decode steps dispatched before it
+  version: int
 
 
 class JaxEngine(api.Engine):
-  """In-process engine over `transformer.decode`; one actor thread calls `step()`, any thread
-  may call `submit` and `update_params`.
+  """In-process engine over `transformer.decode_paged`; one actor thread calls `step()`, any
+  thread may call `submit` and `update_params`.
 
   `device` (a `jax.Device` or a `Sharding` valid for every leaf, e.g. replicated) places params
   and the decode state, so generation can run on other devices than training; the jitted steps
   follow their inputs. Params put on another device are copied there; on the same device they
-  are kept as given (see the ownership contract of `api.Engine.update_params`).
+  are kept as given when they are in the model's dtype (see the ownership contract of
+  `api.Engine.update_params`), else cast to it once per update (the engine computes in it).
   """
 
   def __init__(self, model_config: transformer.ModelConfig, params: Any,
                config: EngineConfig = EngineConfig(), *, version: int = 0, device: Any = None):
-    self.model_config = model_config
+    self.model_config = dataclasses.replace(model_config,
+                                            decode_attention=config.decode_attention)
     self.config = config
     self._device = device
-    self._params = self._place(params)
+    self._params = self._serving(self._place(params))
     self._version = version
-    self._state = self._place(init_state(model_config, config.num_slots, config.max_seq_len))
-    self._slots: list[_Sequence | None] = [None] * config.num_slots
+    self._pages = PagePool(self._pool_size())
+    h = config.num_slots
+    self._state = self._place(init_state(self.model_config, h, self._pages.num_pages,
+                                         config.page_size))
+    self._slots: list[_Sequence | None] = [None] * h
+    self._loading: list[_Sequence] = []   # in a slot, their context not all prefilled yet
+    # Per slot, for the sequence decoding there (the host's mirror of the device): the
+    # position of its next input, decode steps still to dispatch (0: none), the input position
+    # of its last step, pages held.
+    self._pos = np.zeros(h, np.int64)
+    self._left = np.zeros(h, np.int64)
+    self._last = np.zeros(h, np.int64)
+    self._npages = np.zeros(h, np.int64)
+    self._filtered = 0                    # decoding sequences with top-k / top-p
+    self._waiting: collections.deque[_Sequence] = collections.deque()  # preempted, oldest first
     self._requests = api.RequestQueue()
+    self._prefixes: dict[tuple[int, ...], _Prefix] = {}
+    self._pending: list[_Dispatched] = []
+    self._dispatched = 0
+    self._table = np.zeros((h, config.table_width), np.int32)
+    self._table_dev: dict[int, jax.Array] = {}  # read width -> the decode table on the device
+    self._admitted = 0
+    self._collected = True  # a collection happened since pages were last reserved
     self._next_params: tuple[Any, int] | None = None
     self._lock = threading.Lock()  # guards _next_params
     self._closed = False
@@ -192,6 +368,35 @@ class JaxEngine(api.Engine):
   def _place(self, tree):
     return tree if self._device is None else jax.device_put(tree, self._device)
 
+  def _serving(self, params):
+    dtype = jnp.dtype(self.model_config.dtype)
+    if all(x.dtype == dtype for x in jax.tree.leaves(params)
+           if jnp.issubdtype(x.dtype, jnp.floating)):
+      return params
+    return _cast_floats(params, jnp.zeros((), dtype))
+
+  def _pool_size(self) -> int:
+    """`num_pages`, or the budget's rule on this engine's device; for the cuDNN read, rounded up
+    to a multiple of the table width's power of two (it needs the pool to split into whole
+    tables: `paged_attention.cudnn_table_width`)."""
+    c, m = self.config, self.model_config
+    pages = c.num_pages
+    if not pages:
+      device = self._device if isinstance(self._device, jax.Device) else (
+          next(iter(self._device.device_set)) if self._device is not None else jax.devices()[0])
+      stats = device.memory_stats() or {}
+      free = (stats['bytes_limit'] - stats.get('bytes_in_use', 0)
+              if stats.get('bytes_limit') else None)
+      pages = budget.kv_pool_pages(
+          num_slots=c.num_slots, max_seq_len=c.max_seq_len, page_size=c.page_size,
+          page_bytes=budget.kv_page_bytes(m.num_layers, m.num_kv_heads, m.head_dim,
+                                          c.page_size, m.dtype),
+          pool_mb=c.pool_mb, free_bytes=free)
+    if c.decode_attention != 'cudnn':
+      return pages
+    w = _pow2_at_least(c.table_width)
+    return -(-pages // w) * w
+
   # --- api.Engine ------------------------------------------------------------------------------
 
   def submit(self, request: api.Request) -> None:
@@ -199,6 +404,12 @@ class JaxEngine(api.Engine):
     api.check_request(request, max_len=self.config.max_seq_len,
                       max_len_field='max_seq_len',
                       vocab_size=self.model_config.vocab_size)
+    needed = self._pages_through(len(request.prompt_tokens) + request.sampling.max_tokens - 2)
+    if needed > self._pages.num_pages - 1:
+      raise ValueError(f'request {request.request_id!r}: prompt {len(request.prompt_tokens)} + '
+                       f'max_tokens {request.sampling.max_tokens} needs {needed} KV pages of '
+                       f'{self.config.page_size}; the pool has {self._pages.num_pages - 1} '
+                       '(generation.kv_pool_mb)')
     self._requests.submit(request)
 
   def update_params(self, params: Any, version: int) -> None:
@@ -210,45 +421,66 @@ class JaxEngine(api.Engine):
   def step(self) -> list[api.Completion]:
     self._check_open()
     start = time.perf_counter()
-    self._apply_update()
-    self._admit()
-    busy = [i for i, s in enumerate(self._slots) if s is not None]
-    if not busy:
-      return []
-    filtered = any(self._slots[i].request.sampling.top_k > 0 or
-                   self._slots[i].request.sampling.top_p < 1.0 for i in busy)
-    self._state, tokens_H, logprobs_H = decode_step(
-        self._params, self._state, config=self.model_config, filtered=filtered)
-    tokens_H, logprobs_H = jax.device_get((tokens_H, logprobs_H))
-
-    finished = []
-    for i in busy:
-      seq = self._slots[i]
-      token = int(tokens_H[i])
-      seq.append(token, float(logprobs_H[i]), self._version)
-      if token in seq.stop_ids:
-        reason = 'stop'
-      elif len(seq.tokens) >= seq.request.sampling.max_tokens:
-        reason = 'length'
-      else:
-        continue
-      finished.append(seq.completion(reason))
-      self._slots[i] = None
-    self._requests.finish(c.request_id for c in finished)
-    self._counts['tokens_generated'] += len(busy)
-    self._counts['decode_steps'] += 1
-    self._counts['completions'] += len(finished)
+    finished = self._apply_update()
+    if len(self._pending) > self.config.sync_every:
+      finished += self._collect(keep_newest=True)
+    if self._collected:
+      self._reserve()
+    if self._waiting or self._requests.num_pending:
+      self._admit()
+    if self._loading:
+      self._load()
+    if (not self._dispatch() or not self.config.sync_every) and self._pending:
+      finished += self._collect(keep_newest=False)  # nothing left to overlap with
     self._step_seconds += time.perf_counter() - start
     return finished
 
+  def abort(self, request_ids) -> None:
+    """Drops requests, pending or in flight, without a completion; their pages return. Call it
+    from the thread that calls `step()`."""
+    self._check_open()
+    ids = set(request_ids)
+    self._waiting = collections.deque(s for s in self._waiting if s.request.request_id not in ids)
+    for seq in list(self._slots):
+      if seq is not None and seq.request.request_id in ids:
+        seq.done = True
+        self._release_pages(seq)
+    for d in self._pending:  # sequences whose last token is in flight hold no slot any more
+      for seq in d.occupants:
+        if seq is not None and seq.request.request_id in ids:
+          seq.done = True
+    self._requests.discard(ids)
+    self._counts['aborted'] += len(ids)
+
   def stats(self) -> dict[str, Any]:
     busy = sum(s is not None for s in self._slots)
-    pending = self._requests.num_pending
+    pending = self._requests.num_pending + len(self._waiting)
     tokens = self._counts['tokens_generated']
     return dict(self._counts, tokens_generated=tokens,
                 tokens_per_s=tokens / self._step_seconds if self._step_seconds else 0.0,
                 step_seconds=self._step_seconds, busy_slots=busy, num_slots=len(self._slots),
-                pending=pending, version=self._version)
+                pending=pending, version=self._version, kv_pages=self._pages.num_pages - 1,
+                kv_pages_free=self._pages.num_free, kv_pages_peak=self._pages.peak_in_use,
+                kv_page_size=self.config.page_size)
+
+  def precompile(self) -> int:
+    """Compiles the decode step (unfiltered) for every read width it may use, so no token step
+    compiles later; needs an idle engine (its free slots write only to the trash page). Returns
+    how many widths."""
+    self._check_open()
+    if any(s is not None for s in self._slots) or self._pending or self._waiting:
+      raise RuntimeError('precompile needs an idle engine')
+    c = self.config
+    if c.decode_attention == 'xla':
+      widths = sorted({self._width(p) for p in range(1, c.table_width + 1)})
+    else:
+      widths = [c.table_width]
+    for w in widths:
+      table = self._place(jnp.zeros((c.num_slots, w), jnp.int32))
+      self._state, _, _ = decode_step(self._params, self._state, table,
+                                      config=self.model_config, filtered=False)
+    jax.block_until_ready(self._state)
+    return len(widths)
 
   @property
   def num_unfinished(self) -> int:
@@ -262,6 +494,8 @@ class JaxEngine(api.Engine):
     self._closed = True
     self._params = self._state = self._next_params = None
     self._slots = [None] * self.config.num_slots
+    self._pending, self._table_dev, self._prefixes, self._loading = [], {}, {}, []
+    self._waiting.clear()
     self._requests.clear()
 
   # --- internals -------------------------------------------------------------------------------
@@ -270,71 +504,329 @@ class JaxEngine(api.Engine):
     if self._closed:
       raise RuntimeError('engine is closed')
 
-  def _apply_update(self):
+  def _pages_through(self, position: int) -> int:
+    """Pages a sequence needs to hold positions 0..position."""
+    return position // self.config.page_size + 1
+
+  def _lookahead(self) -> int:
+    """Decode steps that may be dispatched before the next collection, the current one
+    included: pages for them are reserved at each collection."""
+    return max(1, self.config.sync_every) + 1
+
+  def _apply_update(self) -> list[api.Completion]:
     with self._lock:
       update, self._next_params = self._next_params, None
     if update is None:
-      return
+      return []
     params, version = update
     if any(x.is_deleted() for x in jax.tree.leaves(params) if isinstance(x, jax.Array)):
       raise RuntimeError(f'params of version {version} were deleted after being published '
                          '(donated?); publish a copy the trainer will not donate')
-    self._params, self._version = params, version
+    self._params, self._version = self._serving(params), version
     self._counts['updates'] += 1
-    busy = [i for i, s in enumerate(self._slots) if s is not None]
-    if self.config.recompute_kv and busy:
-      self._load(busy, [self._slots[i] for i in busy])
-      self._counts['kv_recomputes'] += len(busy)
+    self._prefixes = {}  # pages written under the old params are no prefix for new requests
+    if not self.config.recompute_kv:
+      return []
+    finished = self._collect(keep_newest=False)
+    placed = sorted(((s.slot, s) for s in self._slots if s is not None),
+                    key=lambda slot_seq: slot_seq[1].order)
+    for _, seq in placed:
+      self._release_pages(seq)
+    for slot, seq in placed:  # loaded again in the same slots, under the new params
+      self._place_sequence(seq, slot)
+    self._counts['kv_recomputes'] += len(placed)
+    return finished
 
-  def _admit(self):
+  # Slots and pages.
+
+  def _place_sequence(self, seq: _Sequence, slot: int) -> None:
+    """Gives `seq` the slot and pages to load its context and decode `lookahead` steps (the
+    caller has checked there are enough free pages), sharing its prompt's pages when it can."""
+    full = list(seq.request.prompt_tokens) + seq.tokens
+    seq.context, position = full[:-1], len(full) - 1
+    seq.slot, seq.decoding, seq.first_step = slot, False, self._dispatched
+    last = min(position + self._lookahead() - 1, seq.last_needed_position)
+    prefix = self._usable_prefix(seq)
+    shared = prefix.pages if prefix is not None else []
+    if prefix is not None:
+      self._pages.share(shared)
+      prefix.holders += 1
+      self._counts['prompt_pages_shared'] += len(shared)
+    seq.pages = shared + self._pages.take(self._pages_through(last) - len(shared))
+    seq.loaded = len(shared) * self.config.page_size
+    if prefix is None and self.config.share_prompts:
+      n = self._prompt_pages(seq)
+      if n:
+        prefix = _Prefix(key=tuple(seq.request.prompt_tokens), pages=seq.pages[:n],
+                         version=self._version, writer=seq, holders=1)
+        self._prefixes[prefix.key] = prefix
+    seq.prefix = prefix
+    self._slots[slot] = seq
+    self._loading.append(seq)
+    self._pos[slot], self._last[slot] = position, seq.last_needed_position
+    self._left[slot], self._npages[slot] = 0, len(seq.pages)
+
+  def _prompt_pages(self, seq: _Sequence) -> int:
+    """Full pages of the prompt's context: what the samples of a prompt can share."""
+    return (len(seq.request.prompt_tokens) - 1) // self.config.page_size
+
+  def _usable_prefix(self, seq: _Sequence) -> _Prefix | None:
+    if not self.config.share_prompts:
+      return None
+    prefix = self._prefixes.get(tuple(seq.request.prompt_tokens))
+    if prefix is None or prefix.version != self._version or prefix.holders == 0:
+      return None
+    return prefix
+
+  def _start_decoding(self, seq: _Sequence) -> None:
+    """Its context is in (prefill dispatched): it decodes from the next step on."""
+    slot = seq.slot
+    seq.decoding = True
+    self._loading.remove(seq)
+    self._left[slot] = seq.max_tokens - len(seq.tokens)
+    self._filtered += seq.filtered
+    self._table[slot] = paged_attention.TRASH_PAGE
+    self._table[slot, :len(seq.pages)] = seq.pages
+    self._table_dev = {}
+
+  def _release_pages(self, seq: _Sequence, drop_in_flight: bool = True) -> None:
+    """Returns the sequence's pages and slot. Tokens of its steps still in flight are dropped
+    (it will decode them again), unless `drop_in_flight` is False (they are its last ones)."""
+    self._pages.release(seq.pages)
+    seq.pages = []
+    prefix, seq.prefix = seq.prefix, None
+    if prefix is not None:
+      prefix.holders -= 1
+      if prefix.holders == 0 and self._prefixes.get(prefix.key) is prefix:
+        del self._prefixes[prefix.key]
+      if prefix.writer is seq and not prefix.ready:  # aborted while loading: a reader writes
+        heirs = [s for s in self._loading if s.prefix is prefix and s is not seq]
+        if heirs:
+          prefix.writer, heirs[0].loaded = heirs[0], 0
+    slot = seq.slot
+    if slot is not None:
+      if self._slots[slot] is seq:
+        self._slots[slot] = None
+      if seq.decoding:
+        self._filtered -= seq.filtered
+        self._table[slot] = paged_attention.TRASH_PAGE
+        self._table_dev = {}
+      else:
+        self._loading.remove(seq)
+      self._left[slot] = self._npages[slot] = 0
+    seq.slot, seq.decoding = None, False
+    if drop_in_flight:
+      seq.first_step = self._dispatched
+
+  def _reserve(self) -> None:
+    """Pages for the next `lookahead` steps of every decoding sequence; when the pool is short,
+    the youngest decoding sequences wait (their pages return; they are loaded again later)."""
+    self._collected = False
+    slots = np.flatnonzero(self._left > 0)
+    need = (np.minimum(self._pos[slots] + self._lookahead() - 1, self._last[slots])
+            // self.config.page_size + 1)
+    missing = np.maximum(0, need - self._npages[slots])
+    if missing.sum() > self._pages.num_free:
+      by_age = sorted(range(len(slots)), key=lambda j: self._slots[slots[j]].order)
+      while by_age and missing.sum() > self._pages.num_free:
+        j = by_age.pop()
+        victim = self._slots[slots[j]]
+        self._release_pages(victim)
+        self._waiting.appendleft(victim)
+        self._counts['preemptions'] += 1
+        missing[j] = 0
+    for slot, n in zip(slots[missing > 0].tolist(), missing[missing > 0].tolist()):
+      seq = self._slots[slot]
+      seq.pages += self._pages.take(n)
+      self._table[slot, :len(seq.pages)] = seq.pages
+      self._npages[slot] = len(seq.pages)
+      self._table_dev = {}
+
+  def _admit(self) -> None:
+    """Waiting sequences (preempted first, then new requests, in order) into free slots while
+    the pool has their pages, keeping a page of growth for every `page_size` decode steps of the
+    sequences in flight. A request that does not fit waits; nothing behind it overtakes it."""
     free = [i for i, s in enumerate(self._slots) if s is None]
-    admitted = self._requests.take(len(free))
-    if not admitted:
-      return
+    decoding = int(np.count_nonzero(self._left))
+    reserve = -(-decoding * self._lookahead() // self.config.page_size)
     eos = frozenset(self.config.eos_token_ids)
-    seqs = [_Sequence(r, stop_ids=eos | frozenset(r.sampling.stop_token_ids)) for r in admitted]
-    slot_ids = free[:len(seqs)]
-    for i, seq in zip(slot_ids, seqs):
-      self._slots[i] = seq
-    self._load(slot_ids, seqs)
+    while free:
+      if not self._waiting:
+        new = self._requests.take(1)
+        if not new:
+          return
+        r, sp = new[0], new[0].sampling
+        self._waiting.append(_Sequence(r, stop_ids=eos | frozenset(sp.stop_token_ids),
+                                       max_tokens=sp.max_tokens,
+                                       filtered=sp.top_k > 0 or sp.top_p < 1.0))
+      seq = self._waiting[0]
+      full_len = len(seq.request.prompt_tokens) + len(seq.tokens)
+      last = min(full_len - 2 + self._lookahead(), seq.last_needed_position)
+      prefix = self._usable_prefix(seq)
+      need = self._pages_through(last) - (len(prefix.pages) if prefix is not None else 0)
+      if need > self._pages.num_free - reserve:
+        return
+      self._waiting.popleft()
+      self._admitted += 1
+      seq.order = self._admitted
+      self._place_sequence(seq, free.pop(0))
+
+  # Prefill.
 
   def _bucket_len(self, n: int) -> int:
     return min(max(self.config.min_prefill_len, _pow2_at_least(n)), self.config.max_seq_len)
 
-  def _load(self, slot_ids: list[int], seqs: list[_Sequence]):
-    """Prefills (prompt + generated)[:-1] of each sequence into its slot, under the current
-    params; grouped by length bucket, at most `prefill_token_budget` tokens per call."""
+  def _width(self, pages: int) -> int:
+    """Table entries a call reads: a power-of-two bucket of `pages` (at least
+    MIN_READ_POSITIONS), at most the whole table."""
+    least = -(-MIN_READ_POSITIONS // self.config.page_size)
+    return min(_pow2_at_least(max(pages, least)), self.config.table_width)
+
+  def _load(self) -> None:
+    """Dispatches prefill chunks for the sequences being loaded, oldest first, within
+    `prefill_token_budget` positions (one chunk per sequence per step when chunked); a reader of
+    a shared prompt waits until the prompt's writer has dispatched those pages."""
+    c = self.config
+    budget_left = c.prefill_token_budget
+    served = set()  # sequences given a chunk in this step
+    while self._loading:
+      rows = []
+      for seq in sorted(self._loading, key=lambda s: s.order):
+        if seq.prefix is not None and seq.prefix.writer is not seq and not seq.prefix.ready:
+          continue  # its prompt's pages are not written yet
+        if c.prefill_chunk and seq in served:
+          continue
+        n = len(seq.context) - seq.loaded  # 0: only its slot is to be readied
+        if c.prefill_chunk:
+          n = min(n, c.prefill_chunk)
+        t = self._bucket_len(max(n, 1))
+        if t > budget_left and (rows or served):  # the first row of a step always goes
+          break
+        rows.append((seq, n, t))
+        budget_left -= t
+        served.add(seq)
+      if not rows:
+        return
+      self._prefill_rows(rows)
+
+  def _prefill_rows(self, rows) -> None:
+    """One prefill call per length bucket (rows padded to a power of two); updates each
+    sequence's progress, marks prompt pages ready and starts sequences whose context is in."""
     groups = collections.defaultdict(list)
-    for i, seq in zip(slot_ids, seqs):
-      full = list(seq.request.prompt_tokens) + seq.tokens
-      groups[self._bucket_len(len(full) - 1)].append((i, seq, full))
+    for seq, n, t in rows:
+      groups[t].append((seq, n))
     max_rows = _pow2_at_least(self.config.num_slots)
     for t, group in sorted(groups.items()):
       fits = max(1, self.config.prefill_token_budget // t)
       per_call = min(max_rows, 1 << (fits.bit_length() - 1))  # a power of two <= fits
-      for c in range(0, len(group), per_call):
-        chunk = group[c:c + per_call]
-        self._state = prefill(self._params, self._state, self._make_load(chunk, t),
+      for i in range(0, len(group), per_call):
+        part = group[i:i + per_call]
+        self._state = prefill(self._params, self._state, self._make_chunk(part, t),
                               config=self.model_config)
         self._counts['prefill_calls'] += 1
-        self._counts['prefill_tokens'] += sum(len(full) - 1 for _, _, full in chunk)
+        self._counts['prefill_tokens'] += sum(n for _, n in part)
+        for seq, n in part:
+          seq.loaded += n
+          if seq.prefix is not None and seq.prefix.writer is seq and (
+              seq.loaded >= len(seq.prefix.pages) * self.config.page_size):
+            seq.prefix.ready = True
+          if seq.loaded >= len(seq.context):
+            self._start_decoding(seq)
 
-  def _make_load(self, chunk, t: int) -> Load:
-    n = _pow2_at_least(len(chunk))
-    load = Load(slot_ids=np.full((n,), self.config.num_slots, np.int32),
-                context=np.zeros((n, t), np.int32), lengths=np.zeros((n,), np.int32),
-                last_tokens=np.zeros((n,), np.int32), seeds=np.zeros((n, 2), np.uint32),
-                steps=np.zeros((n,), np.int32), temperature=np.ones((n,), np.float32),
-                top_k=np.zeros((n,), np.int32), top_p=np.ones((n,), np.float32))
-    for row, (slot, seq, full) in enumerate(chunk):
-      sp = seq.request.sampling
-      load.slot_ids[row] = slot
-      load.context[row, :len(full) - 1] = full[:-1]
-      load.lengths[row] = len(full) - 1
-      load.last_tokens[row] = full[-1]
-      load.seeds[row] = _seed_words(seq.request.seed)
-      load.steps[row] = len(seq.tokens)
-      load.temperature[row] = sp.temperature
-      load.top_k[row] = sp.top_k
-      load.top_p[row] = sp.top_p
-    return load
+  def _make_chunk(self, part, t: int) -> Chunk:
+    c = self.config
+    n_rows = _pow2_at_least(len(part))
+    width = self._width(self._pages_through(max(seq.loaded for seq, _ in part) + t - 1))
+    chunk = Chunk(tokens=np.zeros((n_rows, t), np.int32),
+                  positions=np.full((n_rows, t), PARKED, np.int32),
+                  table=np.zeros((n_rows, width), np.int32),
+                  start_slot=np.full((n_rows,), c.num_slots, np.int32),
+                  last_tokens=np.zeros((n_rows,), np.int32),
+                  next_positions=np.zeros((n_rows,), np.int32),
+                  seeds=np.zeros((n_rows, 2), np.uint32), steps=np.zeros((n_rows,), np.int32),
+                  temperature=np.ones((n_rows,), np.float32),
+                  top_k=np.zeros((n_rows,), np.int32), top_p=np.ones((n_rows,), np.float32))
+    for row, (seq, n) in enumerate(part):
+      start = seq.loaded
+      chunk.tokens[row, :n] = seq.context[start:start + n]
+      chunk.positions[row, :n] = np.arange(start, start + n)
+      pages = seq.pages[:width]
+      chunk.table[row, :len(pages)] = pages
+      if start + n >= len(seq.context):
+        sp = seq.request.sampling
+        chunk.start_slot[row] = seq.slot
+        chunk.last_tokens[row] = seq.tokens[-1] if seq.tokens else seq.request.prompt_tokens[-1]
+        chunk.next_positions[row] = len(seq.context)
+        chunk.seeds[row] = _seed_words(seq.request.seed)
+        chunk.steps[row] = len(seq.tokens)
+        chunk.temperature[row] = sp.temperature
+        chunk.top_k[row] = sp.top_k
+        chunk.top_p[row] = sp.top_p
+    return chunk
+
+  # Decode steps and their results.
+
+  def _dispatch(self) -> bool:
+    """One decode step for every decoding sequence that needs a token (not waited for)."""
+    decoding = self._left > 0
+    if not decoding.any():
+      return False
+    c = self.config
+    if c.decode_attention == 'xla':
+      longest = int(np.minimum(self._pos, self._last)[decoding].max())
+      width = self._width(self._pages_through(longest))
+    else:  # the kernels read each row's own length: one compile for every length
+      width = c.table_width
+    table = self._table_dev.get(width)
+    if table is None:
+      # A copy: on CPU a device array may alias the numpy buffer, which the host edits later.
+      table = self._table_dev[width] = self._place(jnp.asarray(self._table[:, :width].copy()))
+    self._state, tokens_H, logprobs_H = decode_step(
+        self._params, self._state, table, config=self.model_config, filtered=self._filtered > 0)
+    self._pending.append(_Dispatched(tokens_H, logprobs_H, tuple(self._slots), decoding,
+                                     self._dispatched, self._version))
+    self._dispatched += 1
+    self._counts['decode_steps'] += 1
+    self._pos += decoding
+    self._left -= decoding
+    for slot in np.flatnonzero(decoding & (self._left == 0)).tolist():
+      # Its last token is in flight: its slot and pages can go now (before the next prefill
+      # overwrites them on the device, this step has written them).
+      self._release_pages(self._slots[slot], drop_in_flight=False)
+    return True
+
+  def _collect(self, keep_newest: bool) -> list[api.Completion]:
+    """Fetches the tokens of the dispatched steps (all but the newest when `keep_newest`) in
+    one transfer, appends them, and finishes the sequences that stopped or are complete."""
+    n = len(self._pending) - (1 if keep_newest else 0)
+    if n <= 0:
+      return []
+    batch, self._pending = self._pending[:n], self._pending[n:]
+    self._collected = True
+    host = jax.device_get([(d.tokens_H, d.logprobs_H) for d in batch])
+    finished, appended = [], 0
+    for d, (tokens_H, logprobs_H) in zip(batch, host):
+      tokens, logprobs, occupants = tokens_H.tolist(), logprobs_H.tolist(), d.occupants
+      for slot in np.flatnonzero(d.decoding).tolist():
+        seq = occupants[slot]
+        if seq.done or d.index < seq.first_step:
+          continue
+        token = tokens[slot]
+        seq.tokens.append(token)
+        seq.logprobs.append(logprobs[slot])
+        seq.versions.append(d.version)
+        appended += 1
+        if token in seq.stop_ids:
+          reason = 'stop'
+        elif len(seq.tokens) >= seq.max_tokens:
+          reason = 'length'
+        else:
+          continue
+        seq.done = True
+        if seq.slot is not None:
+          self._release_pages(seq)
+        finished.append(seq.completion(reason))
+    self._requests.finish(c.request_id for c in finished)
+    self._counts['tokens_generated'] += appended
+    self._counts['completions'] += len(finished)
+    return finished

@@ -20,8 +20,10 @@ Two entry points share one module:
   * training rows: `token_logprobs` -- packed rows with segment ids; attention never crosses a
     segment (models/attention.py: dense, or blockwise with memory linear in the row length);
     returns log pi(target) and the entropy of each position's distribution.
-  * generation: `decode` -- writes the new tokens' keys/values into a KV cache at their positions
-    and attends to every cache slot at or before each query's position.
+  * generation: `decode_paged` -- writes the new tokens' keys/values into a paged KV cache
+    (models/paged_attention.py) at their positions and attends to every position at or before
+    each query's; the engine's path. `decode` does the same over a dense [L, R, S, K, Dh] cache:
+    the reference the tests compare against.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ from jax.ad_checkpoint import checkpoint_name
 import jax.numpy as jnp
 
 from pipelinerl_jax.models import attention as attention_lib
+from pipelinerl_jax.models import paged_attention
 
 
 @dataclasses.dataclass(frozen=True)
@@ -80,6 +83,9 @@ class ModelConfig:
   attention: str = 'blockwise'    # 'dense' | 'blockwise' | 'cudnn'
   attention_block_q: int = 1024
   attention_block_kv: int = 1024
+  # Generation: how a decode step reads the paged KV cache (models/paged_attention.py); set by
+  # the engine from generation.decode_attention.
+  decode_attention: str = 'xla'   # 'xla' | 'pallas' | 'cudnn'
 
   def __post_init__(self):
     if self.attention not in attention_lib.IMPLEMENTATIONS:
@@ -87,6 +93,9 @@ class ModelConfig:
                        f'{attention_lib.IMPLEMENTATIONS}')
     if self.remat_policy not in REMAT_POLICIES:
       raise ValueError(f'remat_policy={self.remat_policy!r} is not one of {tuple(REMAT_POLICIES)}')
+    if self.decode_attention not in paged_attention.IMPLEMENTATIONS:
+      raise ValueError(f'decode_attention={self.decode_attention!r} is not one of '
+                       f'{paged_attention.IMPLEMENTATIONS}')
     if self.attention_block_q < 1 or self.attention_block_kv < 1:
       raise ValueError(f'attention blocks must be >= 1, got attention_block_q='
                        f'{self.attention_block_q}, attention_block_kv={self.attention_block_kv}')
@@ -136,6 +145,16 @@ class KVCache(NamedTuple):
   """Keys and values of every layer: [L, R, S, K, Dh] each."""
   k: jax.Array
   v: jax.Array
+
+
+class _CacheCarry(NamedTuple):
+  """What the layer scan carries in generation: the whole cache of every layer (dense
+  [L, R, S, K, Dh] or a paged pool [L, A, K, Z, Dh]), the index of the layer being run, and for
+  a paged cache each row's block table [R, W] (None: dense)."""
+  k: jax.Array
+  v: jax.Array
+  layer: jax.Array
+  table: jax.Array | None
 
 
 def init_cache(config: ModelConfig, batch_size: int, max_len: int, dtype: Any = None) -> KVCache:
@@ -212,38 +231,44 @@ class Attention(nn.Module):
     k_RxTxKxDh = apply_rope(k.reshape(b, t, c.num_kv_heads, c.head_dim), positions_RxT, inv_freq)
     v_RxTxKxDh = v.reshape(b, t, c.num_kv_heads, c.head_dim)
 
+    g = c.num_heads // c.num_kv_heads
+    q_RxTxKxQxDh = q_RxTxNxDh.reshape(b, t, c.num_kv_heads, g, c.head_dim)
+    new_cache = None
     if layer_cache is None:  # training rows: keys are the row's own tokens
-      k_RxSxKxDh, v_RxSxKxDh = k_RxTxKxDh, v_RxTxKxDh
-      new_cache = None
-    else:  # generation: write at each token's position, then read this layer's cache
+      starts_RxG, lengths_RxG = spans if spans is not None else (None, None)
+      with jax.named_scope('attention_core'):  # the profile breakdown finds attention by this
+        out_RxTxKxQxDh = attention_lib.packed(
+            q_RxTxKxQxDh, k_RxTxKxDh.astype(c.dtype), v_RxTxKxDh.astype(c.dtype),
+            segment_ids_RxT, implementation=c.attention, block_q=c.attention_block_q,
+            block_kv=c.attention_block_kv, segment_starts_RxG=starts_RxG,
+            segment_lengths_RxG=lengths_RxG)
+        out_RxTxKxQxDh = checkpoint_name(out_RxTxKxQxDh, 'attention_out')
+    elif layer_cache.table is None:  # dense cache: write at each token's position, read it all
       # The whole [L, R, S, K, Dh] cache rides in the layer scan's carry and only the T new
       # tokens are scattered into it, so a decode step updates the cache in place instead of
       # rebuilding it (as scanning over per-layer slices would).
-      cache_k, cache_v, layer = layer_cache
+      cache_k, cache_v, layer = layer_cache.k, layer_cache.v, layer_cache.layer
       rows = jnp.arange(b)[:, None]
       # Positions >= S (padding) are dropped, so padded prompt tokens write nowhere.
       cache_k = cache_k.at[layer, rows, positions_RxT].set(k_RxTxKxDh.astype(cache_k.dtype),
                                                            mode='drop')
       cache_v = cache_v.at[layer, rows, positions_RxT].set(v_RxTxKxDh.astype(cache_v.dtype),
                                                            mode='drop')
-      k_RxSxKxDh = jax.lax.dynamic_index_in_dim(cache_k, layer, 0, keepdims=False)
-      v_RxSxKxDh = jax.lax.dynamic_index_in_dim(cache_v, layer, 0, keepdims=False)
-      new_cache = (cache_k, cache_v, layer)
-
-    g = c.num_heads // c.num_kv_heads
-    q_RxTxKxQxDh = q_RxTxNxDh.reshape(b, t, c.num_kv_heads, g, c.head_dim)
-    if layer_cache is None:
-      starts_RxG, lengths_RxG = spans if spans is not None else (None, None)
-      with jax.named_scope('attention_core'):  # the profile breakdown finds attention by this
-        out_RxTxKxQxDh = attention_lib.packed(
-            q_RxTxKxQxDh, k_RxSxKxDh.astype(c.dtype), v_RxSxKxDh.astype(c.dtype),
-            segment_ids_RxT, implementation=c.attention, block_q=c.attention_block_q,
-            block_kv=c.attention_block_kv, segment_starts_RxG=starts_RxG,
-            segment_lengths_RxG=lengths_RxG)
-        out_RxTxKxQxDh = checkpoint_name(out_RxTxKxQxDh, 'attention_out')
-    else:
-      out_RxTxKxQxDh = attention_lib.dense(q_RxTxKxQxDh, k_RxSxKxDh, v_RxSxKxDh, mask_RxTxS,
-                                           c.dtype)
+      out_RxTxKxQxDh = attention_lib.dense(
+          q_RxTxKxQxDh, jax.lax.dynamic_index_in_dim(cache_k, layer, 0, keepdims=False),
+          jax.lax.dynamic_index_in_dim(cache_v, layer, 0, keepdims=False), mask_RxTxS, c.dtype)
+      new_cache = layer_cache._replace(k=cache_k, v=cache_v)
+    else:  # paged cache: the same, through each row's block table (in place as above)
+      layer, table_RxW = layer_cache.layer, layer_cache.table
+      page_RxT, offset_RxT = paged_attention.locate(table_RxW, positions_RxT,
+                                                    layer_cache.k.shape[3])
+      pool = paged_attention.PagedKVCache(
+          paged_attention.write(layer_cache.k, layer, page_RxT, offset_RxT, k_RxTxKxDh),
+          paged_attention.write(layer_cache.v, layer, page_RxT, offset_RxT, v_RxTxKxDh))
+      out_RxTxKxQxDh = paged_attention.attend(q_RxTxKxQxDh.astype(c.dtype), pool, layer,
+                                              table_RxW, positions_RxT,
+                                              implementation=c.decode_attention)
+      new_cache = layer_cache._replace(k=pool.k, v=pool.v)
     out = out_RxTxKxQxDh.reshape(b, t, c.num_heads * c.head_dim)
     return _dense(c.hidden_size, False, c, 'o_proj')(out), new_cache
 
@@ -261,8 +286,8 @@ class MLP(nn.Module):
 
 class DecoderLayer(nn.Module):
   """One pre-norm block. `nn.scan` calls it with carry (x, cache) where cache is None (training:
-  segment ids say who attends to whom) or (k, v, layer index) over all layers (generation: the
-  cache mask does)."""
+  segment ids say who attends to whom) or a `_CacheCarry` over all layers (generation: the
+  cache mask, or a paged cache's positions, do)."""
   config: ModelConfig
 
   @nn.compact
@@ -275,7 +300,7 @@ class DecoderLayer(nn.Module):
     x_RxTxD = x_RxTxD + h
     x_RxTxD = x_RxTxD + MLP(c, name='mlp')(norm('post_attn_norm')(x_RxTxD))
     if cache is not None:
-      cache = (cache[0], cache[1], cache[2] + 1)  # the next layer's index
+      cache = cache._replace(layer=cache.layer + 1)  # the next layer's index
     return (x_RxTxD, cache), None
 
 
@@ -283,14 +308,15 @@ class Transformer(nn.Module):
   """Returns final-norm hidden states [R, T, D] and the updated cache (None without one).
 
   Training rows pass `segment_ids_RxT` (and no cache), and for cuDNN attention `spans`, the
-  packer's (segment_starts_RxG, segment_lengths_RxG); generation passes the cache and the mask
-  of cache slots each token sees.
+  packer's (segment_starts_RxG, segment_lengths_RxG); generation passes a dense cache and the
+  mask of cache slots each token sees, or a paged cache and each row's block table.
   """
   config: ModelConfig
 
   @nn.compact
   def __call__(self, tokens_RxT, positions_RxT, segment_ids_RxT=None, mask_RxTxS=None,
-               cache: KVCache | None = None, spans=None):
+               cache: KVCache | paged_attention.PagedKVCache | None = None, table_RxW=None,
+               spans=None):
     c = self.config
     embed = nn.Embed(c.vocab_size, c.hidden_size, dtype=c.dtype, param_dtype=c.param_dtype,
                      embedding_init=nn.initializers.normal(0.02), name='embed')
@@ -299,14 +325,15 @@ class Transformer(nn.Module):
                  if c.remat else DecoderLayer)
     layers = nn.scan(layer_cls, variable_axes={'params': 0}, split_rngs={'params': True},
                      in_axes=(nn.broadcast,) * 4, length=c.num_layers)(c, name='layers')
-    carry = None if cache is None else (cache.k, cache.v, jnp.zeros((), jnp.int32))
+    carry = None if cache is None else _CacheCarry(cache.k, cache.v, jnp.zeros((), jnp.int32),
+                                                   table_RxW)
     (x_RxTxD, new_caches), _ = layers((x_RxTxD, carry), positions_RxT, segment_ids_RxT,
                                       mask_RxTxS, spans)
     x_RxTxD = RMSNorm(c.rms_norm_eps, c.dtype, c.param_dtype, name='final_norm')(x_RxTxD)
     if not c.tie_embeddings and self.is_initializing():
       # Created here so init makes it; applied by `logits`, which may run in fp32 / chunks.
       _dense(c.vocab_size, False, c, 'lm_head')(x_RxTxD)
-    return x_RxTxD, (None if cache is None else KVCache(new_caches[0], new_caches[1]))
+    return x_RxTxD, (None if cache is None else type(cache)(new_caches.k, new_caches.v))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -360,16 +387,18 @@ def _low_precision_head_bwd(residuals, dz_RxTxV):
 _low_precision_head.defvjp(_low_precision_head_fwd, _low_precision_head_bwd)
 
 
-def logits(params, config: ModelConfig, h_RxTxD: jax.Array) -> jax.Array:
-  """Logits [R, T, V] in fp32: an fp32 matmul when config.lm_head_fp32, else one in
-  config.dtype with fp32 accumulation."""
+def logits(params, config: ModelConfig, h_RxTxD: jax.Array, *, fp32_head: bool | None = None
+           ) -> jax.Array:
+  """Logits [R, T, V] in fp32. The head multiplies in fp32 when `fp32_head` (default:
+  config.lm_head_fp32), else in config.dtype with fp32 accumulation."""
   if config.tie_embeddings:
     w_DxV = params['embed']['embedding'].T
   else:
     w_DxV = params['lm_head']['kernel']
+  fp32_head = config.lm_head_fp32 if fp32_head is None else fp32_head
   with jax.named_scope('lm_head'):  # the profile breakdown finds the head by this
-    if config.lm_head_fp32 or jnp.dtype(config.dtype) == jnp.float32:
-      dtype = jnp.float32 if config.lm_head_fp32 else config.dtype
+    if fp32_head or jnp.dtype(config.dtype) == jnp.float32:
+      dtype = jnp.float32 if fp32_head else config.dtype
       return jnp.einsum('btd,dv->btv', h_RxTxD.astype(dtype), w_DxV.astype(dtype),
                         preferred_element_type=jnp.float32)
     return _low_precision_head(h_RxTxD.astype(config.dtype), w_DxV)
@@ -429,3 +458,13 @@ def decode(params, config: ModelConfig, tokens_RxT, positions_RxT, cache: KVCach
   h, new_cache = Transformer(config).apply({'params': params}, tokens_RxT, positions_RxT,
                                            mask_RxTxS=mask, cache=cache)
   return logits(params, config, h), new_cache
+
+
+def decode_paged(params, config: ModelConfig, tokens_RxT, positions_RxT,
+                 cache: paged_attention.PagedKVCache, table_RxW):
+  """Runs T new tokens per row against a paged cache: returns (hidden states [R, T, D], new
+  cache). Row r's tokens go to the pages of `table_RxW[r]`; a position past the table (padding)
+  writes to the trash page. The table's width W bounds what a query reads: W * Z positions.
+  The caller makes the logits it needs (`logits`)."""
+  return Transformer(config).apply({'params': params}, tokens_RxT, positions_RxT, cache=cache,
+                                   table_RxW=table_RxW)

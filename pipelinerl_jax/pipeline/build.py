@@ -237,11 +237,16 @@ def generation_device(mesh) -> jax.Device:
   return free[0] if free else jax.local_devices()[0]
 
 
-def copy_params_fn(device=None) -> Callable:
-  """Params -> a fresh copy (on `device`). The engine must never hold a buffer that the donated
-  train step will reuse (see api.Engine.update_params): `device_put` alone may hand back the very
-  shard that already sits on `device`, so copy first (in the train sharding), then move."""
-  copy = jax.jit(lambda p: jax.tree.map(jnp.copy, p))
+def copy_params_fn(device=None, dtype: str | None = None) -> Callable:
+  """Params -> a fresh copy (on `device`), its floats in `dtype` when given (the dtype the JAX
+  engine computes in: the copy is then also the cast it would make, and moves fewer bytes). The
+  engine must never hold a buffer that the donated train step will reuse (see
+  api.Engine.update_params): `device_put` alone may hand back the very shard that already sits
+  on `device`, so copy first (in the train sharding), then move."""
+  def leaf(x):
+    x = jnp.copy(x)
+    return x.astype(dtype) if dtype is not None and jnp.issubdtype(x.dtype, jnp.floating) else x
+  copy = jax.jit(lambda p: jax.tree.map(leaf, p))
   return copy if device is None else lambda params: jax.device_put(copy(params), device)
 
 
@@ -263,8 +268,10 @@ def publisher(config: config_lib.Config, mesh, engine: api.Engine, wire_dtype: s
   if g.placement == 'ray':
     dtype = jnp.dtype(wire_dtype)
     copy = jax.jit(lambda p: jax.tree.map(lambda x: jnp.copy(x).astype(dtype), p))
+  elif g.backend == 'jax':  # in the engine's compute dtype: the copy is its cast too
+    copy = copy_params_fn(generation_device(mesh), config.model.dtype)
   else:
-    copy = copy_params_fn(generation_device(mesh) if g.backend == 'jax' else None)
+    copy = copy_params_fn()
   return lambda params, version: engine.update_params(copy(params), version)
 
 
@@ -288,9 +295,9 @@ def _inline_engine(config: config_lib.Config, model_config, model_dir: str, *, m
   if g.backend == 'jax':
     device = generation_device(mesh)
     return jax_engine.JaxEngine(
-        model_config, copy_params_fn(device)(params),
+        model_config, copy_params_fn(device, model_config.dtype)(params),
         jax_engine.EngineConfig(num_slots=g.num_slots, max_seq_len=g.max_seq_len,
-                                eos_token_ids=(eos_token_id,), recompute_kv=g.recompute_kv),
+                                eos_token_ids=(eos_token_id,), **jax_engine.engine_options(g)),
         version=version, device=device)
   from pipelinerl_jax.generation.vllm import engine as vllm_engine  # imports vLLM
   return vllm_engine.VllmEngine(model_dir, vllm_engine_config(config, model_config,
@@ -328,7 +335,8 @@ def _ray_engine(config: config_lib.Config, model_config, model_dir: str, *, mesh
                              lm_head_fp32=model_config.lm_head_fp32),
         num_slots=g.slots_per_generator, max_seq_len=g.max_seq_len,
         eos_token_ids=(eos_token_id,),
-        recompute_kv=g.recompute_kv, kv_cache_mb=g.vllm.kv_cache_mb,
+        recompute_kv=g.recompute_kv, jax_options=jax_engine.engine_options(g),
+        kv_cache_mb=g.vllm.kv_cache_mb,
         gpu_memory_utilization=g.vllm.gpu_memory_utilization, cuda_graphs=g.vllm.cuda_graphs,
         lm_head_fp32=config.model.lm_head_fp32, transport=remote.weight_transport,
         transport_timeout_s=remote.transport_timeout_s,

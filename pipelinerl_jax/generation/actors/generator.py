@@ -52,6 +52,7 @@ class GeneratorSpec:
   max_seq_len: int
   eos_token_ids: tuple[int, ...]  # stop every request
   recompute_kv: bool = False       # JAX engine
+  jax_options: dict = dataclasses.field(default_factory=dict)  # JAX engine: EngineConfig fields
   kv_cache_mb: int = 256           # vLLM on CPU (or on CUDA with gpu_memory_utilization 0)
   gpu_memory_utilization: float = 0.9  # vLLM on CUDA: generation/budget.py
   cuda_graphs: bool = True         # vLLM on CUDA
@@ -271,10 +272,11 @@ class Generator:
       if hf_views is not None:
         from pipelinerl_jax.generation.transport import hf_tensors
         tree = hf_tensors.params_from_hf(hf_views, model)
+      options = dict(spec.jax_options, recompute_kv=spec.recompute_kv)
       return jax_engine.JaxEngine(
           model, tree, jax_engine.EngineConfig(
               num_slots=spec.num_slots, max_seq_len=spec.max_seq_len,
-              eos_token_ids=spec.eos_token_ids, recompute_kv=spec.recompute_kv),
+              eos_token_ids=spec.eos_token_ids, **options),
           version=version, device=jax.local_devices()[0])
     from pipelinerl_jax.generation import budget
     from pipelinerl_jax.generation.transport import hf_tensors
