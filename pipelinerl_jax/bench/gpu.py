@@ -1444,8 +1444,12 @@ class _KeepWarnings(logging.Handler):
 
 def backend_problem(platform: str) -> str | None:
   """None when JAX's backend is `platform` ('gpu' | 'cpu'), else one line with JAX's reason."""
-  import jax
-  backend = jax.default_backend()
+  try:
+    import jax
+    backend = jax.default_backend()
+  except Exception as e:  # no JAX at all, or one whose every backend failed
+    return f'--platform={platform}: JAX cannot start: {_one_line(e)}'
+
   if backend == platform:
     return None
   why = f': {platforms.describe_no_gpu()}' if platform == 'gpu' else ''
