@@ -263,6 +263,7 @@ def test_the_remat_policy_and_cudnn_statistics_change_the_saved_activations():
   saved = {}
   for name in ('none', 'full', 'attention', 'dots'):
     c = config_lib.load_preset('qwen1p5b_8xh100')
+    c.model.attention = 'blockwise'
     c.model.remat, c.model.remat_policy = name != 'none', 'full' if name == 'none' else name
     saved[name] = preset_plan('qwen1p5b_8xh100', config=c).trainer['saved']
   assert saved['full'] < saved['attention'] < saved['dots'] < saved['none'], saved
