@@ -400,6 +400,21 @@ def test_attention_bench_quick_compares_memory_of_both_implementations(tmp_path)
   assert proc.stdout.splitlines()[0].split()[:3] == ['attention', 'T', 'segments']
 
 
+def test_attention_check_takes_its_arrays_as_arguments():
+  """Closed over, the check's arrays were constants of its programs, and XLA folded the dense
+  reference's matmuls on the host: ~50 s of the H100 run's train section, 12 min on this CPU
+  at the 1.5B shapes (7 s as arguments). The check itself runs in the kit's --quick test."""
+  import re
+  from pipelinerl_jax.bench import attention as attention_bench
+  inputs = attention_bench.check_inputs(64, kv_heads=1, group=2, head_dim=8)
+  for impl, dtype in (('dense', jnp.float32), ('blockwise', jnp.bfloat16)):
+    text = attention_bench.check_program(impl, dtype, 16).lower(*inputs).as_text()
+    sizes = [math.prod(int(d) for d in shape.split('x')[:-1])
+             for line in text.splitlines() if 'constant' in line
+             for shape in re.findall(r'tensor<([^>]*)>', line)]
+    assert max(sizes, default=0) < 64, impl  # scalars and small tables only
+
+
 def test_ray_sync_bench_writes_json_and_prints_tables(tmp_path):
   """Weight sync to 1 and 2 generator actors and the per-step overhead, on the quick model."""
   out = tmp_path / 'ray_sync.json'
