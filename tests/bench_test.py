@@ -415,6 +415,39 @@ def test_attention_check_takes_its_arrays_as_arguments():
     assert max(sizes, default=0) < 64, impl  # scalars and small tables only
 
 
+def test_profile_split_says_when_command_buffers_hide_the_ops():
+  """On the H100 every kernel of the step ran inside an XLA command buffer: the trace named the
+  buffer, not the op, and 80 % of the time fell in 'other'. Such time is opaque unless the
+  kernel's own name places it (cuDNN's attention, cuBLAS's nvjet gemms); past half, the split
+  says it is unreliable."""
+  from pipelinerl_jax.bench import step_profile
+  hlo = '\n'.join([
+      'ENTRY %main.1 (p: f32[8]) -> f32[8] {',
+      '  %p = f32[8]{0} parameter(0)',
+      '  %fusion.3 = f32[8]{0} fusion(%p), kind=kLoop, calls=%fused.3, '
+      'metadata={op_name="jit(step)/attention_core/add"}',
+      '  %command_buffer_202 = f32[8]{0} call(%fusion.3), to_apply=%command_buffer.202',
+      '  ROOT %call.1 = f32[8]{0} call(%p), to_apply=%command_buffer.7',
+      '}'])
+  assert step_profile.command_buffers(hlo) == 2
+  ops = step_profile.hlo_instructions(hlo)
+  event = lambda op, kernel, us: dict(name=kernel, dur=us, args=dict(hlo_op=op))
+  wrapped = [event('command_buffer_202', 'loop_add_fusion', 700.0),
+             event('command_buffer_202', 'nvjet_tst_128x256_64x4_h_bz_NNT', 200.0),
+             event('command_buffer_202', 'cudnn_generated_fort_native_sdpa_sm90', 100.0)]
+  p = step_profile.breakdown(wrapped, ops)
+  assert p['seconds']['matmul'] == pytest.approx(2e-4)
+  assert p['seconds']['attention'] == pytest.approx(1e-4)
+  assert p['opaque_share'] == pytest.approx(0.7) and not p['reliable']
+  assert 'command_buffer_202' in p['unreliable']
+  assert p['top_kernels'][0] == dict(kernel='loop_add_fusion', category='other',
+                                     seconds=pytest.approx(7e-4))
+  placed = step_profile.breakdown([event('fusion.3', 'loop_add_fusion', 700.0)] + wrapped[1:],
+                                  ops)
+  assert placed['reliable'] and placed['unreliable'] is None and placed['opaque_share'] == 0
+  assert placed['seconds']['attention'] == pytest.approx(8e-4)
+
+
 def test_ray_sync_bench_writes_json_and_prints_tables(tmp_path):
   """Weight sync to 1 and 2 generator actors and the per-step overhead, on the quick model."""
   out = tmp_path / 'ray_sync.json'
