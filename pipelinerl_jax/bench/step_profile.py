@@ -4,9 +4,10 @@ lm_head, optimizer and other; and the matmul FLOPs a jaxpr executes.
 `profile_breakdown(fn, args, hlo_text, trace_dir)` runs `fn(*args)` once under
 `jax.profiler.trace` and reads the `*.trace.json.gz` it writes (Chrome trace JSON; JAX 0.10 and
 0.11 both write it beside the `.xplane.pb`, so no extra package is needed). Each device kernel
-(on a CPU backend: each XLA op the host runs) carries the name of the HLO instruction that
-launched it (`args.hlo_op`); the compiled program's text maps that instruction, and the
-computations it calls, to the JAX name stacks of what it fused. The model marks its parts with
+(on a CPU backend: each XLA op the host runs, less those that only span others, as a while loop
+does its body) carries the name of the HLO instruction that launched it (`args.hlo_op`); the
+compiled program's text maps that instruction, and the computations it calls, to the JAX name
+stacks of what it fused. The model marks its parts with
 `jax.named_scope`: 'attention_core' (models/transformer.py), 'lm_head' (`transformer.logits`),
 'optimizer' (train.py); a kernel whose ops carry none of these is a matmul when it multiplies
 (a dot, a cuBLAS / Triton gemm), else 'other' (norms, RoPE, activations, copies, reductions).
@@ -51,7 +52,9 @@ OPAQUE_LIMIT = 0.5     # past this share of kernel time in opaque ops, the split
 # Compiler options of a program to be profiled: no command buffers (the empty set of commands).
 NO_COMMAND_BUFFERS = {'xla_gpu_enable_command_buffer': ''}
 _COMPUTATION = re.compile(r'^(?:ENTRY\s+)?%?([\w.\-]+)\s*\(.*\{\s*$')
-_INSTRUCTION = re.compile(r'^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*\S+\s+([\w\-]+)\(')
+# name = type opcode(...): a tuple type holds spaces (and `/*index=5*/` comments): a while loop,
+# a fusion of several outputs, cuBLAS's and cuDNN's custom calls (result and workspace).
+_INSTRUCTION = re.compile(r'^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(?:\(.*?\)|\S+)\s+([\w\-]+)\(')
 _CALLS = re.compile(r'(?:calls|to_apply|body|condition|branch_computations)=\{?([^}\s,]+'
                     r'(?:,\s*%?[\w.\-]+)*)\}?')
 _OP_NAME = re.compile(r'op_name="([^"]*)"')
@@ -138,7 +141,22 @@ def trace_events(trace_dir: str) -> list[dict[str, Any]]:
              if e.get('ph') == 'M' and e.get('name') == 'process_name'}
   complete = [e for e in events if e.get('ph') == 'X']
   on_device = [e for e in complete if process.get(e['pid'], '').startswith('/device:')]
-  return on_device or [e for e in complete if 'hlo_op' in e.get('args', {})]
+  return on_device or _leaves([e for e in complete if 'hlo_op' in e.get('args', {})])
+
+
+def _leaves(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
+  """The events no other event of their thread starts inside: on a CPU backend a while loop's
+  op spans the ops of its body, which would count its time twice."""
+  by_thread = collections.defaultdict(list)
+  for e in events:
+    by_thread[e.get('pid'), e.get('tid')].append(e)
+  leaves = []
+  for thread in by_thread.values():
+    thread.sort(key=lambda e: (e.get('ts', 0.0), -e.get('dur', 0.0)))
+    for e, after in zip(thread, thread[1:] + [None]):
+      if after is None or after.get('ts', 0.0) >= e.get('ts', 0.0) + e.get('dur', 0.0):
+        leaves.append(e)
+  return leaves
 
 
 def command_buffers(hlo_text: str) -> int:
