@@ -160,7 +160,9 @@ def _leaves(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def command_buffers(hlo_text: str) -> int:
-  """Instructions of a compiled program that launch an XLA command buffer (a CUDA graph)."""
+  """Instructions of a compiled program's text that launch an XLA command buffer (a CUDA graph).
+  An XLA that forms its command buffers past the HLO (from the thunks) shows none here: the
+  trace's opaque share is what tells."""
   count = 0
   for line in hlo_text.splitlines():
     if _INSTRUCTION.match(line) and _WRAPPER_OP.search(line.split('metadata=')[0]):
