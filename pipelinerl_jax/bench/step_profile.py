@@ -17,8 +17,8 @@ gemm (cuBLAS's `nvjet_*` on Hopper among them) as a matmul when its op says noth
 XLA's GPU command buffers (CUDA graphs) launch a run of kernels as one op: a trace names that op
 (`command_buffer_N`) for every kernel in it, so those kernels have no op of their own to place,
 and only their names are left. Time in such wrapper ops, or in ops the program text does not
-know, that the kernel's name does not place either is 'opaque': when most of the kernel time is
-(OPAQUE_LIMIT), the breakdown says `reliable: False` and why, and its shares are not to be read.
+know, that the kernel's name does not place either is 'opaque': past OPAQUE_LIMIT (half) of the
+kernel time, the breakdown says `reliable: False` and why, and its shares are not to be read.
 Profile a program compiled with command buffers off (bench.train_step does, with
 NO_COMMAND_BUFFERS, as JAX's own profile-guided compilation does); `command_buffers(hlo_text)`
 counts them in a compiled program.
