@@ -400,6 +400,78 @@ def test_attention_bench_quick_compares_memory_of_both_implementations(tmp_path)
   assert proc.stdout.splitlines()[0].split()[:3] == ['attention', 'T', 'segments']
 
 
+def test_attention_check_takes_its_arrays_as_arguments():
+  """Closed over, the check's arrays were constants of its programs, and XLA folded the dense
+  reference's matmuls on the host: ~50 s of the H100 run's train section, 12 min on this CPU
+  at the 1.5B shapes (7 s as arguments). The check itself runs in the kit's --quick test."""
+  import re
+  from pipelinerl_jax.bench import attention as attention_bench
+  inputs = attention_bench.check_inputs(64, kv_heads=1, group=2, head_dim=8)
+  for impl, dtype in (('dense', jnp.float32), ('blockwise', jnp.bfloat16)):
+    text = attention_bench.check_program(impl, dtype, 16).lower(*inputs).as_text()
+    sizes = [math.prod(int(d) for d in shape.split('x')[:-1])
+             for line in text.splitlines() if 'constant' in line
+             for shape in re.findall(r'tensor<([^>]*)>', line)]
+    assert max(sizes, default=0) < 64, impl  # scalars and small tables only
+
+
+def test_profile_split_says_when_command_buffers_hide_the_ops():
+  """On the H100 every kernel of the step ran inside an XLA command buffer: the trace named the
+  buffer, not the op, and 80 % of the time fell in 'other'. Such time is opaque unless the
+  kernel's own name places it (cuDNN's attention, cuBLAS's nvjet gemms); past half, the split
+  says it is unreliable."""
+  from pipelinerl_jax.bench import step_profile
+  hlo = '\n'.join([
+      'ENTRY %main.1 (p: f32[8]) -> f32[8] {',
+      '  %p = f32[8]{0} parameter(0)',
+      '  %fusion.3 = f32[8]{0} fusion(%p), kind=kLoop, calls=%fused.3, '
+      'metadata={op_name="jit(step)/attention_core/add"}',
+      '  %command_buffer_202 = f32[8]{0} call(%fusion.3), to_apply=%command_buffer.202',
+      '  %custom-call.7 = (bf16[8,8]{1,0}, s8[4194304]{0}) custom-call(%p, %p), '
+      'custom_call_target="__cublas$gemm", metadata={op_name="jit(step)/lm_head/dot_general"}',
+      '  ROOT %call.1 = f32[8]{0} call(%p), to_apply=%command_buffer.7',
+      '}'])
+  assert step_profile.command_buffers(hlo) == 2
+  ops = step_profile.hlo_instructions(hlo)
+  # A tuple-typed instruction (cuBLAS's result and workspace) is known by its name.
+  assert ops['custom-call.7']['matmul'] and 'lm_head' in ops['custom-call.7']['scopes']
+  event = lambda op, kernel, us: dict(name=kernel, dur=us, args=dict(hlo_op=op))
+  wrapped = [event('command_buffer_202', 'loop_add_fusion', 700.0),
+             event('command_buffer_202', 'nvjet_tst_128x256_64x4_h_bz_NNT', 200.0),
+             event('command_buffer_202', 'cudnn_generated_fort_native_sdpa_sm90', 100.0)]
+  p = step_profile.breakdown(wrapped, ops)
+  assert p['seconds']['matmul'] == pytest.approx(2e-4)
+  assert p['seconds']['attention'] == pytest.approx(1e-4)
+  assert p['opaque_share'] == pytest.approx(0.7) and not p['reliable']
+  assert 'command_buffer_202' in p['unreliable']
+  assert p['top_kernels'][0] == dict(kernel='loop_add_fusion', category='other',
+                                     seconds=pytest.approx(7e-4))
+  placed = step_profile.breakdown([event('fusion.3', 'loop_add_fusion', 700.0)] + wrapped[1:],
+                                  ops)
+  assert placed['reliable'] and placed['unreliable'] is None and placed['opaque_share'] == 0
+  assert placed['seconds']['attention'] == pytest.approx(8e-4)
+  gemm = step_profile.breakdown([event('custom-call.7', 'nvjet_tst_64x8_NNT', 50.0)], ops)
+  assert gemm['seconds']['lm_head'] == pytest.approx(5e-5) and gemm['reliable']
+
+
+def test_host_trace_counts_a_loop_s_body_not_the_loop(tmp_path):
+  """On a CPU backend a while loop's op spans the ops of its body: only the leaves count."""
+  import gzip
+  from pipelinerl_jax.bench import step_profile
+  op = lambda name, ts, dur, tid=1: dict(ph='X', pid=7, tid=tid, ts=ts, dur=dur, name=name,
+                                         args=dict(hlo_op=name))
+  trace = dict(traceEvents=[
+      dict(ph='M', pid=7, name='process_name', args=dict(name='/host:CPU')),
+      op('while.3', 0.0, 100.0), op('fusion.1', 10.0, 30.0), op('fusion.2', 50.0, 40.0),
+      op('fusion.3', 100.0, 5.0), op('fusion.4', 20.0, 10.0, tid=2)])
+  where = tmp_path / 'plugins' / 'profile' / 'run'
+  where.mkdir(parents=True)
+  with gzip.open(where / 'host.trace.json.gz', 'wt') as f:
+    json.dump(trace, f)
+  names = sorted(e['name'] for e in step_profile.trace_events(str(tmp_path)))
+  assert names == ['fusion.1', 'fusion.2', 'fusion.3', 'fusion.4']
+
+
 def test_ray_sync_bench_writes_json_and_prints_tables(tmp_path):
   """Weight sync to 1 and 2 generator actors and the per-step overhead, on the quick model."""
   out = tmp_path / 'ray_sync.json'

@@ -125,19 +125,21 @@ def test_quick_env_reports_versions_and_ceilings(quick):
   assert positive(env['device_copy']['gb_per_s'])
 
 
-def test_quick_train_section_checks_attention_then_runs_the_grid(quick):
+def test_quick_train_section_checks_attention_then_runs_the_grid_then_attention_alone(quick):
   report, stdout = quick
   train = items(report, 'train')
   assert list(train) == [
       'tiny attention check blockwise', 'tiny attention check cudnn',
-      *(f'tiny attention {impl}' for impl in gpu.ATTENTION_IMPLS),
-      *(v.name for v in gpu.QUICK_TRAIN_GRID)]
+      *(v.name for v in gpu.QUICK_TRAIN_GRID),
+      *(f'tiny attention {impl}' for impl in gpu.ATTENTION_IMPLS)]
+  ends = [i['at_s'] for i in train.values()]  # every item stamped once, however it ended
+  assert ends == sorted(ends) and all(i['took_s'] >= 0 for i in train.values())
+  assert ends[-1] == pytest.approx(sum(i['took_s'] for i in train.values()), abs=0.06 * len(ends))
   check = train['tiny attention check blockwise']
   assert check['ok'] and set(check['errors']) == {'out', 'dq', 'dk', 'dv'}
-  for impl in ('blockwise', 'dense'):
-    a = train[f'tiny attention {impl}']
-    assert positive(a['seconds']) and positive(a['pair_flops'])
-    assert a['executed_flops'] >= a['pair_flops'] and a['step_attention_s'] > a['seconds']
+  a = train['tiny attention blockwise']
+  assert positive(a['seconds']) and positive(a['pair_flops'])
+  assert a['executed_flops'] >= a['pair_flops'] and a['step_attention_s'] > a['seconds']
   matmul = items(report, 'env')['bf16_matmul']['tflops']
   config = train_bench.MODEL_PRESETS['tiny']
   for v in gpu.QUICK_TRAIN_GRID:
@@ -160,11 +162,15 @@ def test_quick_train_section_checks_attention_then_runs_the_grid(quick):
     # Executed: the backward's matmuls (twice the forward's) and, for blockwise, its tiles.
     assert r['executed_flops'] > r['flops_per_step'] * 0.9
     assert (r['attention_kernel_flops'] > 0) == (v.attention == 'blockwise')
-    if v.profile:
+    if v.profile:  # compiled again, command buffers off (none on a CPU anyway), and placed
       p = r['profile']
+      assert p['compiler_options'] == {'xla_gpu_enable_command_buffer': ''}
+      assert p['command_buffers'] == r['command_buffers'] == 0
+      assert positive(p['step_s']) and positive(p['compile_s'])
       assert set(p['seconds']) == {'attention', 'matmul', 'lm_head', 'optimizer', 'other'}
       assert p['kernels'] > 0 and positive(p['kernel_s'])
       assert all(p['seconds'][c] > 0 for c in ('attention', 'matmul', 'lm_head', 'optimizer'))
+      assert p['reliable'] and p['unreliable'] is None and p['opaque_share'] < 0.5
   assert 'kernels: attention' in stdout
 
 
@@ -381,6 +387,12 @@ def test_section_env_sets_device_count_and_keeps_user_settings():
   assert env['XLA_PYTHON_CLIENT_PREALLOCATE'] == 'true'  # the user's choice wins
   assert gpu.child_env('env', {})['XLA_PYTHON_CLIENT_PREALLOCATE'] == 'false'
   assert str(ROOT) in gpu.child_env('env', {})['PYTHONPATH'].split(os.pathsep)
+
+
+def test_the_train_section_asks_for_a_larger_memory_fraction_alone():
+  fraction = lambda section: float(gpu.child_env(section, {})[gpu.MEM_FRACTION_VAR])
+  assert fraction('train') == 0.95 and fraction('env') == fraction('engine') == 0.90
+  assert gpu.child_env('train', {gpu.MEM_FRACTION_VAR: '0.5'})[gpu.MEM_FRACTION_VAR] == '0.5'
 
 
 def test_one_memory_fraction_variable_is_set_never_both():

@@ -215,29 +215,43 @@ def _qkv(shape, seed, dtype):
           jax.random.normal(keys[2], (b, t, kh, dh), jnp.float32).astype(dtype))
 
 
+def check_inputs(t: int, kv_heads: int, group: int, head_dim: int) -> tuple[jax.Array, ...]:
+  """The check's arrays: q, k, v (fp32), the weights w of its loss (zero off real tokens), and
+  the rows' segment ids, starts and lengths (check_rows)."""
+  seg = check_rows(t)
+  starts, lengths = packing.segment_spans(seg, 16)
+  q, k, v = _qkv((len(seg), t, kv_heads, group, head_dim), 0, jnp.float32)
+  w = jax.random.normal(jax.random.PRNGKey(1), q.shape) * (seg != 0)[:, :, None, None, None]
+  return (q, k, v, w, *(jnp.asarray(x) for x in (seg, starts, lengths)))
+
+
+def check_program(impl: str, dtype, block: int):
+  """Jitted: check_inputs -> [output, dq, dk, dv] of `impl` in `dtype`, as fp32. The arrays are
+  arguments: a program closing over them makes them constants, which XLA folds on the host
+  (the dense reference's matmuls, one by one: ~50 s on the H100 host)."""
+  fn = _attention_fn(impl, block)
+
+  @jax.jit
+  def run(q, k, v, w, seg, starts, lengths):
+    args = [x.astype(dtype) for x in (q, k, v)]
+    loss = lambda q, k, v: jnp.sum(w * fn(q, k, v, seg, starts, lengths).astype(jnp.float32))
+    out = fn(*args, seg, starts, lengths)
+    return [x.astype(jnp.float32) for x in (out, *jax.grad(loss, argnums=(0, 1, 2))(*args))]
+
+  return run
+
+
 def check_against_dense(impl: str, *, t: int = 512, kv_heads: int = 2, group: int = 2,
                         head_dim: int = 64, block: int = 128, dtype=jnp.bfloat16) -> dict:
   """Max errors on real tokens of `impl` and of dense, both in `dtype`, against dense in fp32:
   outputs and the gradients of q, k and v (of a weighted sum over real tokens). `ok` when
   impl's errors are within twice dense's plus 1e-2 (the rounding of `dtype` itself)."""
-  seg = check_rows(t)
-  starts, lengths = packing.segment_spans(seg, 16)
-  seg, starts, lengths = (jnp.asarray(x) for x in (seg, starts, lengths))
-  real = np.asarray(seg != 0)
-  q, k, v = _qkv((4, t, kv_heads, group, head_dim), 0, jnp.float32)
-  w = jax.random.normal(jax.random.PRNGKey(1), q.shape) * real[:, :, None, None, None]
-
-  def outputs(fn, dt):
-    args = [x.astype(dt) for x in (q, k, v)]
-    loss = lambda q, k, v: jnp.sum(w * fn(q, k, v, seg, starts, lengths).astype(jnp.float32))
-    out = fn(*args, seg, starts, lengths)
-    return [x.astype(jnp.float32) for x in (out, *jax.grad(loss, argnums=(0, 1, 2))(*args))]
-
-  run = lambda name, dt: [np.asarray(x) for x in
-                          jax.jit(lambda: outputs(_attention_fn(name, block), dt))()]
+  inputs = check_inputs(t, kv_heads, group, head_dim)
+  real = np.asarray(inputs[4] != 0)
+  run = lambda name, dt: [np.asarray(x) for x in check_program(name, dt, block)(*inputs)]
   exact = run('dense', jnp.float32)
   errors = {}
-  for name in (impl, 'dense'):
+  for name in dict.fromkeys((impl, 'dense')):
     errors[name] = [float(np.abs(a - b)[real].max()) for a, b in zip(run(name, dtype), exact)]
   names = ('out', 'dq', 'dk', 'dv')
   return dict(impl=impl, t=t, head_dim=head_dim, kv_heads=kv_heads, group=group,

@@ -14,15 +14,17 @@ Sections, in this order:
   env      devices and versions (JAX, jaxlib, CUDA, torch), the bf16 peak used for MFU (from the
            device kind, or --peak_tflops), and two measured ceilings: a bf16 matmul and a device
            copy.
-  train    attention alone, then the jitted train step at Qwen2.5-0.5B and 1.5B shapes (random
-           weights, bf16 compute, fp32 master weights, packed rows). Attention: cuDNN's kernel
-           against dense numerically (rows of one, two, many samples and padding), then each
-           implementation's forward + backward over the step's rows, with the causal pairs'
-           FLOP floor. The step: the variants of TRAIN_GRID (attention x remat policy x lm_head
-           precision x rows per micro-batch), most telling first: tokens/s, model FLOP/s and
-           MFU (bench.train_step's count: 6 N per token plus attention over each sample's own
-           context), the FLOPs the program executes, XLA's peak memory, and for some a profile
-           of one step's kernel time by part (attention, matmul, lm_head, optimizer, other).
+  train    the jitted train step at Qwen2.5-0.5B and 1.5B shapes (random weights, bf16 compute,
+           fp32 master weights, packed rows). First cuDNN's attention against dense numerically
+           (rows of one, two, many samples and padding); then the variants of TRAIN_GRID
+           (attention x remat policy x lm_head precision x rows per micro-batch), most telling
+           first: tokens/s, model FLOP/s and MFU (bench.train_step's count: 6 N per token plus
+           attention over each sample's own context), the FLOPs the program executes, XLA's
+           peak memory, and for some a profile of one step's kernel time by part (attention,
+           matmul, lm_head, optimizer, other; compiled again with command buffers off, with
+           its own step time); last, cuDNN's and blockwise's attention alone (forward +
+           backward over the step's rows, with the causal pairs' FLOP floor). Every item says
+           when it ended (`at_s`) and how long it took (`took_s`).
   engine   the paged decode attention reads (XLA, Pallas, cuDNN) checked against each other and
            timed at H = 256; then the JAX engine with the fastest correct one at H = 256
            (256-token prompts, 1024 new tokens each, no early stop): tokens/s, the bytes a step
@@ -91,6 +93,13 @@ KILL_GRACE_S = 10.0          # past its share a section is killed after at most 
 # several to put more than one shard in play on CPU.
 CPU_DEVICES = dict(env=1, train=1, engine=1, publish=4, e2e=1, vllm=1)
 MEMORY_HEADROOM = 0.85       # a size is run only if its estimate fits in this share of memory
+# XLA's own compiled peak of a train variant is a figure, not an estimate: it runs up to this
+# share of the allocator's limit (the rest: fragmentation, cuDNN and cuBLAS workspaces).
+COMPILED_PEAK_HEADROOM = 0.97
+MEM_FRACTION = '0.90'        # of the device, for a section's process: each is alone on it
+# Sections that ask for more: the train section's largest variants (1.5B without remat: XLA's
+# compiled peak 69 GiB on an 80 GB H100).
+SECTION_MEM_FRACTION = dict(train='0.95')
 OUTPUT_TAIL_LINES = 40       # of each section's output, kept in its JSON
 
 # Packages the lent GPU image does not have (see the README's "GPU proof kit"): the kit must not
@@ -126,20 +135,17 @@ class TrainVariant(NamedTuple):
             f'micro={self.micro}')
 
 
-# Most telling first, so that a section cut short keeps them (predictions:
-# docs/attention-2026-11-26.md). The H100 run of 2026-11-26 measured blockwise/full/fp32/micro=8.
+# What the H100 runs of 2026-11-26 left unknown, most telling first, so that a section cut short
+# keeps them (each one's prediction, and what was measured: docs/attention-2026-11-26.md).
 TRAIN_GRID = (
+    TrainVariant('qwen2.5-1.5b', 'cudnn', 'none', 'dtype', 8),
+    TrainVariant('qwen2.5-0.5b', 'cudnn', 'none', 'dtype', 8),
+    TrainVariant('qwen2.5-0.5b', 'cudnn', 'dots', 'dtype', 8),
+    TrainVariant('qwen2.5-1.5b', 'cudnn', 'dots', 'dtype', 4),
+    TrainVariant('qwen2.5-1.5b', 'cudnn', 'full', 'dtype', 2),
+    TrainVariant('qwen2.5-0.5b', 'cudnn', 'dots', 'dtype', 4),
     TrainVariant('qwen2.5-1.5b', 'cudnn', 'full', 'dtype', 8, profile=True),
     TrainVariant('qwen2.5-0.5b', 'cudnn', 'full', 'dtype', 8, profile=True),
-    TrainVariant('qwen2.5-1.5b', 'cudnn', 'none', 'dtype', 8),
-    TrainVariant('qwen2.5-1.5b', 'cudnn', 'dots', 'dtype', 8),
-    TrainVariant('qwen2.5-1.5b', 'blockwise', 'full', 'fp32', 8),  # its loops: ~1e5 kernels
-    TrainVariant('qwen2.5-1.5b', 'cudnn', 'full', 'fp32', 8),
-    TrainVariant('qwen2.5-1.5b', 'cudnn', 'attention', 'dtype', 8),
-    TrainVariant('qwen2.5-0.5b', 'cudnn', 'none', 'dtype', 8),
-    TrainVariant('qwen2.5-1.5b', 'cudnn', 'attention', 'dtype', 4),
-    TrainVariant('qwen2.5-0.5b', 'cudnn', 'dots', 'dtype', 4),
-    TrainVariant('qwen2.5-0.5b', 'blockwise', 'full', 'fp32', 8),
 )
 QUICK_TRAIN_GRID = (  # every code path once (cuDNN's is skipped off a GPU)
     TrainVariant('tiny', 'blockwise', 'attention', 'dtype', 2, profile=True),
@@ -173,7 +179,7 @@ FULL = Sizes(train_grid=TRAIN_GRID, train_rows=8, train_seq_len=8192, train_step
              publish_models=('qwen2.5-0.5b', 'qwen2.5-1.5b'), repeats=10, matmul_n=8192,
              copy_mib=1024, e2e_rl_s=45.0, e2e_steps=100_000, budget_s=510.0)
 # About 3 minutes of a lease: a fix checked on the sizes that matter most.
-SHORT = dataclasses.replace(FULL, train_grid=(TRAIN_GRID[0], TRAIN_GRID[3]), engine_slots=(256,),
+SHORT = dataclasses.replace(FULL, train_grid=(TRAIN_GRID[0], TRAIN_GRID[6]), engine_slots=(256,),
                             publish_models=('qwen2.5-0.5b',), budget_s=180.0,
                             sections=('env', 'train', 'engine', 'publish'))
 QUICK = Sizes(train_grid=QUICK_TRAIN_GRID, train_rows=4, train_seq_len=64,
@@ -297,7 +303,7 @@ def child_env(section: str, base: dict[str, str]) -> dict[str, str]:
   # Torch and JAX share the GPU in the publish section; each section is alone on the device.
   env.setdefault('XLA_PYTHON_CLIENT_PREALLOCATE', 'false')
   if MEM_FRACTION_VAR not in env and DEPRECATED_MEM_FRACTION_VAR not in env:
-    env[MEM_FRACTION_VAR] = '0.90'  # each section is alone on the device
+    env[MEM_FRACTION_VAR] = SECTION_MEM_FRACTION.get(section, MEM_FRACTION)
   env.setdefault('TOKENIZERS_PARALLELISM', 'false')
   env['PYTHONUNBUFFERED'] = '1'
   flags = re.sub(r'--xla_force_host_platform_device_count=\S+', '', env.get('XLA_FLAGS', ''))
@@ -454,8 +460,11 @@ def run_env(s: Section) -> None:
         seconds_runs=times)
 
 
-ATTENTION_IMPLS = ('cudnn', 'blockwise', 'dense')  # the attention-alone items, per model shape
+# The attention-alone items, per model shape, after the grid. Dense is left out: the H100 runs
+# of 2026-11-26 measured it (183 / 315 ms a layer at 1.5B / 0.5B, fp32 [T, T] scores).
+ATTENTION_IMPLS = ('cudnn', 'blockwise')
 MIN_VARIANT_S = 20.0       # a train variant is not started with less time left than this
+MIN_ATTENTION_S = 5.0      # nor an attention-alone item (or 1.5x the last one's time)
 
 
 def _skip_or_fail(s: Section, item: str, error: BaseException) -> None:
@@ -467,104 +476,143 @@ def _skip_or_fail(s: Section, item: str, error: BaseException) -> None:
     s.fail(item, error)
 
 
+class _Clock:
+  """Stamps each item of a section, however it ended, with when it ended (`at_s`, from the
+  clock's start) and how long it took (`took_s`): where a section's time went."""
+
+  def __init__(self, s: Section):
+    self.s, self.start = s, time.perf_counter()
+    self.last = self.start
+
+  def stamp(self) -> float:
+    now = time.perf_counter()
+    took, self.last = now - self.last, now
+    if self.s.record['items']:
+      self.s.record['items'][-1].update(at_s=round(now - self.start, 1), took_s=round(took, 1))
+      self.s.save()
+    return took
+
+
 def run_train(s: Section) -> None:
-  """Attention alone (cuDNN against dense numerically, then each implementation's forward +
-  backward at the kit's shapes), then the train step over TRAIN_GRID."""
+  """cuDNN's attention against dense numerically, then the train step over TRAIN_GRID, then
+  attention alone (cuDNN, blockwise) at the kit's shapes."""
   import jax
-  import numpy as np
   from pipelinerl_jax import sharding as sharding_lib
-  from pipelinerl_jax.bench import attention as attention_bench
-  from pipelinerl_jax.bench import train_step as train_bench
 
   z = s.sizes
+  clock = _Clock(s)
   device = jax.devices()[0]
   mesh = sharding_lib.make_mesh(1, 1, 1, devices=[device])
   peak = bf16_peak(device.device_kind, s.args.peak_tflops)
-  limit = memory_limit_bytes(device)
-  grid = z.train_grid
-  models = list(dict.fromkeys(v.model for v in grid))
+  models = list(dict.fromkeys(v.model for v in z.train_grid))
+  _train_attention_checks(s, clock, models)
+  for v in z.train_grid:
+    _train_variant(s, v, mesh, peak, memory_limit_bytes(device))
+    clock.stamp()
+    gc.collect()
+  _train_attention_alone(s, clock, models, peak)
 
-  for name in models:  # numerics first: a wrong kernel's speed is worth nothing
+
+def _train_attention_checks(s: Section, clock: _Clock, models: list[str]) -> None:
+  """cuDNN's attention (and, in --quick, blockwise) against dense at each model's head shapes:
+  numerics first, as a wrong kernel's speed is worth nothing."""
+  from pipelinerl_jax.bench import attention as attention_bench
+  from pipelinerl_jax.bench import train_step as train_bench
+  for name in models:
     c = train_bench.MODEL_PRESETS[name]
     for impl in (('blockwise', 'cudnn') if s.args.quick else ('cudnn',)):
       item = f'{name} attention check {impl}'
       try:
         r = attention_bench.check_against_dense(
-            impl, t=min(512, z.train_seq_len), kv_heads=c.num_kv_heads,
+            impl, t=min(512, s.sizes.train_seq_len), kv_heads=c.num_kv_heads,
             group=c.num_heads // c.num_kv_heads, head_dim=c.head_dim, block=128)
       except Exception as e:
         _skip_or_fail(s, item, e)
+        clock.stamp()
         continue
       if r['ok']:
         s.add(item, **r)
       else:
         s.record['items'].append(dict(name=item, status='error', error='errors beyond 2x dense '
                                       f"bf16's + 1e-2: {r['errors']}", **r))
-        s.save()
+      clock.stamp()
 
-  for name in models:  # the batch the train step of this model gets (bench_model's seed 0)
+
+def _train_variant(s: Section, v: TrainVariant, mesh, peak: dict, limit: int) -> None:
+  """One variant of the grid, timed (bench.train_step), beside the memory plan's estimate."""
+  from pipelinerl_jax.bench import train_step as train_bench
+  z = s.sizes
+  if s.remaining() < MIN_VARIANT_S:
+    s.skip(v.name, 'time budget')
+    return
+  device = mesh.devices.ravel()[0]
+  args = train_bench.parse_args([
+      f'--model={v.model}', f'--rows={z.train_rows}', f'--seq_len={z.train_seq_len}',
+      f'--micro={v.micro}', f'--steps={z.train_steps}', '--warmup=1', '--dtype=bfloat16',
+      f'--attention={v.attention}', f'--lm_head={v.lm_head}',
+      f'--max_timed_s={max(1.0, min(10.0, s.remaining() / 8))}',
+      *(['--remat', f'--remat_policy={v.remat}'] if v.remat != 'none' else []),
+      *(['--profile'] if v.profile else [])])
+  config = train_bench.MODEL_PRESETS[v.model]
+  try:
+    r = train_bench.bench_model(v.model, args, mesh,
+                                memory_limit=int(COMPILED_PEAK_HEADROOM * limit))
+  except Exception as e:  # e.g. out of memory: the next variant may still fit
+    _skip_or_fail(s, v.name, e)
+    return
+  fields = {k: val for k, val in r.items() if k != 'model_config'}
+  if 'skipped' in r:
+    s.record['items'].append(dict(name=v.name, status='skipped', reason=r['skipped'],
+                                  memory_limit_bytes=limit, **fields))
+    s.save()
+    return
+  lm_head = 6.0 * config.vocab_size * config.hidden_size * r['tokens']
+  memory = _device_memory(device)
+  peak_bytes = memory.get('peak_bytes_in_use')  # none on CPU; the process's, over variants
+  plan = train_memory_plan(train_bench.model_config(v.model, args), z.train_rows,
+                           z.train_rows // v.micro, z.train_seq_len)
+  compiled = r.get('compiled_peak_bytes')
+  tflops = peak['tflops']
+  s.add(v.name, variant=v._asdict(), **fields,
+        mfu=r['flop_per_s'] / (tflops * 1e12) if tflops else None,
+        executed_mfu=r['executed_flop_per_s'] / (tflops * 1e12) if tflops else None,
+        bf16_peak_tflops=tflops, bf16_peak_source=peak['source'],
+        lm_head_flop_share=lm_head / r['flops_per_step'],
+        dense_attention_flops=dense_attention_flops(config, z.train_rows, z.train_seq_len),
+        memory=memory, memory_plan_bytes=sum(plan.values()), memory_plan_terms=plan,
+        plan_over_compiled_peak=sum(plan.values()) / compiled if compiled else None,
+        plan_over_device_peak=sum(plan.values()) / peak_bytes if peak_bytes else None)
+
+
+def _train_attention_alone(s: Section, clock: _Clock, models: list[str], peak: dict) -> None:
+  """Each ATTENTION_IMPLS's forward + backward over the rows of the batch the train step of
+  each model gets (bench_model's seed 0), against the causal pairs' FLOP floor."""
+  import numpy as np
+  from pipelinerl_jax.bench import attention as attention_bench
+  from pipelinerl_jax.bench import train_step as train_bench
+  z = s.sizes
+  last_s = 0.0
+  for name in models:
     c = train_bench.MODEL_PRESETS[name]
     batch, _ = train_bench.make_batch(np.random.default_rng(0), z.train_rows, z.train_seq_len,
                                       0.9, c.vocab_size)
     for impl in ATTENTION_IMPLS:
       item = f'{name} attention {impl}'
-      if s.remaining() < MIN_VARIANT_S:
+      if s.remaining() < max(MIN_ATTENTION_S, 1.5 * last_s):
         s.skip(item, 'time budget')
+        clock.stamp()
         continue
       try:
         r = attention_bench.time_step_attention(
             impl, batch, kv_heads=c.num_kv_heads, group=c.num_heads // c.num_kv_heads,
             head_dim=c.head_dim, block=c.attention_block_q)
+        floor = r['pair_flops'] / (peak['tflops'] * 1e12) if peak['tflops'] else None
+        s.add(item, model=name, layers=c.num_layers, step_attention_s=r['seconds'] * c.num_layers,
+              pair_floor_s=floor, **r)
       except Exception as e:
         _skip_or_fail(s, item, e)
-        gc.collect()
-        continue
-      floor = r['pair_flops'] / (peak['tflops'] * 1e12) if peak['tflops'] else None
-      s.add(item, model=name, layers=c.num_layers, step_attention_s=r['seconds'] * c.num_layers,
-            pair_floor_s=floor, **r)
+      last_s = clock.stamp()
       gc.collect()
-
-  for v in grid:
-    if s.remaining() < MIN_VARIANT_S:
-      s.skip(v.name, 'time budget')
-      continue
-    args = train_bench.parse_args([
-        f'--model={v.model}', f'--rows={z.train_rows}', f'--seq_len={z.train_seq_len}',
-        f'--micro={v.micro}', f'--steps={z.train_steps}', '--warmup=1', '--dtype=bfloat16',
-        f'--attention={v.attention}', f'--lm_head={v.lm_head}',
-        f'--max_timed_s={max(1.0, min(10.0, s.remaining() / 8))}',
-        *(['--remat', f'--remat_policy={v.remat}'] if v.remat != 'none' else []),
-        *(['--profile'] if v.profile else [])])
-    config = train_bench.MODEL_PRESETS[v.model]
-    try:
-      r = train_bench.bench_model(v.model, args, mesh, memory_limit=int(MEMORY_HEADROOM * limit))
-    except Exception as e:  # e.g. out of memory: the next variant may still fit
-      _skip_or_fail(s, v.name, e)
-      gc.collect()
-      continue
-    fields = {k: val for k, val in r.items() if k != 'model_config'}
-    if 'skipped' in r:
-      s.record['items'].append(dict(name=v.name, status='skipped', reason=r['skipped'], **fields))
-      s.save()
-      continue
-    lm_head = 6.0 * config.vocab_size * config.hidden_size * r['tokens']
-    memory = _device_memory(device)
-    peak_bytes = memory.get('peak_bytes_in_use')  # none on CPU; the process's, over variants
-    plan = train_memory_plan(train_bench.model_config(v.model, args), z.train_rows,
-                             z.train_rows // v.micro, z.train_seq_len)
-    compiled = r.get('compiled_peak_bytes')
-    s.add(v.name, variant=v._asdict(), **fields,
-          mfu=r['flop_per_s'] / (peak['tflops'] * 1e12) if peak['tflops'] else None,
-          executed_mfu=(r['executed_flop_per_s'] / (peak['tflops'] * 1e12)
-                        if peak['tflops'] else None),
-          bf16_peak_tflops=peak['tflops'], bf16_peak_source=peak['source'],
-          lm_head_flop_share=lm_head / r['flops_per_step'],
-          dense_attention_flops=dense_attention_flops(config, z.train_rows, z.train_seq_len),
-          memory=memory, memory_plan_bytes=sum(plan.values()), memory_plan_terms=plan,
-          plan_over_compiled_peak=sum(plan.values()) / compiled if compiled else None,
-          plan_over_device_peak=sum(plan.values()) / peak_bytes if peak_bytes else None)
-    del r
-    gc.collect()
 
 
 def _requests(num: int, prompt_len: int, max_tokens: int, vocab: int, seed: int):
@@ -1577,14 +1625,13 @@ def describe(section: str, item: dict[str, Any]) -> str:
     mfu = f"MFU {g('mfu'):.1%}" if g('mfu') is not None else 'MFU -'
     if g('of_measured_matmul') is not None:
       mfu += f" ({g('of_measured_matmul'):.1%} of the measured matmul)"
-    shares = (g('profile') or {}).get('shares') or {}
-    split = ', '.join(f'{k} {v:.0%}' for k, v in shares.items() if v)
+    split = describe_profile(g('profile'))
     return (f"{g('rows')}x{g('seq_len')}: {g('tokens')} tok/step, "
             f"{g('step_s_median'):.3f} s/step, {g('tokens_per_s'):.0f} tok/s, "
             f"{_fmt_si(g('flop_per_s'), 'FLOP/s')}, {mfu}, executed "
             f"{_fmt_si(g('executed_flops'))} ({_fmt_si(g('executed_flop_per_s'), 'FLOP/s')}), "
             f"peak {_fmt_si(g('compiled_peak_bytes'), 'B')}, compile {g('compile_s'):.0f} s"
-            + (f'; kernels: {split}' if split else ''))
+            + (f'; {split}' if split else ''))
   if section == 'engine' and 'read_gb_per_s' in item:
     return (f"H={g('slots')}, mean length {g('mean_length'):.0f}: max |diff| from xla "
             f"{g('max_error'):.2g}{'' if g('correct') else ' (WRONG)'}, "
@@ -1616,6 +1663,20 @@ def describe(section: str, item: dict[str, Any]) -> str:
             f"(means of first/last {g('reward_window')})")
     return text + (f"; {g('error')}" if g('error') else '')
   return ''
+
+
+def describe_profile(profile: dict[str, Any] | None) -> str:
+  """A train item's profile, in its table cell: the kernel time by part, or why not."""
+  if not profile:
+    return ''
+  if profile.get('error'):
+    return f"profile: {profile['error']}"
+  step = (f"without command buffers {profile['step_s']:.3f} s/step, "
+          if profile.get('step_s') else '')
+  if not profile.get('reliable', True):
+    return f"profile: {step}UNRELIABLE: {profile['unreliable']}"
+  split = ', '.join(f'{k} {v:.0%}' for k, v in (profile.get('shares') or {}).items() if v)
+  return f'profile: {step}kernels: {split}'
 
 
 def describe_vllm(item: dict[str, Any]) -> str:

@@ -17,9 +17,11 @@ Where the time goes: `flops_per_step` are model FLOPs (`train_flops`); `executed
 program runs: the jaxpr's matmuls (remat's recomputation included; `bench.step_profile`) plus
 the attention kernel's work, which the jaxpr does not show as matmuls (cuDNN's causal pairs,
 blockwise's visited tiles; `attention_kernel_flops`). `xla_cost_flops` is XLA's cost analysis
-as is (it counts a loop's body once). `--profile` traces one more step and splits its kernel
-time into attention, matmul, lm_head, optimizer and other. Prints one table row per model and
-writes one JSON object to `--out`.
+as is (it counts a loop's body once). `--profile` compiles the step a second time with XLA's
+command buffers (CUDA graphs) off (`step_profile.NO_COMMAND_BUFFERS`; inside one, a trace cannot
+tell the kernels' ops apart), times one step of it and traces one more, split into attention,
+matmul, lm_head, optimizer and other (`profile`); the timed steps keep XLA's defaults. Prints
+one table row per model and writes one JSON object to `--out`.
 """
 
 from __future__ import annotations
@@ -134,7 +136,8 @@ def build_parser() -> argparse.ArgumentParser:
   p.add_argument('--max_timed_s', type=float, default=0.0,
                  help='stop timing after this many seconds (at least one step; 0 = off)')
   p.add_argument('--profile', action='store_true',
-                 help='trace one more step and split its kernel time (bench.step_profile)')
+                 help='compile again with command buffers off, trace a step and split its '
+                      'kernel time (bench.step_profile)')
   p.add_argument('--fill', type=float, default=0.9, help='target fraction of real positions')
   p.add_argument('--seed', type=int, default=0)
   p.add_argument('--out', default='/tmp/bench_train_step.json', help='JSON output path')
@@ -305,7 +308,8 @@ def bench_model(name: str, args: argparse.Namespace, mesh, memory_limit: int = 0
   step_fn = train.jit_train_step(step, shardings, mesh)
 
   t0 = time.perf_counter()
-  compiled = step_fn.lower(state, batch_MxRxT).compile()
+  lowered = step_fn.lower(state, batch_MxRxT)
+  compiled = lowered.compile()
   compile_s = time.perf_counter() - t0
   mem = compiled.memory_analysis()
   peak = (mem.argument_size_in_bytes + mem.output_size_in_bytes + mem.temp_size_in_bytes
@@ -338,24 +342,41 @@ def bench_model(name: str, args: argparse.Namespace, mesh, memory_limit: int = 0
     state, metrics = jax.block_until_ready(compiled(state, batch_MxRxT))
     step_s.append(time.perf_counter() - t0)
   if args.profile:
-    box = {}
-
-    def one_step():
-      box['out'] = compiled(state, batch_MxRxT)
-      return box['out']
-
+    box = dict(state=state)
     try:  # a profiler that cannot start (no CUPTI) costs the breakdown, not the timing
-      result['profile'] = step_profile.profile_breakdown(one_step, compiled.as_text())
+      result['command_buffers'] = step_profile.command_buffers(compiled.as_text())
+      result['profile'] = profile_step(lowered, box, batch_MxRxT)
     except Exception as e:
       result['profile'] = dict(error=f'{type(e).__name__}: {e}'.splitlines()[0][:300])
-    if 'out' in box:
-      state, metrics = box['out']
+    state = box['state']
 
   median = float(np.median(step_s))
   return dict(result, step_s_median=median, step_s_min=float(np.min(step_s)), step_s_runs=step_s,
               tokens_per_s=stats.num_tokens / median, flop_per_s=flops / median,
               executed_flop_per_s=result['executed_flops'] / median,
               loss=float(metrics['loss']))
+
+
+def profile_step(lowered, box: dict, batch_MxRxT) -> dict:
+  """The step compiled again with command buffers off: one warm-up step, one timed (`step_s`:
+  what the command buffers are worth beside the timed run's), one traced and split by
+  step_profile. `box['state']` is the train state, donated and replaced at every step."""
+  t0 = time.perf_counter()
+  compiled = lowered.compile(compiler_options=step_profile.NO_COMMAND_BUFFERS)
+  compile_s = time.perf_counter() - t0
+
+  def one_step():
+    box['state'], _ = compiled(box['state'], batch_MxRxT)
+    return box['state']
+
+  jax.block_until_ready(one_step())
+  t0 = time.perf_counter()
+  jax.block_until_ready(one_step())
+  step_s = time.perf_counter() - t0
+  text = compiled.as_text()
+  return dict(step_profile.profile_breakdown(one_step, text),
+              compiler_options=step_profile.NO_COMMAND_BUFFERS, compile_s=compile_s,
+              step_s=step_s, command_buffers=step_profile.command_buffers(text))
 
 
 # ---------------------------------------------------------------------------------------------
