@@ -71,6 +71,9 @@ PARKED = 1 << 30  # the position of a slot that is not decoding: past every tabl
 # The fewest positions a call reads per row: shorter reads are cheap, and every read width is a
 # compile (of the decode step, or of prefill).
 MIN_READ_POSITIONS = 512
+# Token steps between two collections on an accelerator: the host's work for them overlaps the
+# device's; a stop is seen at most this many steps late.
+SYNC_EVERY = 4
 
 
 @dataclasses.dataclass(frozen=True)
@@ -83,8 +86,9 @@ class EngineConfig:
   pool_mb: int = 0                 # the KV pool's memory; 0 = `budget.kv_pool_pages`' rule
   num_pages: int = 0               # A, exactly (the trash page included); overrides pool_mb
   decode_attention: str = 'xla'    # how a decode step reads the pool: 'xla' | 'pallas' | 'cudnn'
-  sync_every: int = 4              # token steps between two collections of their results (0:
-                                   # each step's at once, no overlap: the lowest latency)
+  sync_every: int = -1             # token steps between two collections of their results (0:
+                                   # each step's at once, no overlap); -1: 0 on a CPU (the
+                                   # device is the host's cores), else SYNC_EVERY
   prefill_chunk: int = 0           # positions of one context prefilled per step (0 = all at once)
   share_prompts: bool = True       # the samples of one prompt share its full pages
   min_prefill_len: int = 16        # smallest prefill length bucket
@@ -95,9 +99,11 @@ class EngineConfig:
                  'prefill_token_budget'):
       if getattr(self, name) < 1:
         raise ValueError(f'EngineConfig.{name}={getattr(self, name)} must be >= 1')
-    for name in ('pool_mb', 'num_pages', 'prefill_chunk', 'sync_every'):
+    for name in ('pool_mb', 'num_pages', 'prefill_chunk'):
       if getattr(self, name) < 0:
         raise ValueError(f'EngineConfig.{name}={getattr(self, name)} must be >= 0')
+    if self.sync_every < -1:
+      raise ValueError(f'EngineConfig.sync_every={self.sync_every} must be >= 0, or -1 (auto)')
     if self.decode_attention not in paged_attention.IMPLEMENTATIONS:
       raise ValueError(f'EngineConfig.decode_attention={self.decode_attention!r} is not one of '
                        f'{paged_attention.IMPLEMENTATIONS}')
@@ -169,16 +175,30 @@ def request_key(seed_2: jax.Array) -> jax.Array:
   return jax.random.fold_in(jax.random.fold_in(base, seed_2[0]), seed_2[1])
 
 
-@functools.partial(jax.jit, static_argnames=('config',), donate_argnames=('state',))
-def prefill(params, state: DecodeState, chunk: Chunk, *, config: transformer.ModelConfig
-            ) -> DecodeState:
-  """Writes each row's chunk into the pool; readies the slots of rows that end a context."""
+@functools.partial(jax.jit, static_argnames=('config', 'fresh'), donate_argnames=('state',))
+def prefill(params, state: DecodeState, chunk: Chunk, *, config: transformer.ModelConfig,
+            fresh: bool = False) -> DecodeState:
+  """Writes each row's chunk into the pool; readies the slots of rows that end a context.
+
+  `fresh`: every chunk starts at position 0, so it attends only to itself: it runs over a dense
+  cache of its own T positions (T x T scores, not T x W * Z) and then goes to its pages.
+  """
   TRACES['prefill'] += 1
-  # Chunks of several positions read through the XLA gather (the kernels serve T = 1); the
-  # hidden states are not used, so no logits are made.
-  xla = dataclasses.replace(config, decode_attention='xla')
-  _, pool = transformer.decode_paged(params, xla, chunk.tokens, chunk.positions, state.pool,
-                                     chunk.table)
+  # The hidden states are not used, so no logits are made.
+  if fresh:
+    n, t = chunk.tokens.shape
+    _, own = transformer.decode(params, config, chunk.tokens, chunk.positions,
+                                transformer.init_cache(config, n, t))  # padding: dropped
+    page_RxT, offset_RxT = paged_attention.locate(chunk.table, chunk.positions,
+                                                  state.pool.k.shape[3])
+    to_pages = lambda pool_LxAxKxZxDh, own_LxRxTxKxDh: pool_LxAxKxZxDh.at[
+        :, page_RxT, :, offset_RxT].set(own_LxRxTxKxDh.transpose(1, 2, 0, 3, 4))
+    pool = paged_attention.PagedKVCache(to_pages(state.pool.k, own.k),
+                                        to_pages(state.pool.v, own.v))
+  else:  # chunks of several positions read through the XLA gather (the kernels serve T = 1)
+    xla = dataclasses.replace(config, decode_attention='xla')
+    _, pool = transformer.decode_paged(params, xla, chunk.tokens, chunk.positions, state.pool,
+                                       chunk.table)
   rows = Slots(tokens=chunk.last_tokens, positions=chunk.next_positions,
                rng=jax.vmap(request_key)(chunk.seeds), steps=chunk.steps,
                temperature=chunk.temperature, top_k=chunk.top_k, top_p=chunk.top_p)
@@ -334,6 +354,8 @@ class JaxEngine(api.Engine):
                                             decode_attention=config.decode_attention)
     self.config = config
     self._device = device
+    self._sync_every = config.sync_every if config.sync_every >= 0 else (
+        0 if self._platform() == 'cpu' else SYNC_EVERY)
     self._params = self._serving(self._place(params))
     self._version = version
     self._pages = PagePool(self._pool_size())
@@ -368,6 +390,15 @@ class JaxEngine(api.Engine):
   def _place(self, tree):
     return tree if self._device is None else jax.device_put(tree, self._device)
 
+  def _first_device(self):
+    if self._device is None:
+      return jax.devices()[0]
+    return self._device if isinstance(self._device, jax.Device) else next(
+        iter(self._device.device_set))
+
+  def _platform(self) -> str:
+    return self._first_device().platform
+
   def _serving(self, params):
     dtype = jnp.dtype(self.model_config.dtype)
     if all(x.dtype == dtype for x in jax.tree.leaves(params)
@@ -382,9 +413,7 @@ class JaxEngine(api.Engine):
     c, m = self.config, self.model_config
     pages = c.num_pages
     if not pages:
-      device = self._device if isinstance(self._device, jax.Device) else (
-          next(iter(self._device.device_set)) if self._device is not None else jax.devices()[0])
-      stats = device.memory_stats() or {}
+      stats = self._first_device().memory_stats() or {}
       free = (stats['bytes_limit'] - stats.get('bytes_in_use', 0)
               if stats.get('bytes_limit') else None)
       pages = budget.kv_pool_pages(
@@ -422,7 +451,7 @@ class JaxEngine(api.Engine):
     self._check_open()
     start = time.perf_counter()
     finished = self._apply_update()
-    if len(self._pending) > self.config.sync_every:
+    if len(self._pending) > self._sync_every:
       finished += self._collect(keep_newest=True)
     if self._collected:
       self._reserve()
@@ -430,7 +459,7 @@ class JaxEngine(api.Engine):
       self._admit()
     if self._loading:
       self._load()
-    if (not self._dispatch() or not self.config.sync_every) and self._pending:
+    if (not self._dispatch() or not self._sync_every) and self._pending:
       finished += self._collect(keep_newest=False)  # nothing left to overlap with
     self._step_seconds += time.perf_counter() - start
     return finished
@@ -461,7 +490,7 @@ class JaxEngine(api.Engine):
                 step_seconds=self._step_seconds, busy_slots=busy, num_slots=len(self._slots),
                 pending=pending, version=self._version, kv_pages=self._pages.num_pages - 1,
                 kv_pages_free=self._pages.num_free, kv_pages_peak=self._pages.peak_in_use,
-                kv_page_size=self.config.page_size)
+                kv_page_size=self.config.page_size, sync_every=self._sync_every)
 
   def precompile(self) -> int:
     """Compiles the decode step (unfiltered) for every read width it may use, so no token step
@@ -511,7 +540,7 @@ class JaxEngine(api.Engine):
   def _lookahead(self) -> int:
     """Decode steps that may be dispatched before the next collection, the current one
     included: pages for them are reserved at each collection."""
-    return max(1, self.config.sync_every) + 1
+    return max(1, self._sync_every) + 1
 
   def _apply_update(self) -> list[api.Completion]:
     with self._lock:
@@ -710,19 +739,20 @@ class JaxEngine(api.Engine):
       self._prefill_rows(rows)
 
   def _prefill_rows(self, rows) -> None:
-    """One prefill call per length bucket (rows padded to a power of two); updates each
-    sequence's progress, marks prompt pages ready and starts sequences whose context is in."""
+    """One prefill call per length bucket, fresh contexts apart (rows padded to a power of
+    two); updates each sequence's progress, marks prompt pages ready and starts sequences whose
+    context is in."""
     groups = collections.defaultdict(list)
     for seq, n, t in rows:
-      groups[t].append((seq, n))
+      groups[t, seq.loaded == 0].append((seq, n))
     max_rows = _pow2_at_least(self.config.num_slots)
-    for t, group in sorted(groups.items()):
+    for (t, fresh), group in sorted(groups.items()):
       fits = max(1, self.config.prefill_token_budget // t)
       per_call = min(max_rows, 1 << (fits.bit_length() - 1))  # a power of two <= fits
       for i in range(0, len(group), per_call):
         part = group[i:i + per_call]
         self._state = prefill(self._params, self._state, self._make_chunk(part, t),
-                              config=self.model_config)
+                              config=self.model_config, fresh=fresh)
         self._counts['prefill_calls'] += 1
         self._counts['prefill_tokens'] += sum(n for _, n in part)
         for seq, n in part:
