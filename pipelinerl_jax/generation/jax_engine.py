@@ -372,7 +372,8 @@ class JaxEngine(api.Engine):
     self._last = np.zeros(h, np.int64)
     self._npages = np.zeros(h, np.int64)
     self._filtered = 0                    # decoding sequences with top-k / top-p
-    self._waiting: collections.deque[_Sequence] = collections.deque()  # preempted, oldest first
+    # Not in a slot yet: preempted ones (oldest first), then requests taken from the queue.
+    self._waiting: collections.deque[_Sequence] = collections.deque()
     self._requests = api.RequestQueue()
     self._prefixes: dict[tuple[int, ...], _Prefix] = {}
     self._pending: list[_Dispatched] = []
@@ -600,7 +601,7 @@ class JaxEngine(api.Engine):
     return (len(seq.request.prompt_tokens) - 1) // self.config.page_size
 
   def _usable_prefix(self, seq: _Sequence) -> _Prefix | None:
-    if not self.config.share_prompts:
+    if not self.config.share_prompts or not self._prompt_pages(seq):
       return None
     prefix = self._prefixes.get(tuple(seq.request.prompt_tokens))
     if prefix is None or prefix.version != self._version or prefix.holders == 0:
@@ -651,10 +652,12 @@ class JaxEngine(api.Engine):
     """Pages for the next `lookahead` steps of every decoding sequence; when the pool is short,
     the youngest decoding sequences wait (their pages return; they are loaded again later)."""
     self._collected = False
-    slots = np.flatnonzero(self._left > 0)
-    need = (np.minimum(self._pos[slots] + self._lookahead() - 1, self._last[slots])
-            // self.config.page_size + 1)
-    missing = np.maximum(0, need - self._npages[slots])
+    need = np.minimum(self._pos + (self._lookahead() - 1), self._last) // self.config.page_size
+    short = (need >= self._npages) & (self._left > 0)  # need + 1 pages > held
+    if not short.any():
+      return
+    slots = np.flatnonzero(short)
+    missing = need[slots] + 1 - self._npages[slots]
     if missing.sum() > self._pages.num_free:
       by_age = sorted(range(len(slots)), key=lambda j: self._slots[slots[j]].order)
       while by_age and missing.sum() > self._pages.num_free:
@@ -681,13 +684,14 @@ class JaxEngine(api.Engine):
     eos = frozenset(self.config.eos_token_ids)
     while free:
       if not self._waiting:
-        new = self._requests.take(1)
+        new = self._requests.take(len(free))
         if not new:
           return
-        r, sp = new[0], new[0].sampling
-        self._waiting.append(_Sequence(r, stop_ids=eos | frozenset(sp.stop_token_ids),
-                                       max_tokens=sp.max_tokens,
-                                       filtered=sp.top_k > 0 or sp.top_p < 1.0))
+        for r in new:
+          sp = r.sampling
+          self._waiting.append(_Sequence(
+              r, stop_ids=eos.union(sp.stop_token_ids) if sp.stop_token_ids else eos,
+              max_tokens=sp.max_tokens, filtered=sp.top_k > 0 or sp.top_p < 1.0))
       seq = self._waiting[0]
       full_len = len(seq.request.prompt_tokens) + len(seq.tokens)
       last = min(full_len - 2 + self._lookahead(), seq.last_needed_position)
@@ -767,32 +771,31 @@ class JaxEngine(api.Engine):
     c = self.config
     n_rows = _pow2_at_least(len(part))
     width = self._width(self._pages_through(max(seq.loaded for seq, _ in part) + t - 1))
-    chunk = Chunk(tokens=np.zeros((n_rows, t), np.int32),
-                  positions=np.full((n_rows, t), PARKED, np.int32),
-                  table=np.zeros((n_rows, width), np.int32),
-                  start_slot=np.full((n_rows,), c.num_slots, np.int32),
-                  last_tokens=np.zeros((n_rows,), np.int32),
-                  next_positions=np.zeros((n_rows,), np.int32),
-                  seeds=np.zeros((n_rows, 2), np.uint32), steps=np.zeros((n_rows,), np.int32),
-                  temperature=np.ones((n_rows,), np.float32),
-                  top_k=np.zeros((n_rows,), np.int32), top_p=np.ones((n_rows,), np.float32))
+    tokens = np.zeros((n_rows, t), np.int32)
+    positions = np.full((n_rows, t), PARKED, np.int32)
+    table = np.zeros((n_rows, width), np.int32)
+    # Per row: start slot (H: none), last token, its position, seed words, steps, temperature,
+    # top-k, top-p; padding rows start nothing.
+    rows = [(c.num_slots, 0, 0, 0, 0, 0, 1.0, 0, 1.0)] * n_rows
     for row, (seq, n) in enumerate(part):
       start = seq.loaded
-      chunk.tokens[row, :n] = seq.context[start:start + n]
-      chunk.positions[row, :n] = np.arange(start, start + n)
+      tokens[row, :n] = seq.context[start:start + n]
+      positions[row, :n] = range(start, start + n)
       pages = seq.pages[:width]
-      chunk.table[row, :len(pages)] = pages
+      table[row, :len(pages)] = pages
       if start + n >= len(seq.context):
-        sp = seq.request.sampling
-        chunk.start_slot[row] = seq.slot
-        chunk.last_tokens[row] = seq.tokens[-1] if seq.tokens else seq.request.prompt_tokens[-1]
-        chunk.next_positions[row] = len(seq.context)
-        chunk.seeds[row] = _seed_words(seq.request.seed)
-        chunk.steps[row] = len(seq.tokens)
-        chunk.temperature[row] = sp.temperature
-        chunk.top_k[row] = sp.top_k
-        chunk.top_p[row] = sp.top_p
-    return chunk
+        r = seq.request
+        sp = r.sampling
+        rows[row] = (seq.slot, seq.tokens[-1] if seq.tokens else r.prompt_tokens[-1],
+                     len(seq.context), *_seed_words(r.seed), len(seq.tokens), sp.temperature,
+                     sp.top_k, sp.top_p)
+    slot, last, nxt, hi, lo, steps, temperature, top_k, top_p = zip(*rows)
+    return Chunk(tokens=tokens, positions=positions, table=table,
+                 start_slot=np.array(slot, np.int32), last_tokens=np.array(last, np.int32),
+                 next_positions=np.array(nxt, np.int32),
+                 seeds=np.array([hi, lo], np.uint32).T.copy(), steps=np.array(steps, np.int32),
+                 temperature=np.array(temperature, np.float32),
+                 top_k=np.array(top_k, np.int32), top_p=np.array(top_p, np.float32))
 
   # Decode steps and their results.
 
@@ -802,10 +805,10 @@ class JaxEngine(api.Engine):
     if not decoding.any():
       return False
     c = self.config
-    if c.decode_attention == 'xla':
+    if c.decode_attention == 'xla' and self._width(1) < c.table_width:
       longest = int(np.minimum(self._pos, self._last)[decoding].max())
       width = self._width(self._pages_through(longest))
-    else:  # the kernels read each row's own length: one compile for every length
+    else:  # one width: the kernels read each row's own length, and a short table is read whole
       width = c.table_width
     table = self._table_dev.get(width)
     if table is None:
