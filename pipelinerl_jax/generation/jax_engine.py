@@ -813,7 +813,9 @@ class JaxEngine(api.Engine):
     table = self._table_dev.get(width)
     if table is None:
       # A copy: on CPU a device array may alias the numpy buffer, which the host edits later.
-      table = self._table_dev[width] = self._place(jnp.asarray(self._table[:, :width].copy()))
+      # A plain transfer (jnp.asarray adds an XLA op the step then waits for).
+      table = self._table_dev[width] = jax.device_put(self._table[:, :width].copy(),
+                                                      self._device)
     self._state, tokens_H, logprobs_H = decode_step(
         self._params, self._state, table, config=self.model_config, filtered=self._filtered > 0)
     self._pending.append(_Dispatched(tokens_H, logprobs_H, tuple(self._slots), decoding,
