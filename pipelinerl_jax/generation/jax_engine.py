@@ -771,28 +771,33 @@ class JaxEngine(api.Engine):
     c = self.config
     n_rows = _pow2_at_least(len(part))
     width = self._width(self._pages_through(max(seq.loaded for seq, _ in part) + t - 1))
-    tokens = np.zeros((n_rows, t), np.int32)
-    positions = np.full((n_rows, t), PARKED, np.int32)
-    table = np.zeros((n_rows, width), np.int32)
-    # Per row: start slot (H: none), last token, its position, seed words, steps, temperature,
-    # top-k, top-p; padding rows start nothing.
-    rows = [(c.num_slots, 0, 0, 0, 0, 0, 1.0, 0, 1.0)] * n_rows
-    for row, (seq, n) in enumerate(part):
+    # Per row: its T tokens and positions, its table, then the slot it starts (H: none), the
+    # last token, its position, the seed's words, steps, temperature, top-k, top-p. Built as
+    # lists and converted once: cheaper than writing numpy arrays element by element.
+    tokens, positions, tables, rows = [], [], [], []
+    for seq, n in part:
       start = seq.loaded
-      tokens[row, :n] = seq.context[start:start + n]
-      positions[row, :n] = range(start, start + n)
+      tokens.append(seq.context[start:start + n] + [0] * (t - n))
+      positions.append([*range(start, start + n)] + [PARKED] * (t - n))
       pages = seq.pages[:width]
-      table[row, :len(pages)] = pages
+      tables.append(pages + [paged_attention.TRASH_PAGE] * (width - len(pages)))
       if start + n >= len(seq.context):
         r = seq.request
         sp = r.sampling
-        rows[row] = (seq.slot, seq.tokens[-1] if seq.tokens else r.prompt_tokens[-1],
+        rows.append((seq.slot, seq.tokens[-1] if seq.tokens else r.prompt_tokens[-1],
                      len(seq.context), *_seed_words(r.seed), len(seq.tokens), sp.temperature,
-                     sp.top_k, sp.top_p)
+                     sp.top_k, sp.top_p))
+      else:
+        rows.append((c.num_slots, 0, 0, 0, 0, 0, 1.0, 0, 1.0))
+    pad = n_rows - len(part)
+    tokens += [[0] * t] * pad
+    positions += [[PARKED] * t] * pad
+    tables += [[paged_attention.TRASH_PAGE] * width] * pad
+    rows += [(c.num_slots, 0, 0, 0, 0, 0, 1.0, 0, 1.0)] * pad
     slot, last, nxt, hi, lo, steps, temperature, top_k, top_p = zip(*rows)
-    return Chunk(tokens=tokens, positions=positions, table=table,
-                 start_slot=np.array(slot, np.int32), last_tokens=np.array(last, np.int32),
-                 next_positions=np.array(nxt, np.int32),
+    return Chunk(tokens=np.array(tokens, np.int32), positions=np.array(positions, np.int32),
+                 table=np.array(tables, np.int32), start_slot=np.array(slot, np.int32),
+                 last_tokens=np.array(last, np.int32), next_positions=np.array(nxt, np.int32),
                  seeds=np.array([hi, lo], np.uint32).T.copy(), steps=np.array(steps, np.int32),
                  temperature=np.array(temperature, np.float32),
                  top_k=np.array(top_k, np.int32), top_p=np.array(top_p, np.float32))
