@@ -15,11 +15,12 @@ So a step yields exactly one token per decoding slot, the first generated token 
 sits in which slot, the page allocator (`PagePool`) and each sequence's pages. One `step()`:
   1. applies a pending weight update (new params only; with `recompute_kv`, every sequence in a
      slot is loaded again under them);
-  2. every `sync_every` token steps, collects the tokens of the steps dispatched before the
-     newest one, in one transfer while the newest still runs on the device: appends them with
-     their log mu and policy version, finishes the sequences that stopped (their pages return),
-     and reserves pages for the next steps (preempting the youngest sequence when the pool is
-     short: it waits and is loaded again later);
+  2. every `sync_every` token steps (4 on a GPU; on a CPU every step, waited for: its cores are
+     the device's), collects the tokens of the steps dispatched before the newest one, in one
+     transfer while the newest still runs on the device: appends them with their log mu and
+     policy version, finishes the sequences that stopped (their pages return), and reserves
+     pages for the next steps (preempting the youngest sequence when the pool is short: it
+     waits and is loaded again later);
   3. admits waiting requests into free slots while the pool has their pages (a slot is free once
      its sequence has stopped, or as soon as its last token is in flight), and prefills them
      (whole contexts, or `prefill_chunk` positions of each per step, so a long prompt never
