@@ -325,12 +325,13 @@ class GenerationConfig(_Section):
   # page; kv_pool_mb of memory (0 = every slot at max length, or half the device's free memory
   # if that is less: generation/budget.py); how a decode step reads it ('xla' on any backend,
   # 'pallas' / 'cudnn' GPU kernels: models/paged_attention.py); token steps between two
-  # transfers of their results to the host; positions of a prompt prefilled per step (0 = whole
+  # transfers of their results to the host (0: every step, no overlap; -1: 0 on a CPU, whose
+  # cores are the device's too, else 4); positions of a prompt prefilled per step (0 = whole
   # prompts at admission); the samples of a prompt sharing its pages.
   kv_page_size: int = 16
   kv_pool_mb: int = 0
   decode_attention: Literal['xla', 'pallas', 'cudnn'] = 'xla'
-  sync_every: int = 4
+  sync_every: int = -1            # -1: 0 on a CPU, 4 on a GPU
   prefill_chunk: int = 0
   share_prompts: bool = True
   vllm: VllmConfig = VllmConfig()
@@ -355,7 +356,8 @@ class GenerationConfig(_Section):
     _check(self.top_k >= 0, 'top_k', f'must be >= 0, got {self.top_k}')
     _check(self.kv_page_size >= 1, 'kv_page_size', f'must be >= 1, got {self.kv_page_size}')
     _check(self.kv_pool_mb >= 0, 'kv_pool_mb', f'must be >= 0, got {self.kv_pool_mb}')
-    _check(self.sync_every >= 0, 'sync_every', f'must be >= 0, got {self.sync_every}')
+    _check(self.sync_every >= -1, 'sync_every', f'must be >= 0 or -1 (auto), got '
+           f'{self.sync_every}')
     _check(self.prefill_chunk >= 0, 'prefill_chunk', f'must be >= 0, got {self.prefill_chunk}')
 
   @property

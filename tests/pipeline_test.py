@@ -251,7 +251,7 @@ def test_stream_credits_order_and_stop():
     ('generation.kv_page_size', 0, 'must be >= 1'),
     ('generation.kv_pool_mb', -1, 'must be >= 0'),
     ('generation.decode_attention', 'flash', "must be one of 'xla', 'pallas', 'cudnn'"),
-    ('generation.sync_every', -1, 'must be >= 0'),
+    ('generation.sync_every', -2, 'must be >= 0 or -1 (auto)'),
     ('generation.prefill_chunk', -8, 'must be >= 0'),
 ])
 def test_invalid_config_values_name_the_key(key, value, message):

@@ -15,11 +15,12 @@ So a step yields exactly one token per decoding slot, the first generated token 
 sits in which slot, the page allocator (`PagePool`) and each sequence's pages. One `step()`:
   1. applies a pending weight update (new params only; with `recompute_kv`, every sequence in a
      slot is loaded again under them);
-  2. every `sync_every` token steps, collects the tokens of the steps dispatched before the
-     newest one, in one transfer while the newest still runs on the device: appends them with
-     their log mu and policy version, finishes the sequences that stopped (their pages return),
-     and reserves pages for the next steps (preempting the youngest sequence when the pool is
-     short: it waits and is loaded again later);
+  2. every `sync_every` token steps (4 on a GPU; on a CPU every step, waited for: its cores are
+     the device's), collects the tokens of the steps dispatched before the newest one, in one
+     transfer while the newest still runs on the device: appends them with their log mu and
+     policy version, finishes the sequences that stopped (their pages return), and reserves
+     pages for the next steps (preempting the youngest sequence when the pool is short: it
+     waits and is loaded again later);
   3. admits waiting requests into free slots while the pool has their pages (a slot is free once
      its sequence has stopped, or as soon as its last token is in flight), and prefills them
      (whole contexts, or `prefill_chunk` positions of each per step, so a long prompt never
@@ -71,6 +72,9 @@ PARKED = 1 << 30  # the position of a slot that is not decoding: past every tabl
 # The fewest positions a call reads per row: shorter reads are cheap, and every read width is a
 # compile (of the decode step, or of prefill).
 MIN_READ_POSITIONS = 512
+# Token steps between two collections on an accelerator: the host's work for them overlaps the
+# device's; a stop is seen at most this many steps late.
+SYNC_EVERY = 4
 
 
 @dataclasses.dataclass(frozen=True)
@@ -83,8 +87,9 @@ class EngineConfig:
   pool_mb: int = 0                 # the KV pool's memory; 0 = `budget.kv_pool_pages`' rule
   num_pages: int = 0               # A, exactly (the trash page included); overrides pool_mb
   decode_attention: str = 'xla'    # how a decode step reads the pool: 'xla' | 'pallas' | 'cudnn'
-  sync_every: int = 4              # token steps between two collections of their results (0:
-                                   # each step's at once, no overlap: the lowest latency)
+  sync_every: int = -1             # token steps between two collections of their results (0:
+                                   # each step's at once, no overlap); -1: 0 on a CPU (the
+                                   # device is the host's cores), else SYNC_EVERY
   prefill_chunk: int = 0           # positions of one context prefilled per step (0 = all at once)
   share_prompts: bool = True       # the samples of one prompt share its full pages
   min_prefill_len: int = 16        # smallest prefill length bucket
@@ -95,9 +100,11 @@ class EngineConfig:
                  'prefill_token_budget'):
       if getattr(self, name) < 1:
         raise ValueError(f'EngineConfig.{name}={getattr(self, name)} must be >= 1')
-    for name in ('pool_mb', 'num_pages', 'prefill_chunk', 'sync_every'):
+    for name in ('pool_mb', 'num_pages', 'prefill_chunk'):
       if getattr(self, name) < 0:
         raise ValueError(f'EngineConfig.{name}={getattr(self, name)} must be >= 0')
+    if self.sync_every < -1:
+      raise ValueError(f'EngineConfig.sync_every={self.sync_every} must be >= 0, or -1 (auto)')
     if self.decode_attention not in paged_attention.IMPLEMENTATIONS:
       raise ValueError(f'EngineConfig.decode_attention={self.decode_attention!r} is not one of '
                        f'{paged_attention.IMPLEMENTATIONS}')
@@ -169,16 +176,30 @@ def request_key(seed_2: jax.Array) -> jax.Array:
   return jax.random.fold_in(jax.random.fold_in(base, seed_2[0]), seed_2[1])
 
 
-@functools.partial(jax.jit, static_argnames=('config',), donate_argnames=('state',))
-def prefill(params, state: DecodeState, chunk: Chunk, *, config: transformer.ModelConfig
-            ) -> DecodeState:
-  """Writes each row's chunk into the pool; readies the slots of rows that end a context."""
+@functools.partial(jax.jit, static_argnames=('config', 'fresh'), donate_argnames=('state',))
+def prefill(params, state: DecodeState, chunk: Chunk, *, config: transformer.ModelConfig,
+            fresh: bool = False) -> DecodeState:
+  """Writes each row's chunk into the pool; readies the slots of rows that end a context.
+
+  `fresh`: every chunk starts at position 0, so it attends only to itself: it runs over a dense
+  cache of its own T positions (T x T scores, not T x W * Z) and then goes to its pages.
+  """
   TRACES['prefill'] += 1
-  # Chunks of several positions read through the XLA gather (the kernels serve T = 1); the
-  # hidden states are not used, so no logits are made.
-  xla = dataclasses.replace(config, decode_attention='xla')
-  _, pool = transformer.decode_paged(params, xla, chunk.tokens, chunk.positions, state.pool,
-                                     chunk.table)
+  # The hidden states are not used, so no logits are made.
+  if fresh:
+    n, t = chunk.tokens.shape
+    _, own = transformer.decode(params, config, chunk.tokens, chunk.positions,
+                                transformer.init_cache(config, n, t))  # padding: dropped
+    page_RxT, offset_RxT = paged_attention.locate(chunk.table, chunk.positions,
+                                                  state.pool.k.shape[3])
+    to_pages = lambda pool_LxAxKxZxDh, own_LxRxTxKxDh: pool_LxAxKxZxDh.at[
+        :, page_RxT, :, offset_RxT].set(own_LxRxTxKxDh.transpose(1, 2, 0, 3, 4))
+    pool = paged_attention.PagedKVCache(to_pages(state.pool.k, own.k),
+                                        to_pages(state.pool.v, own.v))
+  else:  # chunks of several positions read through the XLA gather (the kernels serve T = 1)
+    xla = dataclasses.replace(config, decode_attention='xla')
+    _, pool = transformer.decode_paged(params, xla, chunk.tokens, chunk.positions, state.pool,
+                                       chunk.table)
   rows = Slots(tokens=chunk.last_tokens, positions=chunk.next_positions,
                rng=jax.vmap(request_key)(chunk.seeds), steps=chunk.steps,
                temperature=chunk.temperature, top_k=chunk.top_k, top_p=chunk.top_p)
@@ -334,6 +355,8 @@ class JaxEngine(api.Engine):
                                             decode_attention=config.decode_attention)
     self.config = config
     self._device = device
+    self._sync_every = config.sync_every if config.sync_every >= 0 else (
+        0 if self._platform() == 'cpu' else SYNC_EVERY)
     self._params = self._serving(self._place(params))
     self._version = version
     self._pages = PagePool(self._pool_size())
@@ -350,7 +373,8 @@ class JaxEngine(api.Engine):
     self._last = np.zeros(h, np.int64)
     self._npages = np.zeros(h, np.int64)
     self._filtered = 0                    # decoding sequences with top-k / top-p
-    self._waiting: collections.deque[_Sequence] = collections.deque()  # preempted, oldest first
+    # Not in a slot yet: preempted ones (oldest first), then requests taken from the queue.
+    self._waiting: collections.deque[_Sequence] = collections.deque()
     self._requests = api.RequestQueue()
     self._prefixes: dict[tuple[int, ...], _Prefix] = {}
     self._pending: list[_Dispatched] = []
@@ -368,6 +392,15 @@ class JaxEngine(api.Engine):
   def _place(self, tree):
     return tree if self._device is None else jax.device_put(tree, self._device)
 
+  def _first_device(self):
+    if self._device is None:
+      return jax.devices()[0]
+    return self._device if isinstance(self._device, jax.Device) else next(
+        iter(self._device.device_set))
+
+  def _platform(self) -> str:
+    return self._first_device().platform
+
   def _serving(self, params):
     dtype = jnp.dtype(self.model_config.dtype)
     if all(x.dtype == dtype for x in jax.tree.leaves(params)
@@ -382,9 +415,7 @@ class JaxEngine(api.Engine):
     c, m = self.config, self.model_config
     pages = c.num_pages
     if not pages:
-      device = self._device if isinstance(self._device, jax.Device) else (
-          next(iter(self._device.device_set)) if self._device is not None else jax.devices()[0])
-      stats = device.memory_stats() or {}
+      stats = self._first_device().memory_stats() or {}
       free = (stats['bytes_limit'] - stats.get('bytes_in_use', 0)
               if stats.get('bytes_limit') else None)
       pages = budget.kv_pool_pages(
@@ -422,7 +453,7 @@ class JaxEngine(api.Engine):
     self._check_open()
     start = time.perf_counter()
     finished = self._apply_update()
-    if len(self._pending) > self.config.sync_every:
+    if len(self._pending) > self._sync_every:
       finished += self._collect(keep_newest=True)
     if self._collected:
       self._reserve()
@@ -430,7 +461,7 @@ class JaxEngine(api.Engine):
       self._admit()
     if self._loading:
       self._load()
-    if (not self._dispatch() or not self.config.sync_every) and self._pending:
+    if (not self._dispatch() or not self._sync_every) and self._pending:
       finished += self._collect(keep_newest=False)  # nothing left to overlap with
     self._step_seconds += time.perf_counter() - start
     return finished
@@ -461,7 +492,7 @@ class JaxEngine(api.Engine):
                 step_seconds=self._step_seconds, busy_slots=busy, num_slots=len(self._slots),
                 pending=pending, version=self._version, kv_pages=self._pages.num_pages - 1,
                 kv_pages_free=self._pages.num_free, kv_pages_peak=self._pages.peak_in_use,
-                kv_page_size=self.config.page_size)
+                kv_page_size=self.config.page_size, sync_every=self._sync_every)
 
   def precompile(self) -> int:
     """Compiles the decode step (unfiltered) for every read width it may use, so no token step
@@ -511,7 +542,7 @@ class JaxEngine(api.Engine):
   def _lookahead(self) -> int:
     """Decode steps that may be dispatched before the next collection, the current one
     included: pages for them are reserved at each collection."""
-    return max(1, self.config.sync_every) + 1
+    return max(1, self._sync_every) + 1
 
   def _apply_update(self) -> list[api.Completion]:
     with self._lock:
@@ -571,7 +602,7 @@ class JaxEngine(api.Engine):
     return (len(seq.request.prompt_tokens) - 1) // self.config.page_size
 
   def _usable_prefix(self, seq: _Sequence) -> _Prefix | None:
-    if not self.config.share_prompts:
+    if not self.config.share_prompts or not self._prompt_pages(seq):
       return None
     prefix = self._prefixes.get(tuple(seq.request.prompt_tokens))
     if prefix is None or prefix.version != self._version or prefix.holders == 0:
@@ -622,10 +653,12 @@ class JaxEngine(api.Engine):
     """Pages for the next `lookahead` steps of every decoding sequence; when the pool is short,
     the youngest decoding sequences wait (their pages return; they are loaded again later)."""
     self._collected = False
-    slots = np.flatnonzero(self._left > 0)
-    need = (np.minimum(self._pos[slots] + self._lookahead() - 1, self._last[slots])
-            // self.config.page_size + 1)
-    missing = np.maximum(0, need - self._npages[slots])
+    need = np.minimum(self._pos + (self._lookahead() - 1), self._last) // self.config.page_size
+    short = (need >= self._npages) & (self._left > 0)  # need + 1 pages > held
+    if not short.any():
+      return
+    slots = np.flatnonzero(short)
+    missing = need[slots] + 1 - self._npages[slots]
     if missing.sum() > self._pages.num_free:
       by_age = sorted(range(len(slots)), key=lambda j: self._slots[slots[j]].order)
       while by_age and missing.sum() > self._pages.num_free:
@@ -652,13 +685,14 @@ class JaxEngine(api.Engine):
     eos = frozenset(self.config.eos_token_ids)
     while free:
       if not self._waiting:
-        new = self._requests.take(1)
+        new = self._requests.take(len(free))
         if not new:
           return
-        r, sp = new[0], new[0].sampling
-        self._waiting.append(_Sequence(r, stop_ids=eos | frozenset(sp.stop_token_ids),
-                                       max_tokens=sp.max_tokens,
-                                       filtered=sp.top_k > 0 or sp.top_p < 1.0))
+        for r in new:
+          sp = r.sampling
+          self._waiting.append(_Sequence(
+              r, stop_ids=eos.union(sp.stop_token_ids) if sp.stop_token_ids else eos,
+              max_tokens=sp.max_tokens, filtered=sp.top_k > 0 or sp.top_p < 1.0))
       seq = self._waiting[0]
       full_len = len(seq.request.prompt_tokens) + len(seq.tokens)
       last = min(full_len - 2 + self._lookahead(), seq.last_needed_position)
@@ -710,19 +744,20 @@ class JaxEngine(api.Engine):
       self._prefill_rows(rows)
 
   def _prefill_rows(self, rows) -> None:
-    """One prefill call per length bucket (rows padded to a power of two); updates each
-    sequence's progress, marks prompt pages ready and starts sequences whose context is in."""
+    """One prefill call per length bucket, fresh contexts apart (rows padded to a power of
+    two); updates each sequence's progress, marks prompt pages ready and starts sequences whose
+    context is in."""
     groups = collections.defaultdict(list)
     for seq, n, t in rows:
-      groups[t].append((seq, n))
+      groups[t, seq.loaded == 0].append((seq, n))
     max_rows = _pow2_at_least(self.config.num_slots)
-    for t, group in sorted(groups.items()):
+    for (t, fresh), group in sorted(groups.items()):
       fits = max(1, self.config.prefill_token_budget // t)
       per_call = min(max_rows, 1 << (fits.bit_length() - 1))  # a power of two <= fits
       for i in range(0, len(group), per_call):
         part = group[i:i + per_call]
         self._state = prefill(self._params, self._state, self._make_chunk(part, t),
-                              config=self.model_config)
+                              config=self.model_config, fresh=fresh)
         self._counts['prefill_calls'] += 1
         self._counts['prefill_tokens'] += sum(n for _, n in part)
         for seq, n in part:
@@ -737,32 +772,36 @@ class JaxEngine(api.Engine):
     c = self.config
     n_rows = _pow2_at_least(len(part))
     width = self._width(self._pages_through(max(seq.loaded for seq, _ in part) + t - 1))
-    chunk = Chunk(tokens=np.zeros((n_rows, t), np.int32),
-                  positions=np.full((n_rows, t), PARKED, np.int32),
-                  table=np.zeros((n_rows, width), np.int32),
-                  start_slot=np.full((n_rows,), c.num_slots, np.int32),
-                  last_tokens=np.zeros((n_rows,), np.int32),
-                  next_positions=np.zeros((n_rows,), np.int32),
-                  seeds=np.zeros((n_rows, 2), np.uint32), steps=np.zeros((n_rows,), np.int32),
-                  temperature=np.ones((n_rows,), np.float32),
-                  top_k=np.zeros((n_rows,), np.int32), top_p=np.ones((n_rows,), np.float32))
-    for row, (seq, n) in enumerate(part):
+    # Per row: its T tokens and positions, its table, then the slot it starts (H: none), the
+    # last token, its position, the seed's words, steps, temperature, top-k, top-p. Built as
+    # lists and converted once: cheaper than writing numpy arrays element by element.
+    tokens, positions, tables, rows = [], [], [], []
+    for seq, n in part:
       start = seq.loaded
-      chunk.tokens[row, :n] = seq.context[start:start + n]
-      chunk.positions[row, :n] = np.arange(start, start + n)
+      tokens.append(seq.context[start:start + n] + [0] * (t - n))
+      positions.append([*range(start, start + n)] + [PARKED] * (t - n))
       pages = seq.pages[:width]
-      chunk.table[row, :len(pages)] = pages
+      tables.append(pages + [paged_attention.TRASH_PAGE] * (width - len(pages)))
       if start + n >= len(seq.context):
-        sp = seq.request.sampling
-        chunk.start_slot[row] = seq.slot
-        chunk.last_tokens[row] = seq.tokens[-1] if seq.tokens else seq.request.prompt_tokens[-1]
-        chunk.next_positions[row] = len(seq.context)
-        chunk.seeds[row] = _seed_words(seq.request.seed)
-        chunk.steps[row] = len(seq.tokens)
-        chunk.temperature[row] = sp.temperature
-        chunk.top_k[row] = sp.top_k
-        chunk.top_p[row] = sp.top_p
-    return chunk
+        r = seq.request
+        sp = r.sampling
+        rows.append((seq.slot, seq.tokens[-1] if seq.tokens else r.prompt_tokens[-1],
+                     len(seq.context), *_seed_words(r.seed), len(seq.tokens), sp.temperature,
+                     sp.top_k, sp.top_p))
+      else:
+        rows.append((c.num_slots, 0, 0, 0, 0, 0, 1.0, 0, 1.0))
+    pad = n_rows - len(part)
+    tokens += [[0] * t] * pad
+    positions += [[PARKED] * t] * pad
+    tables += [[paged_attention.TRASH_PAGE] * width] * pad
+    rows += [(c.num_slots, 0, 0, 0, 0, 0, 1.0, 0, 1.0)] * pad
+    slot, last, nxt, hi, lo, steps, temperature, top_k, top_p = zip(*rows)
+    return Chunk(tokens=np.array(tokens, np.int32), positions=np.array(positions, np.int32),
+                 table=np.array(tables, np.int32), start_slot=np.array(slot, np.int32),
+                 last_tokens=np.array(last, np.int32), next_positions=np.array(nxt, np.int32),
+                 seeds=np.array([hi, lo], np.uint32).T.copy(), steps=np.array(steps, np.int32),
+                 temperature=np.array(temperature, np.float32),
+                 top_k=np.array(top_k, np.int32), top_p=np.array(top_p, np.float32))
 
   # Decode steps and their results.
 
@@ -772,15 +811,17 @@ class JaxEngine(api.Engine):
     if not decoding.any():
       return False
     c = self.config
-    if c.decode_attention == 'xla':
+    if c.decode_attention == 'xla' and self._width(1) < c.table_width:
       longest = int(np.minimum(self._pos, self._last)[decoding].max())
       width = self._width(self._pages_through(longest))
-    else:  # the kernels read each row's own length: one compile for every length
+    else:  # one width: the kernels read each row's own length, and a short table is read whole
       width = c.table_width
     table = self._table_dev.get(width)
     if table is None:
       # A copy: on CPU a device array may alias the numpy buffer, which the host edits later.
-      table = self._table_dev[width] = self._place(jnp.asarray(self._table[:, :width].copy()))
+      # A plain transfer (jnp.asarray adds an XLA op the step then waits for).
+      table = self._table_dev[width] = jax.device_put(self._table[:, :width].copy(),
+                                                      self._device)
     self._state, tokens_H, logprobs_H = decode_step(
         self._params, self._state, table, config=self.model_config, filtered=self._filtered > 0)
     self._pending.append(_Dispatched(tokens_H, logprobs_H, tuple(self._slots), decoding,
