@@ -2,7 +2,7 @@
 
   tiny             the CPU demo (the default): arithmetic on a tiny locally built model
   reasoning        the paper's regime on CPU: long worked solutions (~20-150 tokens) that span
-                   several weight updates each; 15 minutes of RL on 2 cores (README: its run)
+                   several weight updates each; 15 minutes of RL on 2 cores (docs/results.md)
   qwen1p5b_8xh100  Qwen2.5-Math-1.5B on one 8xH100 host, vLLM generation
   paper_7b         the paper's Qwen2.5-7B run (B=1024, G=8, lr 1e-6, 8192 new tokens)
 
@@ -18,122 +18,136 @@ the command line, e.g. `--config.rl.mode=conventional --config.rl.conventional_s
 
 from pipelinerl_jax import config as config_lib
 
-PRESETS = ('tiny', 'reasoning', 'qwen1p5b_8xh100', 'paper_7b')
-
 
 def get_config(arg=None):
   preset = arg or 'tiny'
   if preset not in PRESETS:
     raise ValueError(f'configs/math.py: unknown preset {preset!r} (known: {", ".join(PRESETS)})')
+  return PRESETS[preset]()
+
+
+def tiny():
+  """A ~100k-param Qwen2-format model built and SFT-warmed locally on 2-digit addition, then
+  PipelineRL on unseen problems, all on 2 CPU cores (docs/results.md: the CPU demo)."""
   c = config_lib.base_config()
-  if preset == 'tiny':
-    # A ~100k-param Qwen2-format model built and SFT-warmed locally on 2-digit addition, then
-    # PipelineRL on unseen problems, all on 2 CPU cores. See demo-calibration in the README.
-    c.task.name = 'arithmetic'
-    c.task.ops = ('+',)
-    c.task.digits = 2
-    c.generation.num_slots = 128
-    c.generation.max_prompt_len = 8
-    c.generation.max_new_tokens = 12
-    c.rl.batch_size = 128            # 16 prompts x 8 samples per optimizer step
-    c.rl.group_size = 8
-    c.rl.max_lag = 4
-    c.rl.total_steps = 100_000       # the time budget below ends the demo
-    c.rl.max_time_s = 600.0
-    c.optimizer.lr = 3e-4
-    c.optimizer.max_grad_norm = 1.0
-    c.train.seq_len = 128
-  elif preset == 'reasoning':
-    # Long-hand addition with every carry written out (tasks/reasoning.py): RL on operands of
-    # 1-6 digits, the warm start on 1-8 (it has seen every line shape RL asks for). A 3-layer
-    # model SFT-warmed locally on 2000 worked solutions. H = 128 slots of ~100-token samples
-    # against B = 32 per step: a sample is decoded across several optimizer steps.
-    c.task.name = 'reasoning'
-    c.task.ops = ('+',)
-    c.task.min_digits = 1
-    c.task.digits = 6
-    c.task.sft_max_digits = 8
-    c.task.reward.truncated = 'penalize'
-    demo = c.model.demo
-    demo.hidden_size, demo.intermediate_size = 64, 256
-    demo.num_layers, demo.num_heads, demo.num_kv_heads, demo.head_dim = 3, 2, 2, 32
-    demo.max_position_embeddings = 256  # 8-digit SFT examples: prompt 19 + solution 222
-    demo.sft_examples = 2000
-    demo.batch_size = 64             # at most; as many as first-fit packs into the rows
-    demo.rows_per_step = 16          # ~26 solutions of 20-240 tokens per step
-    demo.lr = 1e-3
-    demo.warmup_steps = 50
-    demo.max_steps = 1500            # the SFT budget (the smoke test shrinks it)
-    demo.eval_every = 100
-    demo.target_sampled_accuracy = 0.5
-    c.generation.num_slots = 128
-    c.generation.max_prompt_len = 16  # '999999+999999=\n'
-    c.generation.max_new_tokens = 151  # the longest 6-digit solution (150) + EOS
-    c.rl.batch_size = 32             # 4 prompts x 8 samples per optimizer step
-    c.rl.group_size = 8
-    c.rl.max_lag = 8
-    c.rl.total_steps = 100_000       # the time budget below ends the run
-    c.rl.max_time_s = 900.0
-    # A near-deterministic policy that must get ~100 tokens exactly right: 3e-4 (the tiny
-    # demo's) collapses it within 10 steps, pipeline and conventional alike.
-    c.optimizer.lr = 1e-4
-    c.optimizer.max_grad_norm = 1.0
-    c.train.seq_len = 256
-  elif preset == 'qwen1p5b_8xh100':
-    _math_task(c)
-    _gpu_model(c)
-    _gpu_placement(c)
-    # Qwen2.5-Math's context is 4096 tokens: prompt + completion must fit in it.
-    c.generation.max_prompt_len = 512
-    c.generation.max_new_tokens = 3072
-    c.generation.num_slots = 768      # H: ~192 sequences per generation GPU keeps decode busy
-    c.rl.batch_size = 512             # 64 prompts x 8 samples per step (half the paper's B:
-    c.rl.group_size = 8               # one host generates ~16x fewer tokens/s than 48 GPUs)
-    # Appendix A: g_max ~ H * L / (mean length * B) = 768 * 3072 / (~700 * 512) ~ 7.
-    c.rl.max_lag = 8
-    c.rl.total_steps = 1000
-    c.optimizer.lr = 1e-6             # the paper's Adam lr, constant
-    c.train.seq_len = 8192            # packed rows: 2+ full-length samples each
-    # 2 rows of 8k per GPU per micro-batch bound the activations (README: memory plan);
-    # ~500 samples x ~1k tokens -> ~64 rows -> 8 micro-batches.
-    c.train.micro_batch_rows = 2
-    # Only elementwise work recomputed: the fastest policy measured at 1.5B (memory plan: 40 of
-    # 80 GiB per trainer GPU; the 7B's would not fit).
-    c.model.remat_policy = 'dots'
-    c.task.reward.overlong_max_len = 3072  # soft penalty in the last 512 tokens (DAPO-style)
-    c.task.reward.overlong_buffer = 512
-  elif preset == 'paper_7b':
-    # Section 5: Qwen2.5-7B base on Open-Reasoner-Zero problems, 128 H100 (48 generate at
-    # H = 64 each, 80 train). Our runs are single-host: the RL settings are the paper's, the
-    # placement is one 8-GPU host's, 4 train and 4 generate (set train.mesh and
-    # generation.num_generators for yours).
-    _math_task(c)
-    _gpu_model(c)
-    _gpu_placement(c)
-    c.generation.max_prompt_len = 1024
-    c.generation.max_new_tokens = 8192
-    c.generation.temperature = 1.0
-    # The paper's H = 64 per generation GPU. (Its 3072 in flight over 48 GPUs would be 768 per
-    # GPU here: at ~3k tokens each, 126 GiB of KV cache, more than an 80 GB GPU holds.)
-    c.generation.num_slots = 64 * c.generation.num_generators
-    c.rl.batch_size = 1024
-    c.rl.group_size = 8
-    # Not stated as a setting in our notes; Appendix A's bound g_max ~ H*I*L / (mean len * B)
-    # is 3072 * 8192 / (~3000 * 1024) ~ 8 on the paper's 48 generation GPUs (256 * 8192 /
-    # (~3000 * 1024) ~ 1 on this host's 4): 8 never binds here and keeps the paper's setting.
-    c.rl.max_lag = 8
-    c.rl.total_steps = 1000
-    c.optimizer.lr = 1e-6             # Adam, constant
-    c.loss.kind = 'pipelinerl'        # eq. 5: truncated IS REINFORCE
-    c.loss.is_cap = 5.0               # c = 5
-    c.advantage.baseline = 'mean'     # A = R - group mean, no std normalization
-    c.train.seq_len = 16384
-    # One 16k row per GPU per micro-batch: params, Adam and gradients leave room for little
-    # more (README: memory plan). ~1024 x ~3k tokens -> ~200 rows -> 64 micro-batches; 1024
-    # full-length samples -> 256.
-    c.train.micro_batch_rows = 1
-    c.task.reward.overlong_max_len = 8192  # "a soft penalty near max length"
-    c.task.reward.overlong_buffer = 1024
+  c.task.name = 'arithmetic'
+  c.task.ops = ('+',)
+  c.task.digits = 2
+  c.generation.num_slots = 128
+  c.generation.max_prompt_len = 8
+  c.generation.max_new_tokens = 12
+  c.rl.batch_size = 128            # 16 prompts x 8 samples per optimizer step
+  c.rl.group_size = 8
+  c.rl.max_lag = 4
+  c.rl.total_steps = 100_000       # the time budget below ends the demo
+  c.rl.max_time_s = 600.0
+  c.optimizer.lr = 3e-4
+  c.optimizer.max_grad_norm = 1.0
+  c.train.seq_len = 128
+  return c
+
+
+def reasoning():
+  """Long-hand addition with every carry written out (tasks/reasoning.py): RL on operands of 1-6
+  digits, the warm start on 1-8 (it has seen every line shape RL asks for). A 3-layer model
+  SFT-warmed locally on 2000 worked solutions. H = 128 slots of ~100-token samples against B = 32
+  per step: a sample is decoded across several optimizer steps (docs/results.md: its run)."""
+  c = config_lib.base_config()
+  c.task.name = 'reasoning'
+  c.task.ops = ('+',)
+  c.task.min_digits = 1
+  c.task.digits = 6
+  c.task.sft_max_digits = 8
+  c.task.reward.truncated = 'penalize'
+  demo = c.model.demo
+  demo.hidden_size, demo.intermediate_size = 64, 256
+  demo.num_layers, demo.num_heads, demo.num_kv_heads, demo.head_dim = 3, 2, 2, 32
+  demo.max_position_embeddings = 256  # 8-digit SFT examples: prompt 19 + solution 222
+  demo.sft_examples = 2000
+  demo.batch_size = 64             # at most; as many as first-fit packs into the rows
+  demo.rows_per_step = 16          # ~26 solutions of 20-240 tokens per step
+  demo.lr = 1e-3
+  demo.warmup_steps = 50
+  demo.max_steps = 1500            # the SFT budget (the smoke test shrinks it)
+  demo.eval_every = 100
+  demo.target_sampled_accuracy = 0.5
+  c.generation.num_slots = 128
+  c.generation.max_prompt_len = 16  # '999999+999999=\n'
+  c.generation.max_new_tokens = 151  # the longest 6-digit solution (150) + EOS
+  c.rl.batch_size = 32             # 4 prompts x 8 samples per optimizer step
+  c.rl.group_size = 8
+  c.rl.max_lag = 8
+  c.rl.total_steps = 100_000       # the time budget below ends the run
+  c.rl.max_time_s = 900.0
+  # A near-deterministic policy that must get ~100 tokens exactly right: 3e-4 (the tiny
+  # demo's) collapses it within 10 steps, pipeline and conventional alike.
+  c.optimizer.lr = 1e-4
+  c.optimizer.max_grad_norm = 1.0
+  c.train.seq_len = 256
+  return c
+
+
+def qwen1p5b_8xh100():
+  """Qwen2.5-Math-1.5B on one 8xH100 host: 4 GPUs train, 4 generate with vLLM."""
+  c = config_lib.base_config()
+  _math_task(c)
+  _gpu_model(c)
+  _gpu_placement(c)
+  # Qwen2.5-Math's context is 4096 tokens: prompt + completion must fit in it.
+  c.generation.max_prompt_len = 512
+  c.generation.max_new_tokens = 3072
+  c.generation.num_slots = 768      # H: ~192 sequences per generation GPU keeps decode busy
+  c.rl.batch_size = 512             # 64 prompts x 8 samples per step (half the paper's B:
+  c.rl.group_size = 8               # one host generates ~16x fewer tokens/s than 48 GPUs)
+  # Appendix A: g_max ~ H * L / (mean length * B) = 768 * 3072 / (~700 * 512) ~ 7.
+  c.rl.max_lag = 8
+  c.rl.total_steps = 1000
+  c.optimizer.lr = 1e-6             # the paper's Adam lr, constant
+  c.train.seq_len = 8192            # packed rows: 2+ full-length samples each
+  # 2 rows of 8k per GPU per micro-batch bound the activations (docs/scaling.md: memory plan);
+  # ~500 samples x ~1k tokens -> ~64 rows -> 8 micro-batches.
+  c.train.micro_batch_rows = 2
+  # Only elementwise work recomputed: the fastest policy measured at 1.5B (memory plan: 40 of
+  # 80 GiB per trainer GPU; the 7B's would not fit).
+  c.model.remat_policy = 'dots'
+  c.task.reward.overlong_max_len = 3072  # soft penalty in the last 512 tokens (DAPO-style)
+  c.task.reward.overlong_buffer = 512
+  return c
+
+
+def paper_7b():
+  """Section 5: Qwen2.5-7B base on Open-Reasoner-Zero problems, 128 H100 (48 generate at H = 64
+  each, 80 train). Our runs are single-host: the RL settings are the paper's, the placement is
+  one 8-GPU host's, 4 train and 4 generate (set train.mesh and generation.num_generators for
+  yours)."""
+  c = config_lib.base_config()
+  _math_task(c)
+  _gpu_model(c)
+  _gpu_placement(c)
+  c.generation.max_prompt_len = 1024
+  c.generation.max_new_tokens = 8192
+  c.generation.temperature = 1.0
+  # The paper's H = 64 per generation GPU. (Its 3072 in flight over 48 GPUs would be 768 per
+  # GPU here: at ~3k tokens each, 126 GiB of KV cache, more than an 80 GB GPU holds.)
+  c.generation.num_slots = 64 * c.generation.num_generators
+  c.rl.batch_size = 1024
+  c.rl.group_size = 8
+  # Not stated as a setting in our notes; Appendix A's bound g_max ~ H*I*L / (mean len * B)
+  # is 3072 * 8192 / (~3000 * 1024) ~ 8 on the paper's 48 generation GPUs (256 * 8192 /
+  # (~3000 * 1024) ~ 1 on this host's 4): 8 never binds here and keeps the paper's setting.
+  c.rl.max_lag = 8
+  c.rl.total_steps = 1000
+  c.optimizer.lr = 1e-6             # Adam, constant
+  c.loss.kind = 'pipelinerl'        # eq. 5: truncated IS REINFORCE
+  c.loss.is_cap = 5.0               # c = 5
+  c.advantage.baseline = 'mean'     # A = R - group mean, no std normalization
+  c.train.seq_len = 16384
+  # One 16k row per GPU per micro-batch: params, Adam and gradients leave room for little
+  # more (docs/scaling.md: memory plan). ~1024 x ~3k tokens -> ~200 rows -> 64 micro-batches;
+  # 1024 full-length samples -> 256.
+  c.train.micro_batch_rows = 1
+  c.task.reward.overlong_max_len = 8192  # "a soft penalty near max length"
+  c.task.reward.overlong_buffer = 1024
   return c
 
 
@@ -164,7 +178,7 @@ def _gpu_placement(c):
   attention (for 7B every matrix) would sit whole, with their Adam state, on every trainer GPU;
   6 fails the same way for 7B. 4:4 is the nearest split that shards everything; it leans towards
   generation, which Appendix A's model favours when decoding long completions dominates a step.
-  `python -m pipelinerl_jax.memory_plan` checks a layout (README: memory plan).
+  `python -m pipelinerl_jax.memory_plan` checks a layout (docs/scaling.md: memory plan).
   """
   c.train.mesh = '1,4,1'
   c.generation.backend = 'vllm'
@@ -180,15 +194,19 @@ def _gpu_placement(c):
 def _gpu_model(c):
   """bf16 compute with fp32 master weights (Adam at lr 1e-6 would lose updates in bf16), a bf16
   lm_head with fp32 accumulation (log pi moves by 3-7e-3 nats on average against an fp32 head,
-  inside the 1e-2 budget: README, "The trainer at hardware speed"), rematerialized layers for
+  inside the 1e-2 budget: docs/attention-2026-11-26.md), rematerialized layers for
   long sequences. The run refuses to start where JAX has no GPU (--config.allow_cpu=True to
   debug on a CPU)."""
   c.platform = 'gpu'
   c.model.param_dtype = 'float32'
   c.model.dtype = 'bfloat16'
   c.model.lm_head_fp32 = False
-  # cuDNN's fused attention over the packed rows (Hopper): 3.1x the blockwise step at 1.5B on an
-  # H100 (README, "On one H100 after this round").
+  # cuDNN's fused attention over the packed rows (Hopper): the fastest measured on an H100
+  # (docs/results.md).
   c.model.attention = 'cudnn'
   c.model.remat = True
   c.log.progress = True
+
+
+PRESETS = {'tiny': tiny, 'reasoning': reasoning, 'qwen1p5b_8xh100': qwen1p5b_8xh100,
+           'paper_7b': paper_7b}
