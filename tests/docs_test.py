@@ -1,0 +1,62 @@
+"""The README and docs/ pages: every relative link resolves (file and heading), and the README
+stays an entry page."""
+
+import pathlib
+import re
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+PAGES = [ROOT / 'README.md', *sorted((ROOT / 'docs').glob('*.md'))]
+README_MAX_LINES = 250
+
+LINK = re.compile(r'!?\[[^\]]*\]\(([^)\s]+)\)')
+FENCE = re.compile(r'^```.*?^```', re.M | re.S)
+
+
+def slugs(markdown: str) -> set[str]:
+  """GitHub's anchors of a page's headings: lower case, punctuation dropped, spaces to '-', a
+  repeated heading suffixed -1, -2, ..."""
+  seen: dict[str, int] = {}
+  for heading in re.findall(r'^#{1,6} +(.+?) *#*$', FENCE.sub('', markdown), re.M):
+    slug = re.sub(r'[^\w\- ]', '', heading.lower()).replace(' ', '-')
+    n = seen.get(slug, 0)
+    seen[slug] = n + 1
+    yield slug if n == 0 else f'{slug}-{n}'
+
+
+def broken_links(page: pathlib.Path) -> list[str]:
+  """Relative links of `page` whose file or heading does not exist (web links are not
+  followed)."""
+  broken = []
+  for target in LINK.findall(FENCE.sub('', page.read_text())):
+    if re.match(r'[a-z]+:', target):
+      continue
+    path, _, anchor = target.partition('#')
+    dest = (page.parent / path).resolve() if path else page
+    if not dest.exists():
+      broken.append(f'{target}: no such file')
+    elif anchor and dest.suffix == '.md' and anchor not in set(slugs(dest.read_text())):
+      broken.append(f'{target}: no heading #{anchor} in {dest.name}')
+  return broken
+
+
+@pytest.mark.parametrize('page', PAGES, ids=lambda p: p.name)
+def test_relative_links_resolve(page):
+  assert broken_links(page) == []
+
+
+def test_a_broken_file_or_heading_is_found(tmp_path):
+  (tmp_path / 'other.md').write_text('# A heading (with `code`)\n\n## A heading (with `code`)\n')
+  page = tmp_path / 'page.md'
+  page.write_text('[ok](other.md#a-heading-with-code) [ok](other.md#a-heading-with-code-1) '
+                  '[gone](missing.md) [bad](other.md#nope) ![img](none.png) [web](https://x.org)\n'
+                  '```\n[in a code block](ignored.md)\n```\n')
+  assert broken_links(page) == ['missing.md: no such file',
+                                'other.md#nope: no heading #nope in other.md',
+                                'none.png: no such file']
+
+
+def test_readme_is_an_entry_page():
+  lines = (ROOT / 'README.md').read_text().count('\n')
+  assert lines <= README_MAX_LINES, f'README.md has {lines} lines; move detail to docs/'
