@@ -2,7 +2,7 @@
 
 `connect(config.cluster)` returns a `Session`; `Session.close()` ends it. Two cases:
 
-  * `address` 'auto' or 'HOST:PORT': join a cluster started with `ray start` (README). Ray ties
+  * `address` 'auto' or 'HOST:PORT': join a cluster started with `ray start` (docs/scaling.md). Ray ties
     the actors this driver creates to it: when the driver exits or dies, Ray kills them; the
     cluster itself keeps running.
   * `address` '': start Ray on this host for this run, quietly (no dashboard, no usage stats,

@@ -145,7 +145,7 @@ class ModelSettings(_Section):
   param_dtype: Literal['float32', 'bfloat16', 'float16'] = 'float32'  # master weights
   dtype: Literal['float32', 'bfloat16', 'float16'] = 'float32'  # compute ('bfloat16' on GPUs)
   # Logits in fp32 (train/generate log-prob agreement); False: the lm_head matmul in `dtype`
-  # with fp32 accumulation (README: the bf16 lm_head's measured log-prob difference).
+  # with fp32 accumulation (docs/results.md: the bf16 lm_head's measured log-prob difference).
   lm_head_fp32: bool = True
   remat: bool = False             # rematerialize layers in the backward pass
   # With remat, what each layer keeps (transformer.REMAT_POLICIES): 'full' only its input;

@@ -5,7 +5,7 @@
 #
 #   tools/gpu_wheels.sh [DEST]        # DEST defaults to .whl
 #
-# The image (see the README's "GPU proof kit") has JAX 0.11.2 on CUDA, flax, optax, orbax,
+# The image (see docs/gpu-kit.md) has JAX 0.11.2 on CUDA, flax, optax, orbax,
 # torch, transformers, tokenizers, safetensors, absl-py, PyYAML, matplotlib and numpy; the kit's
 # path imports nothing else but ml_collections (config.py, checkpoint.py). ml-collections needs
 # absl-py and PyYAML, both on the image, so nothing else travels.

@@ -1,6 +1,6 @@
 #!/bin/bash
 # PipelineRL on several SLURM nodes. UNTESTED: there is no SLURM (and no GPU) where this project
-# is developed; the steps are the README's "Several trainer processes", run by srun.
+# is developed; the steps are docs/scaling.md's "Several trainer processes", run by srun.
 #
 #   sbatch --nodes=4 --ntasks-per-node=1 --gpus-per-node=8 --exclusive \
 #       tools/slurm_multihost.sh TRAINERS [main.py flags...]

@@ -102,7 +102,7 @@ MEM_FRACTION = '0.90'        # of the device, for a section's process: each is a
 SECTION_MEM_FRACTION = dict(train='0.95')
 OUTPUT_TAIL_LINES = 40       # of each section's output, kept in its JSON
 
-# Packages the lent GPU image does not have (see the README's "GPU proof kit"): the kit must not
+# Packages the lent GPU image does not have (see docs/gpu-kit.md): the kit must not
 # import them; CARRIED travel as wheels (tools/gpu_wheels.sh).
 IMAGE_ABSENT = ('vllm', 'math_verify', 'tensorboardX', 'datasets', 'ml_collections')
 CARRIED = ('ml_collections',)
@@ -1031,7 +1031,7 @@ VLLM_QUICK = VllmSizes(model='quick', update_models=('quick',), slots=(2, 4), pr
                        check_update_at=3, repeats=2, e2e_rl_s=0.0, e2e_steps=0)
 VLLM_PARTS = dict(serve=7.0, update=2.0, e2e=2.0)  # shares of the section's time
 VLLM_P1_SCALE = 2.0      # the second weight set, scaled: peaked, unlike the first (see serve)
-LOGPROB_BUDGET = 1e-2    # mean |log mu - log pi| in nats the README sets for bf16 serving
+LOGPROB_BUDGET = 1e-2    # mean |log mu - log pi| in nats docs/results.md sets for bf16
 
 
 def vllm_model_config(name: str):

@@ -22,7 +22,7 @@ all that a single-process run has in the terminal: the output, Ctrl-C and SIGTER
 handlers), the exit status, the workdir lock. A launcher would relay each of them to an actor
 and back. Ray ends every actor of a driver that dies, trainer processes and generators alike, so
 losing process 0 leaves nothing behind either. The cost: the driver's host is a trainer host (on
-GPUs, `ray start --head --num-gpus=0` there, so that no generator lands on its GPUs; README).
+GPUs, `ray start --head --num-gpus=0` there, so that no generator lands on its GPUs; docs/scaling.md).
 
 Why the trainer processes are Ray actors, not started by a scheduler, when the generators are:
 ObjectRefs that Ray workers pass to each other are reference-counted, and a piece is freed once
@@ -289,7 +289,7 @@ def _check_gpus(config: config_lib.Config, session, nodes, driver_node: str, gpu
   if session.local:
     raise ValueError('config.train.num_processes: several trainer processes on one GPU host '
                      '(a local Ray start) are not supported: run one trainer process per host on '
-                     'a Ray cluster (cluster.address; README: several hosts)')
+                     'a Ray cluster (cluster.address; docs/scaling.md: several hosts)')
   offered = next((n.get('Resources', {}).get('GPU', 0) for n in nodes
                   if n['NodeID'] == driver_node), 0)
   if offered:
