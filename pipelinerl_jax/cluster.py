@@ -110,6 +110,29 @@ def pin_threads(cores: Sequence[int]) -> None:
   os.environ.update(OMP_NUM_THREADS=n, MKL_NUM_THREADS=n, OPENBLAS_NUM_THREADS=n)
 
 
+def thread_affinity() -> dict[int, str]:
+  """{thread id: Cpus_allowed_list} for every thread of this process, as the kernel has it."""
+  out = {}
+  for tid in os.listdir('/proc/self/task'):
+    try:
+      with open(f'/proc/self/task/{tid}/status') as f:
+        for line in f:
+          if line.startswith('Cpus_allowed_list:'):
+            out[int(tid)] = line.split(':', 1)[1].strip()
+    except OSError:  # the thread ended meanwhile
+      pass
+  return out
+
+
+def cpu_list(text: str) -> list[int]:
+  """'0-2,5' -> [0, 1, 2, 5] (the kernel's Cpus_allowed_list format)."""
+  out = []
+  for part in text.split(','):
+    lo, _, hi = part.partition('-')
+    out += range(int(lo), int(hi or lo) + 1)
+  return out
+
+
 @contextlib.contextmanager
 def pinned(cores: Sequence[int] | None):
   """Every thread of this process on `cores` inside the block, on the cores it had before

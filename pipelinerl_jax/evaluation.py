@@ -27,7 +27,7 @@ import numpy as np
 
 from pipelinerl_jax import config as config_lib
 from pipelinerl_jax.generation import api
-from pipelinerl_jax.generation import jax_engine
+from pipelinerl_jax.generation import engines
 from pipelinerl_jax.tasks import base as tasks_base
 
 
@@ -121,7 +121,7 @@ def evaluate(engine: api.Engine, datasets: Mapping[str, Sequence[tasks_base.Prob
 def evaluate_params(config: config_lib.Config, model_config, params, tokenizer, task,
                     datasets: Mapping[str, Sequence[tasks_base.Problem]], *,
                     k: int | None = None, n: int | None = None, device=None) -> dict[str, Any]:
-  """`evaluate` with a JaxEngine built on `params`, sized from the config and problem count.
+  """`evaluate` with a JAX engine built on `params`, sized from the config and problem count.
 
   What both the CLI and the in-training eval call. Problems whose prompt is longer than
   generation.max_prompt_len are skipped and counted ('skipped'), not fatal: a long test problem
@@ -141,13 +141,11 @@ def evaluate_params(config: config_lib.Config, model_config, params, tokenizer, 
       else:
         skipped += 1
   num_requests = sum(map(len, kept.values())) * (n or k)
-  slots = max(1, min(g.num_slots, 1 << max(0, num_requests - 1).bit_length()))
-  engine = jax_engine.JaxEngine(
-      model_config, params,
-      jax_engine.EngineConfig(num_slots=slots, max_seq_len=g.max_seq_len,
-                              eos_token_ids=(tokenizer.eos_token_id,),
-                              **dict(jax_engine.engine_options(g), recompute_kv=False)),
-      device=device)
+  spec = engines.spec_from_config(
+      config, (tokenizer.eos_token_id,), backend='jax',
+      num_slots=engines.slots_for(num_requests, g.num_slots),
+      jax_options=dict(engines.jax_options(g), recompute_kv=False))
+  engine = engines.make_engine(spec, model_config, params=params, device=device)
   sampling = api.SamplingParams(temperature=ev.temperature, top_p=g.top_p, top_k=g.top_k,
                                 max_tokens=g.max_new_tokens)
   try:

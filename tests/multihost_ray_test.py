@@ -32,7 +32,7 @@ import numpy as np
 import pytest
 
 from pipelinerl_jax import config as config_lib
-from pipelinerl_jax.generation.actors import generator as generator_lib
+from pipelinerl_jax.generation.transport import layout
 from pipelinerl_jax.generation.transport import shards
 from pipelinerl_jax.pipeline import metrics as metrics_lib
 
@@ -95,7 +95,7 @@ def driver(kind: str, workdir: str, model_dir: str, out: str, steps: str) -> Non
     if not isinstance(params, shards.Published):  # over gloo: process 0's gathered copy
       assert all(x.is_fully_addressable for x in jax.tree.leaves(params))
       host = jax.device_get(params)
-      last.update(version=version, params=host, digest=generator_lib.tree_digest(host))
+      last.update(version=version, params=host, digest=layout.tree_digest(host))
       real_update(self, params, version)
       self.wait_version(version)
       last.update(transport_errors=list(self.transport_errors), loaded=self.stats()['version'])
@@ -149,7 +149,7 @@ def assert_sent_the_final_checkpoint(last: dict, config: config_lib.Config, work
   assert want.keys() == got.keys()
   for k in want:
     np.testing.assert_array_equal(got[k], want[k], err_msg=k)
-  assert last['digest'] == generator_lib.tree_digest(last['params'])
+  assert last['digest'] == layout.tree_digest(last['params'])
 
 
 def flat(tree) -> dict[str, np.ndarray]:
@@ -338,7 +338,7 @@ def test_pieces_assemble_to_the_whole_params():
   for k in params['a']:
     np.testing.assert_array_equal(got['a'][k], params['a'][k])
   np.testing.assert_array_equal(got['b'], params['b'])
-  assert generator_lib.tree_digest(got) == generator_lib.tree_digest(params)
+  assert layout.tree_digest(got) == layout.tree_digest(params)
 
 
 @pytest.mark.parametrize('change,message', [

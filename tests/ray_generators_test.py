@@ -14,7 +14,9 @@ import pytest
 from pipelinerl_jax import cluster
 from pipelinerl_jax import config as config_lib
 from pipelinerl_jax.generation import api
+from pipelinerl_jax.generation import engines
 from pipelinerl_jax.generation.actors import generator
+from pipelinerl_jax.generation.actors import members as members_lib
 from pipelinerl_jax.generation.actors import pool as pool_lib
 from pipelinerl_jax.models import hf_io
 from pipelinerl_jax.models import transformer
@@ -37,10 +39,11 @@ def model(model_dir):
 
 def make_pool(model, n=2, backend='jax', max_restarts=2, transport='object_store', params=None):
   model_dir, config, initial = model
-  spec = generator.GeneratorSpec(backend=backend, model_dir=model_dir, model_overrides={},
-                                 num_slots=8, max_seq_len=64, eos_token_ids=(),
-                                 kv_cache_mb=16, transport=transport, transport_timeout_s=10,
-                                 bucket_mb=1)
+  spec = generator.GeneratorSpec(
+      engine=engines.EngineSpec(backend=backend, num_slots=8, max_seq_len=64, eos_token_ids=(),
+                                kv_cache_mb=16),
+      model_dir=model_dir, model_overrides={}, transport=transport, transport_timeout_s=10,
+      bucket_mb=1)
   return pool_lib.RayGenerators(spec, config, num_generators=n, params=initial
                                 if params is None else params, version=0,
                                 max_restarts=max_restarts)
@@ -207,7 +210,7 @@ def test_killed_actor_is_restarted_with_the_latest_weights_and_nothing_is_lost(s
     os.kill(pool.members()[index]['pid'], signal.SIGKILL)
     for r in requests('late', groups=2):
       pool.submit(r)
-    with pytest.raises(pool_lib.GeneratorDied,
+    with pytest.raises(members_lib.GeneratorDied,
                        match=rf'^generator actor generator-{index} \(node [\d.]+, pid \d+\) '
                              r'died: its '
                              r'worker process has died.*restarts used 1 of generation.remote.'
@@ -225,7 +228,7 @@ def test_gloo_transport_loads_updates_and_a_stuck_transfer_restarts_the_actor(se
     p1, p2 = sharp_params(config, 4), sharp_params(config, 5)
     pool.update_params(p1, 1)  # bucketed broadcast over the actor's own group
     pool.wait_version(1)
-    sender = pool._sender.thread  # every send, before and after the restart, from this thread
+    sender = pool._updates.sender.thread  # every send, before and after a restart, from it
     for c in api.generate(pool, requests('g', groups=1)):
       assert (c.versions == 1).all()
       assert_logprobs_under(p1, config, c)
@@ -246,7 +249,7 @@ def test_gloo_transport_loads_updates_and_a_stuck_transfer_restarts_the_actor(se
     for c in done:
       assert (c.versions == 2).all()
       assert_logprobs_under(p2, config, c)
-    assert pool._sender.thread is sender and sender.is_alive()
+    assert pool._updates.sender.thread is sender and sender.is_alive()
   finally:
     pool.close()
 

@@ -1138,11 +1138,11 @@ def _on_cuda(jax, torch) -> bool:
 
 
 def _vllm_engine(config, model_dir: pathlib.Path, slots: int, max_len: int, **overrides):
-  """A VllmEngine configured by the project's own path (pipeline/build.vllm_engine_config: the
+  """A VllmEngine configured by the project's own path (generation/engines.vllm_config: the
   memory share from generation.vllm, what is kept for updates), and that Config."""
   from pipelinerl_jax import config as config_lib
+  from pipelinerl_jax.generation import engines
   from pipelinerl_jax.generation.vllm import engine as vllm_engine
-  from pipelinerl_jax.pipeline import build as build_lib
   c = config_lib.base_config()
   c.generation.backend = 'vllm'
   c.generation.num_slots = slots
@@ -1151,7 +1151,7 @@ def _vllm_engine(config, model_dir: pathlib.Path, slots: int, max_len: int, **ov
   c.generation.max_new_tokens = max_len - max_len // 2
   run_config = config_lib.validate(c, runnable=False)
   engine_config = dataclasses.replace(
-      build_lib.vllm_engine_config(run_config, config, eos_token_id=0), eos_token_ids=(),
+      engines.vllm_config(engines.spec_from_config(run_config, (0,)), config), eos_token_ids=(),
       **overrides)  # no early stop: every request runs to its length
   return vllm_engine.VllmEngine(model_dir, engine_config), run_config
 

@@ -87,7 +87,7 @@ def main(argv=None) -> dict:
   from pipelinerl_jax import cluster
   from pipelinerl_jax import config as config_lib
   from pipelinerl_jax.generation import api
-  from pipelinerl_jax.generation import jax_engine
+  from pipelinerl_jax.generation import engines
   from pipelinerl_jax.generation.actors import generator
   from pipelinerl_jax.generation.actors import pool as pool_lib
   from pipelinerl_jax.models import hf_io
@@ -103,9 +103,10 @@ def main(argv=None) -> dict:
         params = [transformer.init_params(config, jax.random.PRNGKey(i)) for i in range(2)]
         hf_io.save_params(params[0], config, model_dir)
         nbytes = sum(x.nbytes for x in jax.tree.leaves(params[0]))
-        spec = generator.GeneratorSpec(backend='jax', model_dir=str(model_dir),
-                                       model_overrides={}, num_slots=4 * args.groups,
-                                       max_seq_len=4 + args.tokens, eos_token_ids=())
+        spec = generator.GeneratorSpec(
+            engine=engines.EngineSpec(backend='jax', num_slots=4 * args.groups,
+                                      max_seq_len=4 + args.tokens, eos_token_ids=()),
+            model_dir=str(model_dir), model_overrides={})
         copy = memcpy_ms(nbytes)
         for n in actor_counts:
           pool = pool_lib.RayGenerators(spec, config, num_generators=n, params=params[0],
@@ -130,8 +131,8 @@ def main(argv=None) -> dict:
             print(f'sync  {size:>6} N={n}  {row["mb"]:7.1f} MB  put {row["put_ms"]:8.1f} ms  '
                   f'sync {row["sync_ms"]:8.1f} ms  (memcpy {copy:6.2f} ms)', flush=True)
             if n == 1:  # the per-step overhead, on this size
-              step_rows.append(_overhead(size, config, params[0], pool, args, requests,
-                                         jax_engine, api))
+              step_rows.append(_overhead(size, config, params[0], pool, spec.engine, args,
+                                         requests, engines, api))
           finally:
             pool.close()
   finally:
@@ -157,10 +158,10 @@ def main(argv=None) -> dict:
   return result
 
 
-def _overhead(size, config, params, pool, args, requests, jax_engine, api) -> dict:
-  """The same workload inline and through `pool` (one actor), each once warmed up."""
-  inline = jax_engine.JaxEngine(config, params, jax_engine.EngineConfig(
-      num_slots=4 * args.groups, max_seq_len=4 + args.tokens), version=0)
+def _overhead(size, config, params, pool, engine_spec, args, requests, engines, api) -> dict:
+  """The same workload inline and through `pool` (one actor, the same engine), each once warmed
+  up."""
+  inline = engines.make_engine(engine_spec, config, params=params)
   api.generate(inline, requests(args.groups, args.tokens, 'warm'))
   before = inline.stats()
   t0 = time.perf_counter()

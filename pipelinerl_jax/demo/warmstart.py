@@ -35,7 +35,7 @@ from pipelinerl_jax import packing
 from pipelinerl_jax import train
 from pipelinerl_jax.demo import char_tokenizer
 from pipelinerl_jax.generation import api as gen_api
-from pipelinerl_jax.generation import jax_engine
+from pipelinerl_jax.generation import engines
 from pipelinerl_jax.models import hf_io
 from pipelinerl_jax.models import transformer
 from pipelinerl_jax.tasks import arithmetic
@@ -201,13 +201,11 @@ def evaluate_accuracy(params, model_config: transformer.ModelConfig, tokenizer, 
   if max_tokens is None:  # room for the answer plus a little slack before 'length'
     max_tokens = max(len(encode(tokenizer, task.target(p))) for p in problems) + 4
   max_prompt = max(len(ids) for ids in prompts.values())
-  # Powers of two so repeated evaluations (different sets, same sizes) reuse the compiled step.
+  # A power of two so repeated evaluations (different sets, same sizes) reuse the compiled step.
   max_seq_len = 1 << (max_prompt + max_tokens - 1).bit_length()
-  slots = min(num_slots, 1 << (len(problems) - 1).bit_length())
-  engine = jax_engine.JaxEngine(
-      model_config, params,
-      jax_engine.EngineConfig(num_slots=slots, max_seq_len=max_seq_len,
-                              eos_token_ids=(eos_id(tokenizer),)))
+  spec = engines.EngineSpec(backend='jax', num_slots=engines.slots_for(len(problems), num_slots),
+                            max_seq_len=max_seq_len, eos_token_ids=(eos_id(tokenizer),))
+  engine = engines.make_engine(spec, model_config, params=params)
   try:
     result = evaluation.evaluate(
         engine, {'warmstart': list(problems)}, task, encode=lambda p: prompts[p.prompt],

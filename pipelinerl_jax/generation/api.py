@@ -173,6 +173,24 @@ class RequestQueue:
       return len(self._ids)
 
 
+class QueuedEngine(Engine):
+  """An engine whose requests wait in this process: the bookkeeping each such engine keeps, its
+  `RequestQueue` (`_requests`) and the version of the weights it serves (`_version`)."""
+
+  def __init__(self, version: int = 0):
+    self._requests = RequestQueue()
+    self._version = version
+
+  @property
+  def num_unfinished(self) -> int:
+    return self._requests.num_unfinished
+
+  @property
+  def version(self) -> int:
+    """The version of the weights the next token step uses."""
+    return self._version
+
+
 @dataclasses.dataclass
 class SequenceRecord:
   """The host record of one request being decoded: its tokens so far, each with log mu and the

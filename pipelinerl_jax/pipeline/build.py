@@ -28,7 +28,7 @@ from pipelinerl_jax import packing
 from pipelinerl_jax import sharding as sharding_lib
 from pipelinerl_jax import train
 from pipelinerl_jax.generation import api
-from pipelinerl_jax.generation import jax_engine
+from pipelinerl_jax.generation import engines
 from pipelinerl_jax.models import hf_io
 from pipelinerl_jax.models import transformer
 from pipelinerl_jax.pipeline import actor as actor_lib
@@ -291,17 +291,13 @@ def _inline_engine(config: config_lib.Config, model_config, model_dir: str, *, m
   """The engine in the trainer's process: the JAX engine on a device the mesh leaves free, or
   vLLM (which starts from the checkpoint on disk, what `params` were loaded from)."""
   del cores
-  g = config.generation
-  if g.backend == 'jax':
+  spec = engines.spec_from_config(config, (eos_token_id,))
+  if spec.backend == 'jax':
     device = generation_device(mesh)
-    return jax_engine.JaxEngine(
-        model_config, copy_params_fn(device, model_config.dtype)(params),
-        jax_engine.EngineConfig(num_slots=g.num_slots, max_seq_len=g.max_seq_len,
-                                eos_token_ids=(eos_token_id,), **jax_engine.engine_options(g)),
-        version=version, device=device)
-  from pipelinerl_jax.generation.vllm import engine as vllm_engine  # imports vLLM
-  return vllm_engine.VllmEngine(model_dir, vllm_engine_config(config, model_config,
-                                                               eos_token_id))
+    return engines.make_engine(spec, model_config,
+                               params=copy_params_fn(device, model_config.dtype)(params),
+                               version=version, device=device)
+  return engines.make_engine(spec, model_config, model_dir=model_dir)
 
 
 def _ray_engine(config: config_lib.Config, model_config, model_dir: str, *, mesh,
@@ -330,16 +326,11 @@ def _ray_engine(config: config_lib.Config, model_config, model_dir: str, *, mesh
                        "GPUs (the cluster has none, or gpus_per_generator=0); use 'gloo' or "
                        "'object_store'")
     spec = generator.GeneratorSpec(
-        backend=g.backend, model_dir=os.path.abspath(model_dir),
+        engine=engines.spec_from_config(config, (eos_token_id,)),
+        model_dir=os.path.abspath(model_dir),
         model_overrides=dict(param_dtype=model_config.param_dtype, dtype=model_config.dtype,
                              lm_head_fp32=model_config.lm_head_fp32),
-        num_slots=g.slots_per_generator, max_seq_len=g.max_seq_len,
-        eos_token_ids=(eos_token_id,),
-        recompute_kv=g.recompute_kv, jax_options=jax_engine.engine_options(g),
-        kv_cache_mb=g.vllm.kv_cache_mb,
-        gpu_memory_utilization=g.vllm.gpu_memory_utilization, cuda_graphs=g.vllm.cuda_graphs,
-        lm_head_fp32=config.model.lm_head_fp32, transport=remote.weight_transport,
-        transport_timeout_s=remote.transport_timeout_s,
+        transport=remote.weight_transport, transport_timeout_s=remote.transport_timeout_s,
         wire_dtype=transport_dtype(config, model_config, model_dir))
     return pool.RayGenerators(
         spec, model_config, num_generators=g.num_generators, params=params, version=version,
@@ -351,22 +342,6 @@ def _ray_engine(config: config_lib.Config, model_config, model_dir: str, *, mesh
 
 
 ENGINE_PLACEMENTS = {'inline': _inline_engine, 'ray': _ray_engine}
-
-
-def vllm_engine_config(config: config_lib.Config, model_config, eos_token_id: int):
-  """The in-process vLLM engine's settings (`model_config`: the trainer's, for its dtypes)."""
-  from pipelinerl_jax.generation import budget
-  from pipelinerl_jax.generation.transport import hf_tensors
-  from pipelinerl_jax.generation.vllm import engine as vllm_engine  # imports vLLM
-  g = config.generation
-  # Each published tensor goes to the GPU on its own after vLLM started (via the host).
-  reserve = budget.largest_tensor_bytes(hf_tensors.expected_shapes(model_config).values(),
-                                        model_config.param_dtype)
-  return vllm_engine.VllmEngineConfig(
-      max_num_seqs=g.slots_per_generator, max_model_len=g.max_seq_len,
-      eos_token_ids=(eos_token_id,), kv_cache_bytes=g.vllm.kv_cache_mb << 20,
-      gpu_memory_utilization=g.vllm.gpu_memory_utilization, reserve_bytes=reserve,
-      cuda_graphs=g.vllm.cuda_graphs, lm_head_fp32=config.model.lm_head_fp32)
 
 
 def prompt_encoder(tokenizer, max_len: int) -> Callable[[tasks_base.Problem], list[int]]:

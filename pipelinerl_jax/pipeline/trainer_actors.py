@@ -182,7 +182,7 @@ class Launch:
     collective: the whole params in `wire_dtype` on this process's devices, gathered with the
     followers (their loop makes the same call), which the pool broadcasts."""
     from pipelinerl_jax import distributed
-    from pipelinerl_jax.generation.actors import generator
+    from pipelinerl_jax.generation.transport import layout
     from pipelinerl_jax.generation.transport import shards
     if self.transport != 'object_store':
       return distributed.whole_per_process(params, wire_dtype)
@@ -195,7 +195,7 @@ class Launch:
       except (ray_errors.RayActorError, ray_errors.RayTaskError, ray_errors.GetTimeoutError) as e:
         raise _error(f'{_describe(i + 1)}: its pieces of version {version}: {_cause(e)}') from None
     if self._digest is None:
-      self._digest = generator.tree_digest(params)
+      self._digest = layout.tree_digest(params)
     return shards.Published(tuple(refs), self._digest)
 
   def watch(self, stop: threading.Event) -> None:

@@ -1,2 +1,3 @@
-"""Generators as Ray actors: the actor (`generator`), the pool the actor loop sees (`pool`), and
-which devices each gets (`placement`)."""
+"""Generators as Ray actors: the actor (`generator`), the pool the actor loop sees (`pool`: a
+facade over the actors' records in `members`, the weight `updates` and the `restarts`), and which
+devices each gets (`placement`)."""

@@ -16,16 +16,14 @@ pool sends it, never from stale ones); requests submitted before wait in the act
 carry a sequence number and stay in the outbox until the pool acknowledges them (`ack`): a poll
 reply lost in transit is sent again, so none is lost; the pool's routing drops duplicates.
 
-This module imports Ray and the standard library only at the top: the engine (JAX or vLLM, and
-their thread pools) is imported after `pin`. Methods run in Ray's threads, one per concurrency
+The engine comes from the project's one factory (generation/engines.py), which imports JAX or
+vLLM, and their thread pools, only when it builds the engine: after `pin`. Methods run in Ray's threads, one per concurrency
 group, so a weight transfer never blocks polling or submitting.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import hashlib
-import json
 import os
 import socket
 import threading
@@ -38,77 +36,26 @@ import ray
 
 from pipelinerl_jax import cluster
 from pipelinerl_jax.generation import api
+from pipelinerl_jax.generation import engines
+from pipelinerl_jax.generation.transport import layout
 
 CONCURRENCY_GROUPS = {'io': 1, 'control': 1, 'weights': 1}
 
 
 @dataclasses.dataclass(frozen=True)
 class GeneratorSpec:
-  """Everything an actor needs to build its engine (picklable, no JAX objects)."""
-  backend: str                     # 'jax' | 'vllm'
+  """Everything an actor needs (picklable, no JAX objects): its engine, and how weights reach it."""
+  engine: engines.EngineSpec
   model_dir: str                   # config.json (and, for vLLM, the checkpoint) on every node
   model_overrides: dict            # hf_io.load_config kwargs: the trainer's dtypes
-  num_slots: int                   # H of this generator
-  max_seq_len: int
-  eos_token_ids: tuple[int, ...]  # stop every request
-  recompute_kv: bool = False       # JAX engine
-  jax_options: dict = dataclasses.field(default_factory=dict)  # JAX engine: EngineConfig fields
-  kv_cache_mb: int = 256           # vLLM on CPU (or on CUDA with gpu_memory_utilization 0)
-  gpu_memory_utilization: float = 0.9  # vLLM on CUDA: generation/budget.py
-  cuda_graphs: bool = True         # vLLM on CUDA
-  lm_head_fp32: bool = False       # vLLM
   transport: str = 'object_store'  # 'object_store' | 'gloo' | 'nccl'
   transport_timeout_s: float = 120.0
   bucket_mb: int = 256             # collective transports
   wire_dtype: str = 'float32'      # collective transports: budget.wire_dtype
 
 
-def tree_digest(tree) -> str:
-  """The layout of a params pytree (paths, shapes, dtypes) as a short hash: an update whose
-  digest differs from the receiver's is for another model and is refused whole."""
-  leaves = []
-
-  def walk(node, path):
-    if isinstance(node, dict):
-      for k in sorted(node):
-        walk(node[k], path + (k,))
-    else:
-      leaves.append(['/'.join(path), list(node.shape), str(node.dtype)])
-  walk(tree, ())
-  return hashlib.sha256(json.dumps(leaves).encode()).hexdigest()[:16]
-
-
-def expected_digest(model_config) -> str:
-  """`tree_digest` of the params this model's engine takes, from its config alone."""
-  import numpy as np
-  from pipelinerl_jax.models import hf_io
-  tree: dict = {}
-  dtype = np.dtype(model_config.param_dtype)
-  for spec in hf_io.name_map(model_config):
-    node = tree
-    for key in spec.path[:-1]:
-      node = node.setdefault(key, {})
-    node[spec.path[-1]] = np.lib.stride_tricks.as_strided(np.zeros((), dtype), spec.shape,
-                                                         (0,) * len(spec.shape))
-  return tree_digest(tree)
-
-
-def thread_affinity() -> dict[int, str]:
-  """{thread id: Cpus_allowed_list} for every thread of this process, as the kernel has it."""
-  out = {}
-  for tid in os.listdir('/proc/self/task'):
-    try:
-      with open(f'/proc/self/task/{tid}/status') as f:
-        for line in f:
-          if line.startswith('Cpus_allowed_list:'):
-            out[int(tid)] = line.split(':', 1)[1].strip()
-    except OSError:  # the thread ended meanwhile
-      pass
-  return out
-
-
 class Generator:
-  """The actor's state. Plain Python: `ray.remote(Generator)` makes the actor (see pool.py)."""
+  """The actor's state. Plain Python: `ray.remote(Generator)` makes the actor (see members.py)."""
 
   def __init__(self, spec: GeneratorSpec, name: str):
     self.spec, self.name = spec, name
@@ -146,17 +93,17 @@ class Generator:
     """Pins every thread of this process to `cores` (threads started later inherit it) and
     sizes the thread pools that read their size from the environment. Called before the engine
     exists, so JAX (XLA) and torch size their pools from these cores. Returns
-    `thread_affinity()`, which the kernel reports."""
+    `cluster.thread_affinity()`, which the kernel reports."""
     if self._engine is not None:
       raise RuntimeError(f'{self.name}: pin() after the engine started has no effect on its pools')
     cores = tuple(sorted(int(c) for c in cores))
     cluster.pin_threads(cores)
     self._cores = cores
-    return thread_affinity()
+    return cluster.thread_affinity()
 
   @ray.method(concurrency_group='control')
   def affinity(self) -> dict[int, str]:
-    return thread_affinity()
+    return cluster.thread_affinity()
 
   # --- weights ---------------------------------------------------------------------------------
 
@@ -174,7 +121,7 @@ class Generator:
     pinned it) is ignored: None tells the pool."""
     if incarnation != self.incarnation:
       return None
-    got, want = tree_digest(tree), expected_digest(self._model())
+    got, want = layout.tree_digest(tree), layout.expected_digest(self._model())
     if digest != got or got != want:
       raise ValueError(f'{self.name}: weight update {version} refused: layout digest {got} '
                        f'(sent as {digest}) is not this model\'s {want}')
@@ -246,7 +193,7 @@ class Generator:
       built.wait()
       if self._error is not None:
         raise RuntimeError(self._error)
-    elif hf_views is not None and self.spec.backend == 'vllm':
+    elif hf_views is not None and self.spec.engine.backend == 'vllm':
       self._engine.update_hf_tensors(hf_views, version, release)  # released once loaded
     else:
       import jax
@@ -266,37 +213,21 @@ class Generator:
   def _build(self, tree, version: int, hf_views, release) -> api.Engine:
     """The engine, on this actor's device, serving `version` (imports JAX or vLLM now)."""
     spec, model = self.spec, self._model()
-    if spec.backend == 'jax':
-      import jax
-      from pipelinerl_jax.generation import jax_engine
-      if hf_views is not None:
-        from pipelinerl_jax.generation.transport import hf_tensors
-        tree = hf_tensors.params_from_hf(hf_views, model)
-      options = dict(spec.jax_options, recompute_kv=spec.recompute_kv)
-      return jax_engine.JaxEngine(
-          model, tree, jax_engine.EngineConfig(
-              num_slots=spec.num_slots, max_seq_len=spec.max_seq_len,
-              eos_token_ids=spec.eos_token_ids, **options),
-          version=version, device=jax.local_devices()[0])
-    from pipelinerl_jax.generation import budget
-    from pipelinerl_jax.generation.transport import hf_tensors
-    from pipelinerl_jax.generation.vllm import engine as vllm_engine
     # Object store: each tensor of an update comes to the GPU on its own, after vLLM started
     # (a collective's staging buffer was allocated before, at `join`).
-    reserve = budget.largest_tensor_bytes(hf_tensors.expected_shapes(model).values(),
-                                          model.param_dtype) \
-        if spec.transport == 'object_store' else 0
-    engine = vllm_engine.VllmEngine(spec.model_dir, vllm_engine.VllmEngineConfig(
-        max_num_seqs=spec.num_slots, max_model_len=spec.max_seq_len,
-        eos_token_ids=spec.eos_token_ids, kv_cache_bytes=spec.kv_cache_mb << 20,
-        gpu_memory_utilization=spec.gpu_memory_utilization, reserve_bytes=reserve,
-        cuda_graphs=spec.cuda_graphs, lm_head_fp32=spec.lm_head_fp32), version=-1)
-    if hf_views is not None:
+    build = dict(model_dir=spec.model_dir, staged_updates=spec.transport != 'object_store')
+    if spec.engine.backend == 'vllm' and hf_views is not None:
+      engine = engines.make_engine(spec.engine, model, version=-1, **build)
       engine.update_hf_tensors(hf_views, version, release)
-    else:
-      engine.update_params(tree, version)
-    engine.apply_update()  # serves `version`, not the checkpoint, from its first token
-    return engine
+      engine.apply_update()  # serves `version`, not the checkpoint, from its first token
+      return engine
+    if hf_views is not None:
+      from pipelinerl_jax.generation.transport import hf_tensors
+      tree = hf_tensors.params_from_hf(hf_views, model)
+    if spec.engine.backend == 'jax':
+      import jax
+      build['device'] = jax.local_devices()[0]
+    return engines.make_engine(spec.engine, model, params=tree, version=version, **build)
 
   # --- requests --------------------------------------------------------------------------------
 
@@ -356,7 +287,7 @@ class Generator:
         del tree, hf_views
         if release is not None:
           release()  # loaded (or failed): no-op when the engine released it already
-      if self.spec.backend == 'vllm':
+      if self.spec.engine.backend == 'vllm':
         from pipelinerl_jax.generation.vllm import engine as vllm_engine
         refused = vllm_engine.WeightUpdateError  # not loaded; still serving the previous one
       with self._cond:
@@ -367,7 +298,7 @@ class Generator:
       built.set()
       while not self._closed:
         if engine.num_unfinished == 0:
-          if self.spec.backend == 'vllm':
+          if self.spec.engine.backend == 'vllm':
             try:
               engine.apply_update()
             except refused:

@@ -43,7 +43,7 @@ class Piece:
 class Published:
   """One weight update from several processes: `refs[i]` holds a list of Pieces (the pool
   passes them to generators as they are); `digest` is the layout digest of the whole params
-  (generator.tree_digest), which the assembled tree must have."""
+  (layout.tree_digest), which the assembled tree must have."""
   refs: tuple[Any, ...]
   digest: str
 

@@ -178,7 +178,7 @@ def checkpoint_shapes(model_dir: Path) -> dict[str, tuple[int, ...]]:
   return shapes
 
 
-class VllmEngine(api.Engine):
+class VllmEngine(api.QueuedEngine):
   """One actor thread calls `step()`; any thread may call `submit` and `update_params`."""
 
   def __init__(self, model_dir: str | os.PathLike, config: VllmEngineConfig = VllmEngineConfig(),
@@ -222,13 +222,12 @@ class VllmEngine(api.Engine):
     if self._head is not None:
       self._head.set(_checkpoint_tensor(self.model_dir, 'lm_head.weight'))
 
-    self._version = version
+    super().__init__(version)
     _label_weights(self._core, version)
     # How to rebuild the weights now served (for a rollback): None = reload the checkpoint,
     # _NO_ROLLBACK = they came from buffers that may since have been overwritten.
     self._loaded: Callable[[], list] | None | object = None
     self._next_params: _Pending | None = None
-    self._requests = api.RequestQueue()
     self._seqs: dict[str, api.SequenceRecord] = {}  # handed to vLLM, not finished
     self._lock = threading.Lock()  # guards _next_params
     self._closed = False
@@ -343,14 +342,6 @@ class VllmEngine(api.Engine):
     cache = self._core.vllm_config.cache_config
     return dict(bytes=sum(buffers.values()), buffers=len(buffers), num_blocks=cache.num_gpu_blocks,
                 block_size=cache.block_size)
-
-  @property
-  def num_unfinished(self) -> int:
-    return self._requests.num_unfinished
-
-  @property
-  def version(self) -> int:
-    return self._version
 
   def close(self) -> None:
     if self._closed:
