@@ -354,7 +354,7 @@ def test_kill_9_then_resume_leaves_nothing_behind_and_repeats_no_step(model_dir,
   workdir = tmp_path / 'w'
   math_flags = ['--config.task.name=math', f"--config.task.train_files=('{data}',)",
                 '--config.task.verify_workers=2', '--config.generation.max_prompt_len=112',
-                '--config.log.tensorboard=True', '--config.checkpoint.every_steps=2']
+                '--config.log.tensorboard=True', '--config.checkpoint.every_steps=4']
   proc = subprocess.Popen(main_cmd(workdir, model_dir, '--config.rl.total_steps=100000',
                                    *math_flags),
                           cwd=ROOT, env=ENV, stdout=subprocess.DEVNULL,
@@ -363,10 +363,12 @@ def test_kill_9_then_resume_leaves_nothing_behind_and_repeats_no_step(model_dir,
   metrics = workdir / 'metrics.jsonl'
   try:
     deadline = time.monotonic() + 240
-    while not (metrics.exists() and metrics_lib.read_metrics(str(metrics))
-               and metrics_lib.read_metrics(str(metrics))[-1]['step'] >= 3):
+    # Killed one or two steps past a checkpoint: the next save is then at least two steps away,
+    # so the kill lands before it however the poll and the steps interleave.
+    while not (metrics.exists() and (logged := metrics_lib.read_metrics(str(metrics)))
+               and logged[-1]['step'] > 4 and logged[-1]['step'] % 4 in (1, 2)):
       assert proc.poll() is None and time.monotonic() < deadline, 'the run did not train'
-      time.sleep(0.2)
+      time.sleep(0.1)
     proc.kill()
     proc.wait()
   finally:
@@ -382,7 +384,7 @@ def test_kill_9_then_resume_leaves_nothing_behind_and_repeats_no_step(model_dir,
   c = small_config(total_steps=killed[-1]['step'] + 2)
   c.model.path = model_dir
   c.task.name, c.task.train_files, c.task.verify_workers = 'math', (str(data),), 2
-  c.generation.max_prompt_len, c.checkpoint.every_steps, c.log.tensorboard = 112, 2, True
+  c.generation.max_prompt_len, c.checkpoint.every_steps, c.log.tensorboard = 112, 4, True
   capsys.readouterr()
   run_lib.run(c, str(workdir), model_dir=model_dir)
   out = capsys.readouterr().out
