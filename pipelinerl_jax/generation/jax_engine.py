@@ -211,8 +211,9 @@ def prefill(params, state: DecodeState, chunk: Chunk, *, config: transformer.Mod
 @functools.partial(jax.jit, static_argnames=('config', 'filtered'), donate_argnames=('state',))
 def decode_step(params, state: DecodeState, table_HxW: jax.Array, *,
                 config: transformer.ModelConfig, filtered: bool
-                ) -> tuple[DecodeState, jax.Array, jax.Array]:
-  """One token for every slot: returns (state, tokens [H], log mu [H]).
+                ) -> tuple[DecodeState, jax.Array]:
+  """One token for every slot: returns (state, drawn [2, H] int32): the tokens, and their log mu
+  as the bits of an fp32 (`unpack_drawn`), so the host fetches one array per step.
 
   A slot reads the first W entries of its table row (W = table_HxW's width). The head multiplies
   in the model's dtype with fp32 accumulation (bf16 on GPUs: the weights are read once, in half
@@ -230,7 +231,13 @@ def decode_step(params, state: DecodeState, table_HxW: jax.Array, *,
     tokens_H, logprobs_H = sampling.sample(keys_H, logits_HxV, s.temperature)
   slots = s._replace(tokens=tokens_H, positions=jnp.minimum(s.positions + 1, PARKED),
                      steps=s.steps + 1)
-  return DecodeState(pool, slots), tokens_H, logprobs_H
+  drawn_2xH = jnp.stack([tokens_H, jax.lax.bitcast_convert_type(logprobs_H, jnp.int32)])
+  return DecodeState(pool, slots), drawn_2xH
+
+
+def unpack_drawn(drawn_2xH: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+  """A decode step's output on the host: (tokens [H] int32, log mu [H] fp32)."""
+  return drawn_2xH[0], drawn_2xH[1].view(np.float32)
 
 
 @jax.jit
@@ -330,8 +337,7 @@ class _Sequence(api.SequenceRecord):
 
 
 class _Dispatched(NamedTuple):
-  tokens_H: jax.Array
-  logprobs_H: jax.Array
+  drawn_2xH: jax.Array      # tokens and log mu (`unpack_drawn`)
   occupants: tuple          # [H] the slots' sequences when it was dispatched
   decoding: np.ndarray      # [H] bool: the slots that decoded in it
   index: int                # decode steps dispatched before it
@@ -380,7 +386,9 @@ class JaxEngine(api.Engine):
     self._pending: list[_Dispatched] = []
     self._dispatched = 0
     self._table = np.zeros((h, config.table_width), np.int32)
-    self._table_dev: dict[int, jax.Array] = {}  # read width -> the decode table on the device
+    # Read width -> the decode table as last passed: a host copy in the step after it changed
+    # (the call transfers it), then on the device.
+    self._table_dev: dict[int, np.ndarray | jax.Array] = {}
     self._admitted = 0
     self._collected = True  # a collection happened since pages were last reserved
     self._next_params: tuple[Any, int] | None = None
@@ -508,7 +516,7 @@ class JaxEngine(api.Engine):
       widths = [c.table_width]
     for w in widths:
       table = self._place(jnp.zeros((c.num_slots, w), jnp.int32))
-      self._state, _, _ = decode_step(self._params, self._state, table,
+      self._state, _ = decode_step(self._params, self._state, table,
                                       config=self.model_config, filtered=False)
     jax.block_until_ready(self._state)
     return len(widths)
@@ -818,13 +826,15 @@ class JaxEngine(api.Engine):
       width = c.table_width
     table = self._table_dev.get(width)
     if table is None:
-      # A copy: on CPU a device array may alias the numpy buffer, which the host edits later.
-      # A plain transfer (jnp.asarray adds an XLA op the step then waits for).
-      table = self._table_dev[width] = jax.device_put(self._table[:, :width].copy(),
-                                                      self._device)
-    self._state, tokens_H, logprobs_H = decode_step(
+      # Changed (admissions, page boundaries): the call's own transfer of a host array costs a
+      # few µs where `jax.device_put` costs tens (`jnp.asarray` adds an XLA op the step waits
+      # for). A copy: on CPU the device may alias the buffer, which the host edits later.
+      table = self._table_dev[width] = self._table[:, :width].copy()
+    elif isinstance(table, np.ndarray):  # unchanged since the last step: keep it there
+      table = self._table_dev[width] = jax.device_put(table, self._device)
+    self._state, drawn_2xH = decode_step(
         self._params, self._state, table, config=self.model_config, filtered=self._filtered > 0)
-    self._pending.append(_Dispatched(tokens_H, logprobs_H, tuple(self._slots), decoding,
+    self._pending.append(_Dispatched(drawn_2xH, tuple(self._slots), decoding,
                                      self._dispatched, self._version))
     self._dispatched += 1
     self._counts['decode_steps'] += 1
@@ -844,9 +854,12 @@ class JaxEngine(api.Engine):
       return []
     batch, self._pending = self._pending[:n], self._pending[n:]
     self._collected = True
-    host = jax.device_get([(d.tokens_H, d.logprobs_H) for d in batch])
+    if len(batch) > 1:  # all transfers under way before the first wait
+      for d in batch:
+        d.drawn_2xH.copy_to_host_async()
     finished, appended = [], 0
-    for d, (tokens_H, logprobs_H) in zip(batch, host):
+    for d in batch:
+      tokens_H, logprobs_H = unpack_drawn(np.asarray(d.drawn_2xH))  # no pytree device_get
       tokens, logprobs, occupants = tokens_H.tolist(), logprobs_H.tolist(), d.occupants
       for slot in np.flatnonzero(d.decoding).tolist():
         seq = occupants[slot]
