@@ -140,20 +140,28 @@ class DecodeState(NamedTuple):
 
 
 class Chunk(NamedTuple):
-  """R context chunks to write into the pool, padded to T positions. A row whose chunk ends its
-  context also readies `start_slot` (H for none: the write is dropped). Padding rows and columns
-  sit at PARKED, past every table: they write to the trash page."""
+  """R context chunks to write into the pool, padded to T positions: four host arrays (each is
+  one transfer in the call). Row r writes positions start..start+n-1; a row whose chunk ends its
+  context also readies its slot (H for none: the write is dropped). Padding rows and columns sit
+  at PARKED, past every table: they write to the trash page."""
   tokens: jax.Array        # [R, T] int32
-  positions: jax.Array     # [R, T] int32
   table: jax.Array         # [R, W] int32 the row's block table
-  start_slot: jax.Array    # [R] int32
-  last_tokens: jax.Array   # [R] int32 the sequence's last token, its first decode input
-  next_positions: jax.Array  # [R] int32 that token's position (the context length)
-  seeds: jax.Array         # [R, 2] uint32 request seed (high, low word)
-  steps: jax.Array         # [R] int32 tokens already generated
-  temperature: jax.Array   # [R] fp32
-  top_k: jax.Array         # [R] int32
-  top_p: jax.Array         # [R] fp32
+  ints: jax.Array          # [R, CHUNK_INTS] int32, the columns below
+  floats: jax.Array        # [R, 2] fp32: temperature, top-p
+
+
+# Chunk.ints' columns: the chunk's first position and length; the slot it readies; the
+# sequence's last token (its first decode input) and that token's position (the context
+# length); the request seed's high and low words (uint32 bits); tokens already generated; top-k.
+(START, LENGTH, SLOT, LAST_TOKEN, NEXT_POSITION, SEED_HI, SEED_LO, STEPS, TOP_K,
+ CHUNK_INTS) = range(10)
+
+
+def chunk_positions(chunk: Chunk) -> jax.Array:
+  """[R, T] int32: each row's positions, PARKED past its length."""
+  col_T = jnp.arange(chunk.tokens.shape[1], dtype=jnp.int32)
+  start_Rx1, length_Rx1 = chunk.ints[:, START, None], chunk.ints[:, LENGTH, None]
+  return jnp.where(col_T[None] < length_Rx1, start_Rx1 + col_T[None], PARKED)
 
 
 def init_state(config: transformer.ModelConfig, num_slots: int, num_pages: int, page_size: int
@@ -186,11 +194,12 @@ def prefill(params, state: DecodeState, chunk: Chunk, *, config: transformer.Mod
   """
   TRACES['prefill'] += 1
   # The hidden states are not used, so no logits are made.
+  positions_RxT = chunk_positions(chunk)
   if fresh:
     n, t = chunk.tokens.shape
-    _, own = transformer.decode(params, config, chunk.tokens, chunk.positions,
+    _, own = transformer.decode(params, config, chunk.tokens, positions_RxT,
                                 transformer.init_cache(config, n, t))  # padding: dropped
-    page_RxT, offset_RxT = paged_attention.locate(chunk.table, chunk.positions,
+    page_RxT, offset_RxT = paged_attention.locate(chunk.table, positions_RxT,
                                                   state.pool.k.shape[3])
     to_pages = lambda pool_LxAxKxZxDh, own_LxRxTxKxDh: pool_LxAxKxZxDh.at[
         :, page_RxT, :, offset_RxT].set(own_LxRxTxKxDh.transpose(1, 2, 0, 3, 4))
@@ -198,12 +207,14 @@ def prefill(params, state: DecodeState, chunk: Chunk, *, config: transformer.Mod
                                         to_pages(state.pool.v, own.v))
   else:  # chunks of several positions read through the XLA gather (the kernels serve T = 1)
     xla = dataclasses.replace(config, decode_attention='xla')
-    _, pool = transformer.decode_paged(params, xla, chunk.tokens, chunk.positions, state.pool,
+    _, pool = transformer.decode_paged(params, xla, chunk.tokens, positions_RxT, state.pool,
                                        chunk.table)
-  rows = Slots(tokens=chunk.last_tokens, positions=chunk.next_positions,
-               rng=jax.vmap(request_key)(chunk.seeds), steps=chunk.steps,
-               temperature=chunk.temperature, top_k=chunk.top_k, top_p=chunk.top_p)
-  slots = jax.tree.map(lambda all_H, new_R: all_H.at[chunk.start_slot].set(new_R, mode='drop'),
+  ints = chunk.ints
+  seeds_Rx2 = jax.lax.bitcast_convert_type(ints[:, SEED_HI:SEED_LO + 1], jnp.uint32)
+  rows = Slots(tokens=ints[:, LAST_TOKEN], positions=ints[:, NEXT_POSITION],
+               rng=jax.vmap(request_key)(seeds_Rx2), steps=ints[:, STEPS],
+               temperature=chunk.floats[:, 0], top_k=ints[:, TOP_K], top_p=chunk.floats[:, 1])
+  slots = jax.tree.map(lambda all_H, new_R: all_H.at[ints[:, SLOT]].set(new_R, mode='drop'),
                        state.slots, rows)
   return DecodeState(pool, slots)
 
@@ -780,36 +791,31 @@ class JaxEngine(api.Engine):
     c = self.config
     n_rows = _pow2_at_least(len(part))
     width = self._width(self._pages_through(max(seq.loaded for seq, _ in part) + t - 1))
-    # Per row: its T tokens and positions, its table, then the slot it starts (H: none), the
-    # last token, its position, the seed's words, steps, temperature, top-k, top-p. Built as
-    # lists and converted once: cheaper than writing numpy arrays element by element.
-    tokens, positions, tables, rows = [], [], [], []
+    # Built as lists and converted once: cheaper than writing numpy arrays element by element.
+    # The seed's words are written as int64 and wrap to their int32 bits in the cast.
+    tokens, tables, ints, floats = [], [], [], []
     for seq, n in part:
       start = seq.loaded
       tokens.append(seq.context[start:start + n] + [0] * (t - n))
-      positions.append([*range(start, start + n)] + [PARKED] * (t - n))
       pages = seq.pages[:width]
       tables.append(pages + [paged_attention.TRASH_PAGE] * (width - len(pages)))
       if start + n >= len(seq.context):
         r = seq.request
         sp = r.sampling
-        rows.append((seq.slot, seq.tokens[-1] if seq.tokens else r.prompt_tokens[-1],
-                     len(seq.context), *_seed_words(r.seed), len(seq.tokens), sp.temperature,
-                     sp.top_k, sp.top_p))
+        ints.append((start, n, seq.slot, seq.tokens[-1] if seq.tokens else r.prompt_tokens[-1],
+                     len(seq.context), *_seed_words(r.seed), len(seq.tokens), sp.top_k))
+        floats.append((sp.temperature, sp.top_p))
       else:
-        rows.append((c.num_slots, 0, 0, 0, 0, 0, 1.0, 0, 1.0))
+        ints.append((start, n, c.num_slots, 0, 0, 0, 0, 0, 0))
+        floats.append((1.0, 1.0))
     pad = n_rows - len(part)
     tokens += [[0] * t] * pad
-    positions += [[PARKED] * t] * pad
     tables += [[paged_attention.TRASH_PAGE] * width] * pad
-    rows += [(c.num_slots, 0, 0, 0, 0, 0, 1.0, 0, 1.0)] * pad
-    slot, last, nxt, hi, lo, steps, temperature, top_k, top_p = zip(*rows)
-    return Chunk(tokens=np.array(tokens, np.int32), positions=np.array(positions, np.int32),
-                 table=np.array(tables, np.int32), start_slot=np.array(slot, np.int32),
-                 last_tokens=np.array(last, np.int32), next_positions=np.array(nxt, np.int32),
-                 seeds=np.array([hi, lo], np.uint32).T.copy(), steps=np.array(steps, np.int32),
-                 temperature=np.array(temperature, np.float32),
-                 top_k=np.array(top_k, np.int32), top_p=np.array(top_p, np.float32))
+    ints += [(0, 0, c.num_slots, 0, 0, 0, 0, 0, 0)] * pad
+    floats += [(1.0, 1.0)] * pad
+    return Chunk(tokens=np.array(tokens, np.int32), table=np.array(tables, np.int32),
+                 ints=np.array(ints, np.int64).astype(np.int32),
+                 floats=np.array(floats, np.float32))
 
   # Decode steps and their results.
 
