@@ -290,10 +290,15 @@ class PagePool:
   def take(self, n: int) -> list[int]:
     if n > len(self._free):
       raise RuntimeError(f'{n} pages asked, {len(self._free)} free')  # callers check first
-    pages = [self._free.pop() for _ in range(n)]
+    free, refs = self._free, self._refs
+    pages = free[len(free) - n:]
+    del free[len(free) - n:]
+    pages.reverse()  # as popping one by one would give them
     for p in pages:
-      self._refs[p] = 1
-    self.peak_in_use = max(self.peak_in_use, self.num_pages - 1 - len(self._free))
+      refs[p] = 1
+    in_use = self.num_pages - 1 - len(free)
+    if in_use > self.peak_in_use:
+      self.peak_in_use = in_use
     return pages
 
   def share(self, pages: list[int]) -> None:
@@ -349,8 +354,7 @@ class _Sequence(api.SequenceRecord):
 
 class _Dispatched(NamedTuple):
   drawn_2xH: jax.Array      # tokens and log mu (`unpack_drawn`)
-  occupants: tuple          # [H] the slots' sequences when it was dispatched
-  decoding: np.ndarray      # [H] bool: the slots that decoded in it
+  decoded: list             # (slot, sequence) of each slot that decoded in it
   index: int                # decode steps dispatched before it
   version: int
 
@@ -374,6 +378,9 @@ class JaxEngine(api.Engine):
     self._device = device
     self._sync_every = config.sync_every if config.sync_every >= 0 else (
         0 if self._platform() == 'cpu' else SYNC_EVERY)
+    # Decode steps that may be dispatched before the next collection, the current one
+    # included: pages for them are reserved at each collection.
+    self._lookahead = max(1, self._sync_every) + 1
     self._params = self._serving(self._place(params))
     self._version = version
     self._pages = PagePool(self._pool_size())
@@ -496,8 +503,8 @@ class JaxEngine(api.Engine):
         seq.done = True
         self._release_pages(seq)
     for d in self._pending:  # sequences whose last token is in flight hold no slot any more
-      for seq in d.occupants:
-        if seq is not None and seq.request.request_id in ids:
+      for _, seq in d.decoded:
+        if seq.request.request_id in ids:
           seq.done = True
     self._requests.discard(ids)
     self._counts['aborted'] += len(ids)
@@ -558,11 +565,6 @@ class JaxEngine(api.Engine):
     """Pages a sequence needs to hold positions 0..position."""
     return position // self.config.page_size + 1
 
-  def _lookahead(self) -> int:
-    """Decode steps that may be dispatched before the next collection, the current one
-    included: pages for them are reserved at each collection."""
-    return max(1, self._sync_every) + 1
-
   def _apply_update(self) -> list[api.Completion]:
     with self._lock:
       update, self._next_params = self._next_params, None
@@ -583,27 +585,31 @@ class JaxEngine(api.Engine):
     for _, seq in placed:
       self._release_pages(seq)
     for slot, seq in placed:  # loaded again in the same slots, under the new params
-      self._place_sequence(seq, slot)
+      self._place_sequence(seq, slot, self._usable_prefix(seq))
     self._counts['kv_recomputes'] += len(placed)
     return finished
 
   # Slots and pages.
 
-  def _place_sequence(self, seq: _Sequence, slot: int) -> None:
+  def _place_sequence(self, seq: _Sequence, slot: int, prefix: _Prefix | None) -> None:
     """Gives `seq` the slot and pages to load its context and decode `lookahead` steps (the
-    caller has checked there are enough free pages), sharing its prompt's pages when it can."""
+    caller has checked there are enough free pages), sharing its prompt's pages when `prefix`
+    (`_usable_prefix`) is given."""
     full = list(seq.request.prompt_tokens) + seq.tokens
     seq.context, position = full[:-1], len(full) - 1
     seq.slot, seq.decoding, seq.first_step = slot, False, self._dispatched
-    last = min(position + self._lookahead() - 1, seq.last_needed_position)
-    prefix = self._usable_prefix(seq)
-    shared = prefix.pages if prefix is not None else []
-    if prefix is not None:
+    last_needed = seq.last_needed_position
+    last = min(position + self._lookahead - 1, last_needed)
+    page_size = self.config.page_size
+    if prefix is None:
+      seq.pages, seq.loaded = self._pages.take(last // page_size + 1), 0
+    else:
+      shared = prefix.pages
       self._pages.share(shared)
       prefix.holders += 1
       self._counts['prompt_pages_shared'] += len(shared)
-    seq.pages = shared + self._pages.take(self._pages_through(last) - len(shared))
-    seq.loaded = len(shared) * self.config.page_size
+      seq.pages = shared + self._pages.take(last // page_size + 1 - len(shared))
+      seq.loaded = len(shared) * page_size
     if prefix is None and self.config.share_prompts:
       n = self._prompt_pages(seq)
       if n:
@@ -613,7 +619,7 @@ class JaxEngine(api.Engine):
     seq.prefix = prefix
     self._slots[slot] = seq
     self._loading.append(seq)
-    self._pos[slot], self._last[slot] = position, seq.last_needed_position
+    self._pos[slot], self._last[slot] = position, last_needed
     self._left[slot], self._npages[slot] = 0, len(seq.pages)
 
   def _prompt_pages(self, seq: _Sequence) -> int:
@@ -672,7 +678,7 @@ class JaxEngine(api.Engine):
     """Pages for the next `lookahead` steps of every decoding sequence; when the pool is short,
     the youngest decoding sequences wait (their pages return; they are loaded again later)."""
     self._collected = False
-    need = np.minimum(self._pos + (self._lookahead() - 1), self._last) // self.config.page_size
+    need = np.minimum(self._pos + (self._lookahead - 1), self._last) // self.config.page_size
     short = (need >= self._npages) & (self._left > 0)  # need + 1 pages > held
     if not short.any():
       return
@@ -700,29 +706,31 @@ class JaxEngine(api.Engine):
     sequences in flight. A request that does not fit waits; nothing behind it overtakes it."""
     free = [i for i, s in enumerate(self._slots) if s is None]
     decoding = int(np.count_nonzero(self._left))
-    reserve = -(-decoding * self._lookahead() // self.config.page_size)
+    reserve = -(-decoding * self._lookahead // self.config.page_size)
     eos = frozenset(self.config.eos_token_ids)
+    waiting, page_size = self._waiting, self.config.page_size
     while free:
-      if not self._waiting:
+      if not waiting:
         new = self._requests.take(len(free))
         if not new:
           return
         for r in new:
           sp = r.sampling
-          self._waiting.append(_Sequence(
+          waiting.append(_Sequence(
               r, stop_ids=eos.union(sp.stop_token_ids) if sp.stop_token_ids else eos,
               max_tokens=sp.max_tokens, filtered=sp.top_k > 0 or sp.top_p < 1.0))
-      seq = self._waiting[0]
-      full_len = len(seq.request.prompt_tokens) + len(seq.tokens)
-      last = min(full_len - 2 + self._lookahead(), seq.last_needed_position)
-      prefix = self._usable_prefix(seq)
-      need = self._pages_through(last) - (len(prefix.pages) if prefix is not None else 0)
+      seq = waiting[0]
+      prompt_len = len(seq.request.prompt_tokens)
+      last = min(prompt_len + len(seq.tokens) - 2 + self._lookahead,
+                 prompt_len + seq.max_tokens - 2)  # seq.last_needed_position
+      prefix = self._usable_prefix(seq) if prompt_len > page_size else None
+      need = last // page_size + 1 - (len(prefix.pages) if prefix is not None else 0)
       if need > self._pages.num_free - reserve:
         return
-      self._waiting.popleft()
+      waiting.popleft()
       self._admitted += 1
       seq.order = self._admitted
-      self._place_sequence(seq, free.pop(0))
+      self._place_sequence(seq, free.pop(0), prefix)
 
   # Prefill.
 
@@ -840,8 +848,10 @@ class JaxEngine(api.Engine):
       table = self._table_dev[width] = jax.device_put(table, self._device)
     self._state, drawn_2xH = decode_step(
         self._params, self._state, table, config=self.model_config, filtered=self._filtered > 0)
-    self._pending.append(_Dispatched(drawn_2xH, tuple(self._slots), decoding,
-                                     self._dispatched, self._version))
+    slots = self._slots
+    self._pending.append(_Dispatched(
+        drawn_2xH, [(i, slots[i]) for i in np.flatnonzero(decoding).tolist()], self._dispatched,
+        self._version))
     self._dispatched += 1
     self._counts['decode_steps'] += 1
     self._pos += decoding
@@ -866,19 +876,19 @@ class JaxEngine(api.Engine):
     finished, appended = [], 0
     for d in batch:
       tokens_H, logprobs_H = unpack_drawn(np.asarray(d.drawn_2xH))  # no pytree device_get
-      tokens, logprobs, occupants = tokens_H.tolist(), logprobs_H.tolist(), d.occupants
-      for slot in np.flatnonzero(d.decoding).tolist():
-        seq = occupants[slot]
-        if seq.done or d.index < seq.first_step:
+      tokens, logprobs = tokens_H.tolist(), logprobs_H.tolist()
+      index, version = d.index, d.version
+      for slot, seq in d.decoded:
+        if seq.done or index < seq.first_step:
           continue
-        token = tokens[slot]
-        seq.tokens.append(token)
+        token, drawn = tokens[slot], seq.tokens
+        drawn.append(token)
         seq.logprobs.append(logprobs[slot])
-        seq.versions.append(d.version)
+        seq.versions.append(version)
         appended += 1
         if token in seq.stop_ids:
           reason = 'stop'
-        elif len(seq.tokens) >= seq.max_tokens:
+        elif len(drawn) >= seq.max_tokens:
           reason = 'length'
         else:
           continue
