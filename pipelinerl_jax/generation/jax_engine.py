@@ -535,7 +535,7 @@ class JaxEngine(api.Engine):
     for w in widths:
       table = self._place(jnp.zeros((c.num_slots, w), jnp.int32))
       self._state, _ = decode_step(self._params, self._state, table,
-                                      config=self.model_config, filtered=False)
+                                   config=self.model_config, filtered=False)
     jax.block_until_ready(self._state)
     return len(widths)
 
