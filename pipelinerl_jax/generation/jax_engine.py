@@ -140,20 +140,28 @@ class DecodeState(NamedTuple):
 
 
 class Chunk(NamedTuple):
-  """R context chunks to write into the pool, padded to T positions. A row whose chunk ends its
-  context also readies `start_slot` (H for none: the write is dropped). Padding rows and columns
-  sit at PARKED, past every table: they write to the trash page."""
+  """R context chunks to write into the pool, padded to T positions: four host arrays (each is
+  one transfer in the call). Row r writes positions start..start+n-1; a row whose chunk ends its
+  context also readies its slot (H for none: the write is dropped). Padding rows and columns sit
+  at PARKED, past every table: they write to the trash page."""
   tokens: jax.Array        # [R, T] int32
-  positions: jax.Array     # [R, T] int32
   table: jax.Array         # [R, W] int32 the row's block table
-  start_slot: jax.Array    # [R] int32
-  last_tokens: jax.Array   # [R] int32 the sequence's last token, its first decode input
-  next_positions: jax.Array  # [R] int32 that token's position (the context length)
-  seeds: jax.Array         # [R, 2] uint32 request seed (high, low word)
-  steps: jax.Array         # [R] int32 tokens already generated
-  temperature: jax.Array   # [R] fp32
-  top_k: jax.Array         # [R] int32
-  top_p: jax.Array         # [R] fp32
+  ints: jax.Array          # [R, CHUNK_INTS] int32, the columns below
+  floats: jax.Array        # [R, 2] fp32: temperature, top-p
+
+
+# Chunk.ints' columns: the chunk's first position and length; the slot it readies; the
+# sequence's last token (its first decode input) and that token's position (the context
+# length); the request seed's high and low words (uint32 bits); tokens already generated; top-k.
+(START, LENGTH, SLOT, LAST_TOKEN, NEXT_POSITION, SEED_HI, SEED_LO, STEPS, TOP_K,
+ CHUNK_INTS) = range(10)
+
+
+def chunk_positions(chunk: Chunk) -> jax.Array:
+  """[R, T] int32: each row's positions, PARKED past its length."""
+  col_T = jnp.arange(chunk.tokens.shape[1], dtype=jnp.int32)
+  start_Rx1, length_Rx1 = chunk.ints[:, START, None], chunk.ints[:, LENGTH, None]
+  return jnp.where(col_T[None] < length_Rx1, start_Rx1 + col_T[None], PARKED)
 
 
 def init_state(config: transformer.ModelConfig, num_slots: int, num_pages: int, page_size: int
@@ -186,11 +194,12 @@ def prefill(params, state: DecodeState, chunk: Chunk, *, config: transformer.Mod
   """
   TRACES['prefill'] += 1
   # The hidden states are not used, so no logits are made.
+  positions_RxT = chunk_positions(chunk)
   if fresh:
     n, t = chunk.tokens.shape
-    _, own = transformer.decode(params, config, chunk.tokens, chunk.positions,
+    _, own = transformer.decode(params, config, chunk.tokens, positions_RxT,
                                 transformer.init_cache(config, n, t))  # padding: dropped
-    page_RxT, offset_RxT = paged_attention.locate(chunk.table, chunk.positions,
+    page_RxT, offset_RxT = paged_attention.locate(chunk.table, positions_RxT,
                                                   state.pool.k.shape[3])
     to_pages = lambda pool_LxAxKxZxDh, own_LxRxTxKxDh: pool_LxAxKxZxDh.at[
         :, page_RxT, :, offset_RxT].set(own_LxRxTxKxDh.transpose(1, 2, 0, 3, 4))
@@ -198,12 +207,14 @@ def prefill(params, state: DecodeState, chunk: Chunk, *, config: transformer.Mod
                                         to_pages(state.pool.v, own.v))
   else:  # chunks of several positions read through the XLA gather (the kernels serve T = 1)
     xla = dataclasses.replace(config, decode_attention='xla')
-    _, pool = transformer.decode_paged(params, xla, chunk.tokens, chunk.positions, state.pool,
+    _, pool = transformer.decode_paged(params, xla, chunk.tokens, positions_RxT, state.pool,
                                        chunk.table)
-  rows = Slots(tokens=chunk.last_tokens, positions=chunk.next_positions,
-               rng=jax.vmap(request_key)(chunk.seeds), steps=chunk.steps,
-               temperature=chunk.temperature, top_k=chunk.top_k, top_p=chunk.top_p)
-  slots = jax.tree.map(lambda all_H, new_R: all_H.at[chunk.start_slot].set(new_R, mode='drop'),
+  ints = chunk.ints
+  seeds_Rx2 = jax.lax.bitcast_convert_type(ints[:, SEED_HI:SEED_LO + 1], jnp.uint32)
+  rows = Slots(tokens=ints[:, LAST_TOKEN], positions=ints[:, NEXT_POSITION],
+               rng=jax.vmap(request_key)(seeds_Rx2), steps=ints[:, STEPS],
+               temperature=chunk.floats[:, 0], top_k=ints[:, TOP_K], top_p=chunk.floats[:, 1])
+  slots = jax.tree.map(lambda all_H, new_R: all_H.at[ints[:, SLOT]].set(new_R, mode='drop'),
                        state.slots, rows)
   return DecodeState(pool, slots)
 
@@ -211,8 +222,9 @@ def prefill(params, state: DecodeState, chunk: Chunk, *, config: transformer.Mod
 @functools.partial(jax.jit, static_argnames=('config', 'filtered'), donate_argnames=('state',))
 def decode_step(params, state: DecodeState, table_HxW: jax.Array, *,
                 config: transformer.ModelConfig, filtered: bool
-                ) -> tuple[DecodeState, jax.Array, jax.Array]:
-  """One token for every slot: returns (state, tokens [H], log mu [H]).
+                ) -> tuple[DecodeState, jax.Array]:
+  """One token for every slot: returns (state, drawn [2, H] int32): the tokens, and their log mu
+  as the bits of an fp32 (`unpack_drawn`), so the host fetches one array per step.
 
   A slot reads the first W entries of its table row (W = table_HxW's width). The head multiplies
   in the model's dtype with fp32 accumulation (bf16 on GPUs: the weights are read once, in half
@@ -230,7 +242,13 @@ def decode_step(params, state: DecodeState, table_HxW: jax.Array, *,
     tokens_H, logprobs_H = sampling.sample(keys_H, logits_HxV, s.temperature)
   slots = s._replace(tokens=tokens_H, positions=jnp.minimum(s.positions + 1, PARKED),
                      steps=s.steps + 1)
-  return DecodeState(pool, slots), tokens_H, logprobs_H
+  drawn_2xH = jnp.stack([tokens_H, jax.lax.bitcast_convert_type(logprobs_H, jnp.int32)])
+  return DecodeState(pool, slots), drawn_2xH
+
+
+def unpack_drawn(drawn_2xH: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+  """A decode step's output on the host: (tokens [H] int32, log mu [H] fp32)."""
+  return drawn_2xH[0], drawn_2xH[1].view(np.float32)
 
 
 @jax.jit
@@ -272,10 +290,15 @@ class PagePool:
   def take(self, n: int) -> list[int]:
     if n > len(self._free):
       raise RuntimeError(f'{n} pages asked, {len(self._free)} free')  # callers check first
-    pages = [self._free.pop() for _ in range(n)]
+    free, refs = self._free, self._refs
+    pages = free[len(free) - n:]
+    del free[len(free) - n:]
+    pages.reverse()  # as popping one by one would give them
     for p in pages:
-      self._refs[p] = 1
-    self.peak_in_use = max(self.peak_in_use, self.num_pages - 1 - len(self._free))
+      refs[p] = 1
+    in_use = self.num_pages - 1 - len(free)
+    if in_use > self.peak_in_use:
+      self.peak_in_use = in_use
     return pages
 
   def share(self, pages: list[int]) -> None:
@@ -330,10 +353,8 @@ class _Sequence(api.SequenceRecord):
 
 
 class _Dispatched(NamedTuple):
-  tokens_H: jax.Array
-  logprobs_H: jax.Array
-  occupants: tuple          # [H] the slots' sequences when it was dispatched
-  decoding: np.ndarray      # [H] bool: the slots that decoded in it
+  drawn_2xH: jax.Array      # tokens and log mu (`unpack_drawn`)
+  decoded: list             # (slot, sequence) of each slot that decoded in it
   index: int                # decode steps dispatched before it
   version: int
 
@@ -357,6 +378,9 @@ class JaxEngine(api.Engine):
     self._device = device
     self._sync_every = config.sync_every if config.sync_every >= 0 else (
         0 if self._platform() == 'cpu' else SYNC_EVERY)
+    # Decode steps that may be dispatched before the next collection, the current one
+    # included: pages for them are reserved at each collection.
+    self._lookahead = max(1, self._sync_every) + 1
     self._params = self._serving(self._place(params))
     self._version = version
     self._pages = PagePool(self._pool_size())
@@ -380,7 +404,9 @@ class JaxEngine(api.Engine):
     self._pending: list[_Dispatched] = []
     self._dispatched = 0
     self._table = np.zeros((h, config.table_width), np.int32)
-    self._table_dev: dict[int, jax.Array] = {}  # read width -> the decode table on the device
+    # Read width -> the decode table as last passed: a host copy in the step after it changed
+    # (the call transfers it), then on the device.
+    self._table_dev: dict[int, np.ndarray | jax.Array] = {}
     self._admitted = 0
     self._collected = True  # a collection happened since pages were last reserved
     self._next_params: tuple[Any, int] | None = None
@@ -477,8 +503,8 @@ class JaxEngine(api.Engine):
         seq.done = True
         self._release_pages(seq)
     for d in self._pending:  # sequences whose last token is in flight hold no slot any more
-      for seq in d.occupants:
-        if seq is not None and seq.request.request_id in ids:
+      for _, seq in d.decoded:
+        if seq.request.request_id in ids:
           seq.done = True
     self._requests.discard(ids)
     self._counts['aborted'] += len(ids)
@@ -508,8 +534,8 @@ class JaxEngine(api.Engine):
       widths = [c.table_width]
     for w in widths:
       table = self._place(jnp.zeros((c.num_slots, w), jnp.int32))
-      self._state, _, _ = decode_step(self._params, self._state, table,
-                                      config=self.model_config, filtered=False)
+      self._state, _ = decode_step(self._params, self._state, table,
+                                   config=self.model_config, filtered=False)
     jax.block_until_ready(self._state)
     return len(widths)
 
@@ -539,11 +565,6 @@ class JaxEngine(api.Engine):
     """Pages a sequence needs to hold positions 0..position."""
     return position // self.config.page_size + 1
 
-  def _lookahead(self) -> int:
-    """Decode steps that may be dispatched before the next collection, the current one
-    included: pages for them are reserved at each collection."""
-    return max(1, self._sync_every) + 1
-
   def _apply_update(self) -> list[api.Completion]:
     with self._lock:
       update, self._next_params = self._next_params, None
@@ -564,27 +585,31 @@ class JaxEngine(api.Engine):
     for _, seq in placed:
       self._release_pages(seq)
     for slot, seq in placed:  # loaded again in the same slots, under the new params
-      self._place_sequence(seq, slot)
+      self._place_sequence(seq, slot, self._usable_prefix(seq))
     self._counts['kv_recomputes'] += len(placed)
     return finished
 
   # Slots and pages.
 
-  def _place_sequence(self, seq: _Sequence, slot: int) -> None:
+  def _place_sequence(self, seq: _Sequence, slot: int, prefix: _Prefix | None) -> None:
     """Gives `seq` the slot and pages to load its context and decode `lookahead` steps (the
-    caller has checked there are enough free pages), sharing its prompt's pages when it can."""
+    caller has checked there are enough free pages), sharing its prompt's pages when `prefix`
+    (`_usable_prefix`) is given."""
     full = list(seq.request.prompt_tokens) + seq.tokens
     seq.context, position = full[:-1], len(full) - 1
     seq.slot, seq.decoding, seq.first_step = slot, False, self._dispatched
-    last = min(position + self._lookahead() - 1, seq.last_needed_position)
-    prefix = self._usable_prefix(seq)
-    shared = prefix.pages if prefix is not None else []
-    if prefix is not None:
+    last_needed = seq.last_needed_position
+    last = min(position + self._lookahead - 1, last_needed)
+    page_size = self.config.page_size
+    if prefix is None:
+      seq.pages, seq.loaded = self._pages.take(last // page_size + 1), 0
+    else:
+      shared = prefix.pages
       self._pages.share(shared)
       prefix.holders += 1
       self._counts['prompt_pages_shared'] += len(shared)
-    seq.pages = shared + self._pages.take(self._pages_through(last) - len(shared))
-    seq.loaded = len(shared) * self.config.page_size
+      seq.pages = shared + self._pages.take(last // page_size + 1 - len(shared))
+      seq.loaded = len(shared) * page_size
     if prefix is None and self.config.share_prompts:
       n = self._prompt_pages(seq)
       if n:
@@ -594,7 +619,7 @@ class JaxEngine(api.Engine):
     seq.prefix = prefix
     self._slots[slot] = seq
     self._loading.append(seq)
-    self._pos[slot], self._last[slot] = position, seq.last_needed_position
+    self._pos[slot], self._last[slot] = position, last_needed
     self._left[slot], self._npages[slot] = 0, len(seq.pages)
 
   def _prompt_pages(self, seq: _Sequence) -> int:
@@ -653,7 +678,7 @@ class JaxEngine(api.Engine):
     """Pages for the next `lookahead` steps of every decoding sequence; when the pool is short,
     the youngest decoding sequences wait (their pages return; they are loaded again later)."""
     self._collected = False
-    need = np.minimum(self._pos + (self._lookahead() - 1), self._last) // self.config.page_size
+    need = np.minimum(self._pos + (self._lookahead - 1), self._last) // self.config.page_size
     short = (need >= self._npages) & (self._left > 0)  # need + 1 pages > held
     if not short.any():
       return
@@ -681,29 +706,31 @@ class JaxEngine(api.Engine):
     sequences in flight. A request that does not fit waits; nothing behind it overtakes it."""
     free = [i for i, s in enumerate(self._slots) if s is None]
     decoding = int(np.count_nonzero(self._left))
-    reserve = -(-decoding * self._lookahead() // self.config.page_size)
+    reserve = -(-decoding * self._lookahead // self.config.page_size)
     eos = frozenset(self.config.eos_token_ids)
+    waiting, page_size = self._waiting, self.config.page_size
     while free:
-      if not self._waiting:
+      if not waiting:
         new = self._requests.take(len(free))
         if not new:
           return
         for r in new:
           sp = r.sampling
-          self._waiting.append(_Sequence(
+          waiting.append(_Sequence(
               r, stop_ids=eos.union(sp.stop_token_ids) if sp.stop_token_ids else eos,
               max_tokens=sp.max_tokens, filtered=sp.top_k > 0 or sp.top_p < 1.0))
-      seq = self._waiting[0]
-      full_len = len(seq.request.prompt_tokens) + len(seq.tokens)
-      last = min(full_len - 2 + self._lookahead(), seq.last_needed_position)
-      prefix = self._usable_prefix(seq)
-      need = self._pages_through(last) - (len(prefix.pages) if prefix is not None else 0)
+      seq = waiting[0]
+      prompt_len = len(seq.request.prompt_tokens)
+      last = min(prompt_len + len(seq.tokens) - 2 + self._lookahead,
+                 prompt_len + seq.max_tokens - 2)  # seq.last_needed_position
+      prefix = self._usable_prefix(seq) if prompt_len > page_size else None
+      need = last // page_size + 1 - (len(prefix.pages) if prefix is not None else 0)
       if need > self._pages.num_free - reserve:
         return
-      self._waiting.popleft()
+      waiting.popleft()
       self._admitted += 1
       seq.order = self._admitted
-      self._place_sequence(seq, free.pop(0))
+      self._place_sequence(seq, free.pop(0), prefix)
 
   # Prefill.
 
@@ -772,36 +799,31 @@ class JaxEngine(api.Engine):
     c = self.config
     n_rows = _pow2_at_least(len(part))
     width = self._width(self._pages_through(max(seq.loaded for seq, _ in part) + t - 1))
-    # Per row: its T tokens and positions, its table, then the slot it starts (H: none), the
-    # last token, its position, the seed's words, steps, temperature, top-k, top-p. Built as
-    # lists and converted once: cheaper than writing numpy arrays element by element.
-    tokens, positions, tables, rows = [], [], [], []
+    # Built as lists and converted once: cheaper than writing numpy arrays element by element.
+    # The seed's words are written as int64 and wrap to their int32 bits in the cast.
+    tokens, tables, ints, floats = [], [], [], []
     for seq, n in part:
       start = seq.loaded
       tokens.append(seq.context[start:start + n] + [0] * (t - n))
-      positions.append([*range(start, start + n)] + [PARKED] * (t - n))
       pages = seq.pages[:width]
       tables.append(pages + [paged_attention.TRASH_PAGE] * (width - len(pages)))
       if start + n >= len(seq.context):
         r = seq.request
         sp = r.sampling
-        rows.append((seq.slot, seq.tokens[-1] if seq.tokens else r.prompt_tokens[-1],
-                     len(seq.context), *_seed_words(r.seed), len(seq.tokens), sp.temperature,
-                     sp.top_k, sp.top_p))
+        ints.append((start, n, seq.slot, seq.tokens[-1] if seq.tokens else r.prompt_tokens[-1],
+                     len(seq.context), *_seed_words(r.seed), len(seq.tokens), sp.top_k))
+        floats.append((sp.temperature, sp.top_p))
       else:
-        rows.append((c.num_slots, 0, 0, 0, 0, 0, 1.0, 0, 1.0))
+        ints.append((start, n, c.num_slots, 0, 0, 0, 0, 0, 0))
+        floats.append((1.0, 1.0))
     pad = n_rows - len(part)
     tokens += [[0] * t] * pad
-    positions += [[PARKED] * t] * pad
     tables += [[paged_attention.TRASH_PAGE] * width] * pad
-    rows += [(c.num_slots, 0, 0, 0, 0, 0, 1.0, 0, 1.0)] * pad
-    slot, last, nxt, hi, lo, steps, temperature, top_k, top_p = zip(*rows)
-    return Chunk(tokens=np.array(tokens, np.int32), positions=np.array(positions, np.int32),
-                 table=np.array(tables, np.int32), start_slot=np.array(slot, np.int32),
-                 last_tokens=np.array(last, np.int32), next_positions=np.array(nxt, np.int32),
-                 seeds=np.array([hi, lo], np.uint32).T.copy(), steps=np.array(steps, np.int32),
-                 temperature=np.array(temperature, np.float32),
-                 top_k=np.array(top_k, np.int32), top_p=np.array(top_p, np.float32))
+    ints += [(0, 0, c.num_slots, 0, 0, 0, 0, 0, 0)] * pad
+    floats += [(1.0, 1.0)] * pad
+    return Chunk(tokens=np.array(tokens, np.int32), table=np.array(tables, np.int32),
+                 ints=np.array(ints, np.int64).astype(np.int32),
+                 floats=np.array(floats, np.float32))
 
   # Decode steps and their results.
 
@@ -818,14 +840,18 @@ class JaxEngine(api.Engine):
       width = c.table_width
     table = self._table_dev.get(width)
     if table is None:
-      # A copy: on CPU a device array may alias the numpy buffer, which the host edits later.
-      # A plain transfer (jnp.asarray adds an XLA op the step then waits for).
-      table = self._table_dev[width] = jax.device_put(self._table[:, :width].copy(),
-                                                      self._device)
-    self._state, tokens_H, logprobs_H = decode_step(
+      # Changed (admissions, page boundaries): the call's own transfer of a host array costs a
+      # few µs where `jax.device_put` costs tens (`jnp.asarray` adds an XLA op the step waits
+      # for). A copy: on CPU the device may alias the buffer, which the host edits later.
+      table = self._table_dev[width] = self._table[:, :width].copy()
+    elif isinstance(table, np.ndarray):  # unchanged since the last step: keep it there
+      table = self._table_dev[width] = jax.device_put(table, self._device)
+    self._state, drawn_2xH = decode_step(
         self._params, self._state, table, config=self.model_config, filtered=self._filtered > 0)
-    self._pending.append(_Dispatched(tokens_H, logprobs_H, tuple(self._slots), decoding,
-                                     self._dispatched, self._version))
+    slots = self._slots
+    self._pending.append(_Dispatched(
+        drawn_2xH, [(i, slots[i]) for i in np.flatnonzero(decoding).tolist()], self._dispatched,
+        self._version))
     self._dispatched += 1
     self._counts['decode_steps'] += 1
     self._pos += decoding
@@ -844,22 +870,25 @@ class JaxEngine(api.Engine):
       return []
     batch, self._pending = self._pending[:n], self._pending[n:]
     self._collected = True
-    host = jax.device_get([(d.tokens_H, d.logprobs_H) for d in batch])
+    if len(batch) > 1:  # all transfers under way before the first wait
+      for d in batch:
+        d.drawn_2xH.copy_to_host_async()
     finished, appended = [], 0
-    for d, (tokens_H, logprobs_H) in zip(batch, host):
-      tokens, logprobs, occupants = tokens_H.tolist(), logprobs_H.tolist(), d.occupants
-      for slot in np.flatnonzero(d.decoding).tolist():
-        seq = occupants[slot]
-        if seq.done or d.index < seq.first_step:
+    for d in batch:
+      tokens_H, logprobs_H = unpack_drawn(np.asarray(d.drawn_2xH))  # no pytree device_get
+      tokens, logprobs = tokens_H.tolist(), logprobs_H.tolist()
+      index, version = d.index, d.version
+      for slot, seq in d.decoded:
+        if seq.done or index < seq.first_step:
           continue
-        token = tokens[slot]
-        seq.tokens.append(token)
+        token, drawn = tokens[slot], seq.tokens
+        drawn.append(token)
         seq.logprobs.append(logprobs[slot])
-        seq.versions.append(d.version)
+        seq.versions.append(version)
         appended += 1
         if token in seq.stop_ids:
           reason = 'stop'
-        elif len(seq.tokens) >= seq.max_tokens:
+        elif len(drawn) >= seq.max_tokens:
           reason = 'length'
         else:
           continue
