@@ -115,14 +115,6 @@ class EngineConfig:
     return -(-self.max_seq_len // self.page_size)
 
 
-def engine_options(g) -> dict[str, Any]:
-  """The EngineConfig fields a generation config (`config.GenerationConfig`) sets, besides the
-  slots, lengths and stop tokens each place that builds an engine decides."""
-  return dict(recompute_kv=g.recompute_kv, page_size=g.kv_page_size, pool_mb=g.kv_pool_mb,
-              decode_attention=g.decode_attention, sync_every=g.sync_every,
-              prefill_chunk=g.prefill_chunk, share_prompts=g.share_prompts)
-
-
 class Slots(NamedTuple):
   """Per-slot decode inputs, [H] each (rng: [H, 2] raw keys)."""
   tokens: jax.Array       # int32 next input: last prompt token or last sample
@@ -359,7 +351,7 @@ class _Dispatched(NamedTuple):
   version: int
 
 
-class JaxEngine(api.Engine):
+class JaxEngine(api.QueuedEngine):
   """In-process engine over `transformer.decode_paged`; one actor thread calls `step()`, any
   thread may call `submit` and `update_params`.
 
@@ -372,6 +364,7 @@ class JaxEngine(api.Engine):
 
   def __init__(self, model_config: transformer.ModelConfig, params: Any,
                config: EngineConfig = EngineConfig(), *, version: int = 0, device: Any = None):
+    super().__init__(version)
     self.model_config = dataclasses.replace(model_config,
                                             decode_attention=config.decode_attention)
     self.config = config
@@ -382,7 +375,6 @@ class JaxEngine(api.Engine):
     # included: pages for them are reserved at each collection.
     self._lookahead = max(1, self._sync_every) + 1
     self._params = self._serving(self._place(params))
-    self._version = version
     self._pages = PagePool(self._pool_size())
     h = config.num_slots
     self._state = self._place(init_state(self.model_config, h, self._pages.num_pages,
@@ -399,7 +391,6 @@ class JaxEngine(api.Engine):
     self._filtered = 0                    # decoding sequences with top-k / top-p
     # Not in a slot yet: preempted ones (oldest first), then requests taken from the queue.
     self._waiting: collections.deque[_Sequence] = collections.deque()
-    self._requests = api.RequestQueue()
     self._prefixes: dict[tuple[int, ...], _Prefix] = {}
     self._pending: list[_Dispatched] = []
     self._dispatched = 0
@@ -538,14 +529,6 @@ class JaxEngine(api.Engine):
                                    config=self.model_config, filtered=False)
     jax.block_until_ready(self._state)
     return len(widths)
-
-  @property
-  def num_unfinished(self) -> int:
-    return self._requests.num_unfinished
-
-  @property
-  def version(self) -> int:
-    return self._version
 
   def close(self) -> None:
     self._closed = True
