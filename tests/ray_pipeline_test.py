@@ -2,9 +2,8 @@
 SIGTERM stop every actor, save and resume; a driver killed with -9 leaves no Ray process behind.
 (The vLLM backend in actors runs in pipeline_test.)
 
-The reward rising with 2 generator actors while one of them is killed mid-run (replaced, every
-sample exactly once) is tested with the trainer in 2 processes, in multihost_ray_test.py: one
-400-step run covers both.
+A run going on with 2 generator actors while one of them is killed mid-run (replaced, every
+sample exactly once) is tested with the trainer in 2 processes, in multihost_ray_test.py.
 """
 
 import json
