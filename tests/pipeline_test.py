@@ -26,6 +26,8 @@ from pipelinerl_jax.pipeline import metrics as metrics_lib
 from pipelinerl_jax.pipeline import run as run_lib
 from pipelinerl_jax.pipeline import stream as stream_lib
 
+import xla_env  # tests/ is on sys.path
+
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
 
@@ -104,7 +106,7 @@ def test_interrupt_stops_within_ten_seconds(model_dir, tmp_path, sig):
          f'--workdir={tmp_path}', f'--config.model.path={model_dir}',
          '--config.rl.total_steps=100000', '--config.rl.batch_size=16',
          '--config.rl.group_size=4', '--config.generation.num_slots=16']
-  env = {**os.environ, 'XLA_FLAGS': '', 'PYTHONUNBUFFERED': '1'}
+  env = xla_env.one_device(PYTHONUNBUFFERED='1')
   proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE,
                           stderr=subprocess.STDOUT, text=True)
   metrics = tmp_path / 'metrics.jsonl'

@@ -19,6 +19,8 @@ import pytest
 
 from pipelinerl_jax import cluster
 
+import xla_env  # tests/ is on sys.path
+
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
 def _main(workdir, model_dir, *extra):
@@ -30,7 +32,7 @@ def _main(workdir, model_dir, *extra):
 
 
 def _start(cmd):
-  env = {**os.environ, 'XLA_FLAGS': '', 'PYTHONUNBUFFERED': '1'}
+  env = xla_env.one_device(PYTHONUNBUFFERED='1')
   # A session of its own: Ctrl-C in a terminal signals the whole foreground process group.
   return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE,
                           stderr=subprocess.STDOUT, text=True, start_new_session=True)
