@@ -22,6 +22,8 @@ from pipelinerl_jax.bench import train_step as bench
 from pipelinerl_jax.models import transformer
 from pipelinerl_jax.sim import throughput as tp
 
+import xla_env  # tests/ is on sys.path
+
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
 POSITIVE_KEYS = ('params', 'flop_params', 'devices', 'rows', 'seq_len', 'micro', 'samples',
@@ -31,9 +33,9 @@ POSITIVE_KEYS = ('params', 'flop_params', 'devices', 'rows', 'seq_len', 'micro',
 
 def test_quick_run_writes_json_and_prints_table(tmp_path):
   """As a user runs it: `python -m`, so the script itself sets up the 4 simulated devices of
-  its mesh before jax starts (the XLA_FLAGS conftest set are dropped to prove it)."""
+  its mesh before jax starts (conftest's 8 simulated devices are dropped to prove it)."""
   out = tmp_path / 'bench.json'
-  env = {k: v for k, v in os.environ.items() if k != 'XLA_FLAGS'}
+  env = xla_env.one_device()
   proc = subprocess.run(
       [sys.executable, '-m', 'pipelinerl_jax.bench.train_step', '--quick', '--mesh=1,2,2',
        f'--out={out}'], cwd=ROOT, env=env, capture_output=True, text=True, timeout=180)
@@ -102,7 +104,7 @@ def test_generation_bench_quick_compares_backends(tmp_path):
       [sys.executable, '-m', 'pipelinerl_jax.bench.generation', '--quick', '--slots=1,2',
        '--modes=none,update', f'--backends={backends}', f'--out={out}',
        f'--workdir={tmp_path}'], cwd=ROOT, capture_output=True, text=True, timeout=300,
-      env={**os.environ, 'XLA_FLAGS': ''})
+      env=xla_env.one_device())
   assert proc.returncode == 0, proc.stderr[-3000:]
   rows = json.loads(out.read_text())['rows']
   assert {(r['backend'], r['slots'], r['mode']) for r in rows} == {
@@ -121,7 +123,7 @@ def test_logprob_agreement_quick_runs_fp32_and_bf16_with_fp32_head(tmp_path):
   proc = subprocess.run(
       [sys.executable, '-m', 'pipelinerl_jax.bench.logprob_agreement', '--quick',
        '--variants=fp32,bf16+lm_head_fp32', f'--out={out}', f'--workdir={tmp_path}'],
-      cwd=ROOT, capture_output=True, text=True, timeout=300, env={**os.environ, 'XLA_FLAGS': ''})
+      cwd=ROOT, capture_output=True, text=True, timeout=300, env=xla_env.one_device())
   assert proc.returncode == 0, proc.stderr[-3000:]
   fp32, bf16 = json.loads(out.read_text())['rows']
   assert fp32['mean_abs_vs_fp32_trainer'] < 1e-4  # the fp32 path is exact
@@ -133,7 +135,7 @@ def test_learning_speed_smoke_writes_json_and_png(tmp_path):
   mode and seed) on 2 seeds: the JSON has its keys and a per-seed entry for each mode, and the
   figure exists. Its numbers mean nothing."""
   out = tmp_path / 'learning_speed.json'
-  env = {k: v for k, v in os.environ.items() if k != 'XLA_FLAGS'}
+  env = xla_env.one_device()
   proc = subprocess.run(
       [sys.executable, '-m', 'pipelinerl_jax.bench.learning_speed', '--smoke', '--seeds=0,1',
        '--modes=pipeline,conv2', f'--out={out}', f'--cache_dir={tmp_path / "cache"}',

@@ -9,6 +9,8 @@ import nbformat
 import pytest
 from nbclient import NotebookClient
 
+import xla_env  # tests/ is on sys.path
+
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 COLABS = ROOT / 'colabs'
 SUMMARY_KEYS = ('name', 'steps', 'samples', 'ess', 'lag_min', 'lag_mean', 'lag_max',
@@ -32,7 +34,7 @@ def execute(name: str, cache_dir: str, monkeypatch) -> tuple[dict, list]:
   nb.cells.append(nbformat.v4.new_code_cell(
       'import json\nprint("RESULTS=" + json.dumps(RESULTS, default=float))'))
   # One simulated device, as on a user's machine (conftest's 8 only slow the kernel down).
-  monkeypatch.setenv('XLA_FLAGS', '')
+  monkeypatch.setenv('XLA_FLAGS', xla_env.FAST_COMPILE)
   NotebookClient(nb, timeout=240, kernel_name='python3',
                  resources={'metadata': {'path': str(COLABS)}}).execute()
   outputs = [o for c in nb.cells if c.cell_type == 'code' for o in c.outputs]

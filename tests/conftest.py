@@ -1,13 +1,20 @@
-"""Test session setup: 8 simulated CPU devices, so sharded code runs as on a multi-GPU host.
+"""Test session setup: 8 simulated CPU devices, so sharded code runs as on a multi-GPU host, and
+XLA's CPU backend at -O0.
 
-XLA reads the flag once, when jax first initializes its backend, so it is set before any test
-module imports jax. Single-device code simply runs on device 0.
+XLA reads the flags once, when jax first initializes its backend, so they are set before any
+test module imports jax. Single-device code simply runs on device 0. The tests' shapes are
+tiny, so compiling, not running, is most of their time: LLVM at -O0 compiles about twice as
+fast and changes no result a test checks (the XLA graph passes, fusion included, still run).
+Processes the tests start on one device get the same (xla_env.one_device); a long run that
+wants the default (a learning run of hundreds of steps) starts one without it (vllm_reward_test).
 """
 import os
 
 import pytest
 
-os.environ['XLA_FLAGS'] = (os.environ.get('XLA_FLAGS', '') +
+from xla_env import FAST_COMPILE  # tests/ is on sys.path (pyproject's rootdir insertion)
+
+os.environ['XLA_FLAGS'] = (os.environ.get('XLA_FLAGS', '') + f' {FAST_COMPILE}'
                            ' --xla_force_host_platform_device_count=8').strip()
 os.environ.setdefault('JAX_PLATFORMS', 'cpu')
 os.environ.setdefault('TOKENIZERS_PARALLELISM', 'false')

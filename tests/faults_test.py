@@ -40,9 +40,10 @@ from pipelinerl_jax.pipeline import trainer as trainer_lib
 
 import pipeline_test  # its small_config (tests/ is on sys.path under pytest)
 import procs
+import xla_env
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
-ENV = {**os.environ, 'XLA_FLAGS': '', 'PYTHONUNBUFFERED': '1', 'JAX_PLATFORMS': 'cpu'}
+ENV = xla_env.one_device(PYTHONUNBUFFERED='1', JAX_PLATFORMS='cpu')
 
 
 def small_config(**rl):

@@ -1,22 +1,22 @@
 """Trainer processes as Ray actors (train.num_processes=2, generation.placement='ray'): the driver
 is process 0, process 1 a Ray actor beside it; generator actors on CPU.
 
-A 400-step run of the tiny preset with 2 generator actors, one killed mid-run, learns (the
-reward rises; every sample exactly once); the last weights the generators were sent through the
-object store, assembled from both processes' pieces, equal the params of the final checkpoint
-exactly. A run through the main command, stopped by Ctrl-C after its first step, saves from
-both processes and leaves nothing behind; resumed over gloo (the nccl protocol), where both
-processes gather a whole copy onto their own devices and process 0 broadcasts its copy, it
-ends with the generator holding the final checkpoint's params. kill -9 of the trainer
-actor mid-run stops the run with one line naming it. The pieces' assembly refuses a gap, an
-overlap or a wrong layout whole. Bad settings are one-line errors naming the key; trainer
-processes go to nodes of their own, else beside the driver.
+A short run of the tiny preset with 2 generator actors, one killed mid-run, goes on: the actor
+is restarted once, every sample is trained exactly once; the last weights the generators were
+sent through the object store, assembled from both processes' pieces, equal the params of the
+final checkpoint exactly. (That such a run learns follows from multihost_test's two-process
+step equalling the single-process one; the retained learning run is vllm_reward_test.) A run
+through the main command, stopped by Ctrl-C after its first step, saves from both processes and
+leaves nothing behind; resumed over gloo (the nccl protocol), where both processes gather a
+whole copy onto their own devices and process 0 broadcasts its copy, it ends with the generator
+holding the final checkpoint's params. kill -9 of the trainer actor mid-run stops the run with
+one line naming it. The pieces' assembly refuses a gap, an overlap or a wrong layout whole. Bad
+settings are one-line errors naming the key; trainer processes go to nodes of their own, else
+beside the driver.
 
 Run as a script, this file is process 0 of those runs, but for the main command's (`driver`).
 """
 
-import collections
-import dataclasses
 import os
 import pathlib
 import pickle
@@ -48,16 +48,14 @@ FLAGS = ['--config.generation.placement=ray', '--config.generation.num_generator
          '--config.rl.batch_size=16', '--config.rl.group_size=4',
          '--config.generation.num_slots=16', '--config.rl.max_time_s=0',
          '--config.log.tensorboard=False', '--config.log.progress=False']
-# The learning run: the tiny preset, 2 generator actors (one killed), a fixed number of steps.
-# The reward's mean over the last 50 steps must exceed the first 10 steps' by MARGIN (measured
-# with seed 1, no kill: 0.266 -> 0.460, +0.19; over the last 10 steps only, +0.16, which leaves
-# the 0.035 noise of a 10-step mean too little room).
-LEARN_STEPS, KILL_AT_STEP, MARGIN, SEED = 400, 60, 0.10, 1
+# The kill run: the tiny preset, 2 generator actors, the second killed once KILL_AT_STEP's record
+# is written, a fixed number of steps after it (enough for the restarted actor to serve again).
+KILL_STEPS, KILL_AT_STEP, SEED = 24, 8, 1
 
 
 def run_config(kind: str, workdir: str, model_dir: str, steps: int) -> config_lib.Config:
-  """The driver's runs. 'learn': the learning run. 'gloo': FLAGS's small batch (as the main
-  command runs it), the weights over gloo."""
+  """The driver's runs, at FLAGS's small batch (as the main command runs it). 'kill': 2
+  generator actors, one killed. 'gloo': the weights over gloo."""
   c = config_lib.load_preset('tiny')
   c.model.path = model_dir
   c.generation.placement, c.generation.num_generators = 'ray', 1
@@ -65,13 +63,13 @@ def run_config(kind: str, workdir: str, model_dir: str, steps: int) -> config_li
   c.rl.total_steps, c.rl.max_time_s = steps, 0.0
   c.log.tensorboard, c.log.progress = False, False
   c.checkpoint.dir = os.path.join(workdir, 'checkpoints')
-  if kind == 'learn':
+  c.rl.batch_size, c.rl.group_size, c.generation.num_slots = 16, 4, 16
+  if kind == 'kill':
     c.seed = SEED
     # A CPU each for the trainer actor and the 2 generators: Ray's count, not cores (the
     # second generator shares a core with the trainer actor).
     c.generation.num_generators, c.cluster.num_cpus = 2, 3
   else:
-    c.rl.batch_size, c.rl.group_size, c.generation.num_slots = 16, 4, 16
     c.generation.remote.weight_transport = 'gloo'
   return config_lib.validate(c)
 
@@ -79,7 +77,7 @@ def run_config(kind: str, workdir: str, model_dir: str, steps: int) -> config_li
 def driver(kind: str, workdir: str, model_dir: str, out: str, steps: str) -> None:
   """Process 0 of a `run_config(kind)` run to `steps`. Records the last update the generator
   pool was handed, whole, the request ids it completed, and over gloo its transport errors once
-  every actor has loaded the update. 'learn' kills the second generator actor when version
+  every actor has loaded the update. 'kill' kills the second generator actor when version
   KILL_AT_STEP + 1 is published."""
   import ray
   from pipelinerl_jax.generation.actors import pool as pool_lib
@@ -89,7 +87,7 @@ def driver(kind: str, workdir: str, model_dir: str, out: str, steps: str) -> Non
 
   def recording_update(self, params, version):
     # After step KILL_AT_STEP's record is written (it follows that step's update).
-    if kind == 'learn' and version == KILL_AT_STEP + 1 and not killed:
+    if kind == 'kill' and version == KILL_AT_STEP + 1 and not killed:
       killed.append(self.members()[1]['pid'])
       os.kill(killed[0], signal.SIGKILL)  # an actor this run started
     if not isinstance(params, shards.Published):  # over gloo: process 0's gathered copy
@@ -216,36 +214,25 @@ def test_kill_of_the_trainer_actor_stops_the_run_with_one_line(model_dir, tmp_pa
   tree.assert_clean(timeout_s=20)
 
 
-def test_two_process_run_learns_while_a_generator_actor_is_killed(tmp_path):
-  """The trainer in 2 processes, 2 generator actors, the second killed mid-run (restarted,
-  every sample exactly once): the reward rises by MARGIN in LEARN_STEPS; the last weights the
-  generators were sent, assembled from both processes' pieces, equal the final checkpoint's;
-  greedy answers of the trained policy stop on their own (cut-off answers are never paid)."""
-  from pipelinerl_jax import evaluate
-  from pipelinerl_jax.demo import warmstart
+def test_two_process_run_goes_on_while_a_generator_actor_is_killed(model_dir, tmp_path):
+  """The trainer in 2 processes, 2 generator actors, the second killed at KILL_AT_STEP: it is
+  restarted once and every sample is trained exactly once; the last weights the generators were
+  sent, assembled from both processes' pieces, equal the final checkpoint's.
+
+  Until 2026-11-26 this was a 400-step learning run (reward +0.10 over its first 10 steps, and
+  greedy answers that stop on their own), ~240 s of the suite. The claims about the kill and
+  the weights need no learning; learning in 2 processes rests on multihost_test's step equality
+  and the retained single-process learning run (vllm_reward_test)."""
   workdir = tmp_path / 'run'
-  config = run_config('learn', str(workdir), '', LEARN_STEPS)
-  demo_dir = str(warmstart.model_dir_for(config))  # the warm start, built here if not cached
-  config = run_config('learn', str(workdir), demo_dir, LEARN_STEPS)
-  # Steps compile at XLA's default optimization, as the demo does: 400 steps, not one.
-  last, _ = run_driver(tmp_path, 'learn', workdir, demo_dir, LEARN_STEPS, timeout_s=1200,
-                       XLA_FLAGS='')
+  config = run_config('kill', str(workdir), model_dir, KILL_STEPS)
+  last, _ = run_driver(tmp_path, 'kill', workdir, model_dir, KILL_STEPS)
   records = [r for r in metrics_lib.read_metrics(str(workdir / 'metrics.jsonl')) if 'step' in r]
-  assert [r['step'] for r in records] == list(range(1, LEARN_STEPS + 1))  # one writer
-  rewards = np.array([r['reward_mean'] for r in records])
-  first, final = rewards[:10].mean(), rewards[-50:].mean()
-  print(f'\nreward: first 10 steps {first:.3f}, last 50 steps {final:.3f} (+{final - first:.3f}); '
-        f'{records[-1]["time_s"]:.0f} s, max lag {max(r["lag_max"] for r in records)}')
+  assert [r['step'] for r in records] == list(range(1, KILL_STEPS + 1))  # one writer
   assert last['killed'] and records[-1]['generation/restarts'] == 1
   assert records[KILL_AT_STEP - 1]['generation/restarts'] == 0
   assert len(last['completed']) == len(set(last['completed']))  # no request completed twice
-  assert last['samples'] == LEARN_STEPS * config.rl.batch_size  # none lost or counted twice
-  assert final > first + MARGIN
+  assert last['samples'] == KILL_STEPS * config.rl.batch_size  # none lost or counted twice
   assert_sent_the_final_checkpoint(last, config, workdir)
-  greedy = dataclasses.replace(config, eval=dataclasses.replace(config.eval, temperature=0.0))
-  result = evaluate.evaluate_checkpoint(greedy, last['checkpoint'], k=1)
-  reasons = collections.Counter(s['finish_reason'] for s in result['samples'])
-  assert reasons['stop'] >= 0.9 * len(result['samples']), reasons
 
 
 def test_ctrl_c_saves_from_both_processes_and_the_run_resumes_over_gloo(model_dir, tmp_path,

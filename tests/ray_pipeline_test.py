@@ -2,9 +2,8 @@
 SIGTERM stop every actor, save and resume; a driver killed with -9 leaves no Ray process behind.
 (The vLLM backend in actors runs in pipeline_test.)
 
-The reward rising with 2 generator actors while one of them is killed mid-run (replaced, every
-sample exactly once) is tested with the trainer in 2 processes, in multihost_ray_test.py: one
-400-step run covers both.
+A run going on with 2 generator actors while one of them is killed mid-run (replaced, every
+sample exactly once) is tested with the trainer in 2 processes, in multihost_ray_test.py.
 """
 
 import json
@@ -20,6 +19,8 @@ import pytest
 
 from pipelinerl_jax import cluster
 
+import xla_env  # tests/ is on sys.path
+
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
 def _main(workdir, model_dir, *extra):
@@ -31,7 +32,7 @@ def _main(workdir, model_dir, *extra):
 
 
 def _start(cmd):
-  env = {**os.environ, 'XLA_FLAGS': '', 'PYTHONUNBUFFERED': '1'}
+  env = xla_env.one_device(PYTHONUNBUFFERED='1')
   # A session of its own: Ctrl-C in a terminal signals the whole foreground process group.
   return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE,
                           stderr=subprocess.STDOUT, text=True, start_new_session=True)

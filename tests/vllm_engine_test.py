@@ -5,7 +5,6 @@ publishes the weights it needs, so tests do not depend on each other's order.
 """
 
 import json
-import os
 import pathlib
 import subprocess
 import sys
@@ -33,6 +32,8 @@ from pipelinerl_jax.generation import sampling  # noqa: E402
 from pipelinerl_jax.generation.transport import hf_tensors  # noqa: E402
 from pipelinerl_jax.models import hf_io  # noqa: E402
 from pipelinerl_jax.models import transformer  # noqa: E402
+
+import xla_env  # tests/ is on sys.path
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 MAX_LEN = 128
@@ -345,7 +346,7 @@ def test_bench_quick_runs_and_reports_sync_over_memcpy(tmp_path):
   proc = subprocess.run(
       [sys.executable, '-m', 'pipelinerl_jax.bench.weight_sync', '--quick', f'--out={out}',
        f'--workdir={tmp_path}'], cwd=ROOT, capture_output=True, text=True, timeout=240,
-      env={**os.environ, 'XLA_FLAGS': ''})
+      env=xla_env.one_device())
   assert proc.returncode == 0, proc.stderr[-3000:]
   report = json.loads(out.read_text())
   (row,) = report['rows']
