@@ -6,7 +6,7 @@ test module imports jax. Single-device code simply runs on device 0. The tests' 
 tiny, so compiling, not running, is most of their time: LLVM at -O0 compiles about twice as
 fast and changes no result a test checks (the XLA graph passes, fusion included, still run).
 Processes the tests start on one device get the same (xla_env.one_device); a long run that
-wants the default (a learning run of hundreds of steps) starts one without it (vllm_reward_test).
+wants the default (a learning run of hundreds of steps) starts one without it (reward_test).
 """
 import os
 

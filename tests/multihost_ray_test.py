@@ -5,7 +5,7 @@ A short run of the tiny preset with 2 generator actors, one killed mid-run, goes
 is restarted once, every sample is trained exactly once; the last weights the generators were
 sent through the object store, assembled from both processes' pieces, equal the params of the
 final checkpoint exactly. (That such a run learns follows from multihost_test's two-process
-step equalling the single-process one; the retained learning run is vllm_reward_test.) A run
+step equalling the single-process one; the learning runs are reward_test's.) A run
 through the main command, stopped by Ctrl-C after its first step, saves from both processes and
 leaves nothing behind; resumed over gloo (the nccl protocol), where both processes gather a
 whole copy onto their own devices and process 0 broadcasts its copy, it ends with the generator
@@ -222,7 +222,7 @@ def test_two_process_run_goes_on_while_a_generator_actor_is_killed(model_dir, tm
   Until 2026-11-26 this was a 400-step learning run (reward +0.10 over its first 10 steps, and
   greedy answers that stop on their own), ~240 s of the suite. The claims about the kill and
   the weights need no learning; learning in 2 processes rests on multihost_test's step equality
-  and the retained single-process learning run (vllm_reward_test)."""
+  and the single-process learning runs (reward_test)."""
   workdir = tmp_path / 'run'
   config = run_config('kill', str(workdir), model_dir, KILL_STEPS)
   last, _ = run_driver(tmp_path, 'kill', workdir, model_dir, KILL_STEPS)

@@ -1025,7 +1025,7 @@ VLLM_FULL = VllmSizes(model='qwen2.5-0.5b', update_models=('qwen2.5-1.5b',), slo
                       prompt_len=256, new_tokens=1024, check_requests=8, check_prompt_len=32,
                       check_tokens=48, check_update_at=16, repeats=5, e2e_rl_s=60.0,
                       e2e_steps=100_000)
-# --quick leaves out the e2e part (40 s here; vLLM in a run is tests/vllm_reward_test.py's).
+# --quick leaves out the e2e part (40 s here; vLLM in a run is tests/reward_test.py's).
 VLLM_QUICK = VllmSizes(model='quick', update_models=('quick',), slots=(2, 4), prompt_len=8,
                        new_tokens=8, check_requests=2, check_prompt_len=8, check_tokens=8,
                        check_update_at=3, repeats=2, e2e_rl_s=0.0, e2e_steps=0)
