@@ -583,16 +583,15 @@ class JaxEngine(api.QueuedEngine):
     seq.slot, seq.decoding, seq.first_step = slot, False, self._dispatched
     last_needed = seq.last_needed_position
     last = min(position + self._lookahead - 1, last_needed)
-    page_size = self.config.page_size
     if prefix is None:
-      seq.pages, seq.loaded = self._pages.take(last // page_size + 1), 0
+      seq.pages, seq.loaded = self._pages.take(self._pages_through(last)), 0
     else:
       shared = prefix.pages
       self._pages.share(shared)
       prefix.holders += 1
       self._counts['prompt_pages_shared'] += len(shared)
-      seq.pages = shared + self._pages.take(last // page_size + 1 - len(shared))
-      seq.loaded = len(shared) * page_size
+      seq.pages = shared + self._pages.take(self._pages_through(last) - len(shared))
+      seq.loaded = len(shared) * self.config.page_size
     if prefix is None and self.config.share_prompts:
       n = self._prompt_pages(seq)
       if n:
@@ -691,7 +690,7 @@ class JaxEngine(api.QueuedEngine):
     decoding = int(np.count_nonzero(self._left))
     reserve = -(-decoding * self._lookahead // self.config.page_size)
     eos = frozenset(self.config.eos_token_ids)
-    waiting, page_size = self._waiting, self.config.page_size
+    waiting = self._waiting
     while free:
       if not waiting:
         new = self._requests.take(len(free))
@@ -703,11 +702,10 @@ class JaxEngine(api.QueuedEngine):
               r, stop_ids=eos.union(sp.stop_token_ids) if sp.stop_token_ids else eos,
               max_tokens=sp.max_tokens, filtered=sp.top_k > 0 or sp.top_p < 1.0))
       seq = waiting[0]
-      prompt_len = len(seq.request.prompt_tokens)
-      last = min(prompt_len + len(seq.tokens) - 2 + self._lookahead,
-                 prompt_len + seq.max_tokens - 2)  # seq.last_needed_position
-      prefix = self._usable_prefix(seq) if prompt_len > page_size else None
-      need = last // page_size + 1 - (len(prefix.pages) if prefix is not None else 0)
+      last = min(len(seq.request.prompt_tokens) + len(seq.tokens) - 2 + self._lookahead,
+                 seq.last_needed_position)
+      prefix = self._usable_prefix(seq)
+      need = self._pages_through(last) - (len(prefix.pages) if prefix is not None else 0)
       if need > self._pages.num_free - reserve:
         return
       waiting.popleft()
