@@ -2,9 +2,9 @@
 
 `connect(config.cluster)` returns a `Session`; `Session.close()` ends it. Two cases:
 
-  * `address` 'auto' or 'HOST:PORT': join a cluster started with `ray start` (docs/scaling.md). Ray ties
-    the actors this driver creates to it: when the driver exits or dies, Ray kills them; the
-    cluster itself keeps running.
+  * `address` 'auto' or 'HOST:PORT': join a cluster started with `ray start` (docs/scaling.md).
+    Ray ties the actors this driver creates to it: when the driver exits or dies, Ray kills
+    them; the cluster itself keeps running.
   * `address` '': start Ray on this host for this run, quietly (no dashboard, no usage stats,
     no worker logs forwarded). Ray's head processes (gcs_server, raylet, ...) are the driver's
     children, started deaf to Ctrl-C (the driver stops them after saving; Ray's own SIGTERM

@@ -18,7 +18,8 @@ store and, for a train step, broadcasts the packed batch. The calls:
 
 Process 0 packs the whole batch as one process does and broadcasts it. So the step sees the very
 batch a single process would; packing costs little next to a step (docs/scaling.md: "Several
-trainer processes"), and packing per process would still need the samples sent and a row count agreed.
+trainer processes"), and packing per process would still need the samples sent and a row count
+agreed.
 
 Stopping. The run ends when process 0 says so (`stop`). When it fails, it raises a stop flag
 every follower watches (in a thread, so one stuck in a collective is reached too): each answers

@@ -22,7 +22,8 @@ all that a single-process run has in the terminal: the output, Ctrl-C and SIGTER
 handlers), the exit status, the workdir lock. A launcher would relay each of them to an actor
 and back. Ray ends every actor of a driver that dies, trainer processes and generators alike, so
 losing process 0 leaves nothing behind either. The cost: the driver's host is a trainer host (on
-GPUs, `ray start --head --num-gpus=0` there, so that no generator lands on its GPUs; docs/scaling.md).
+GPUs, `ray start --head --num-gpus=0` there, so that no generator lands on its GPUs;
+docs/scaling.md).
 
 Why the trainer processes are Ray actors, not started by a scheduler, when the generators are:
 ObjectRefs that Ray workers pass to each other are reference-counted, and a piece is freed once

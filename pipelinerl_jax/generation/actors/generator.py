@@ -17,8 +17,8 @@ carry a sequence number and stay in the outbox until the pool acknowledges them 
 reply lost in transit is sent again, so none is lost; the pool's routing drops duplicates.
 
 The engine comes from the project's one factory (generation/engines.py), which imports JAX or
-vLLM, and their thread pools, only when it builds the engine: after `pin`. Methods run in Ray's threads, one per concurrency
-group, so a weight transfer never blocks polling or submitting.
+vLLM, and their thread pools, only when it builds the engine: after `pin`. Methods run in Ray's
+threads, one per concurrency group, so a weight transfer never blocks polling or submitting.
 """
 
 from __future__ import annotations
