@@ -41,6 +41,39 @@ class Score:
   mask: bool = False  # True: leave the sample out of training (no signal; see the actor)
 
 
+@dataclasses.dataclass(frozen=True)
+class EnvStep:
+  """An environment's answer to one model turn.
+
+  The episode's reward is the sum of its steps' rewards (the episode return); the last step's
+  reward carries the final judgement. `score` (last step only) gives the episode's status for
+  the metrics and may mask it like a one-turn `Score`; its reward is not added again."""
+  observation: str | None      # fed to the model, never sampled, before its next turn; None = done
+  reward: float
+  done: bool
+  score: Score | None = None
+  tool_call: bool = False      # this turn called a tool
+  tool_error: bool = False     # ... and the tool answered with an error
+
+
+class Environment(abc.ABC):
+  """One episode of a multi-turn task, made fresh per episode by `Task.environment()`.
+
+  A model turn ends with a stop token (the tokenizer's EOS) or at its token limit. Like `score`,
+  `step` reads text a policy wrote: it must never raise, never hang, and its cost must stay
+  linear in the text whatever the text holds (a hostile tool call gets an error observation)."""
+
+  @abc.abstractmethod
+  def reset(self, problem: Problem) -> str:
+    """The first observation: the prompt text the model's first turn continues."""
+
+  @abc.abstractmethod
+  def step(self, turn_text: str, *, truncated: bool, last: bool) -> EnvStep:
+    """The model's decoded turn. `truncated`: cut at its token limit (no stop token); `last`:
+    no further turn is allowed (the task's turn limit or token budget is spent), so the answer
+    must be done=True."""
+
+
 class Task(abc.ABC):
   """What the actor, the evaluation and the demo build use of a task. Subclasses implement
   `problems` and `score`; the rest has defaults."""
@@ -94,6 +127,24 @@ class Task(abc.ABC):
 
   def close(self) -> None:
     """Releases what the task holds (worker processes); scoring again may restart them."""
+
+  # Multi-turn tasks. A task without an environment is one turn: the actor scores each group's
+  # completions with `score_many`.
+
+  def environment(self) -> Environment | None:
+    """A fresh environment for one episode, or None for a one-turn task."""
+    return None
+
+  @property
+  def max_turns(self) -> int:
+    """The most model turns of an episode."""
+    return 1
+
+  @property
+  def max_episode_tokens(self) -> int:
+    """The most tokens after the prompt in one episode (model turns and observations); 0 = only
+    each turn's own limit (`sampling.max_tokens`)."""
+    return 0
 
   # The supervised warm start of the demo model (demo/warmstart.py) needs these two.
 
