@@ -306,6 +306,7 @@ def test_a_continued_turn_equals_a_fresh_prefill_of_its_history(params_a, sync_e
     # Prefilled: turn 1's last token and the observation but its last token (the first input).
     assert stats['prefill_tokens'] - before == 1 + len(OBSERVATION) - 1
     eng.release('e/turn2')
+    eng.step()  # (a release takes effect at the next step)
     stats = eng.stats()
     assert stats['kv_pages_free'] == stats['kv_pages'] and stats['kv_pages_held'] == 0
   fresh, _ = run(params_a, config, reqs=[turn('h', history, continuable=False)])
@@ -342,6 +343,7 @@ def test_held_pages_go_first_under_pool_pressure_and_corrupt_nobody(params_a):
     stats = eng.stats()
     assert stats['kv_held_mismatch'] == 1
     eng.release('e/turn2')
+    eng.step()  # (a release takes effect at the next step)
     stats = eng.stats()
     assert stats['kv_pages_free'] == stats['kv_pages']
   fresh, _ = run(params_a, PAGED, reqs=[turn('h', history, continuable=False),

@@ -413,7 +413,8 @@ class JaxEngine(api.QueuedEngine):
     self._admitted = 0
     self._collected = True  # a collection happened since pages were last reserved
     self._next_params: tuple[Any, int] | None = None
-    self._lock = threading.Lock()  # guards _next_params
+    self._to_release: list[str] = []  # request ids `release`d since the last step
+    self._lock = threading.Lock()  # guards _next_params and _to_release
     self._closed = False
     self._counts = collections.Counter()
     self._step_seconds = 0.0
@@ -481,6 +482,8 @@ class JaxEngine(api.QueuedEngine):
   def step(self) -> list[api.Completion]:
     self._check_open()
     start = time.perf_counter()
+    if self._to_release:
+      self._release_held()
     finished = self._apply_update()
     if len(self._pending) > self._sync_every:
       finished += self._collect(keep_newest=True)
@@ -546,12 +549,11 @@ class JaxEngine(api.QueuedEngine):
     return len(widths)
 
   def release(self, request_id: str) -> None:
-    """Frees the pages a finished continuable request holds (its episode ended). Call it from
-    the thread that calls `step()`."""
+    """Frees the pages a finished continuable request holds (its episode ended), at the next
+    `step()`; safe to call from any thread (a generator actor's pool calls it from another)."""
     self._check_open()
-    if request_id in self._held:
-      self._drop_held(request_id)
-      self._counts['kv_held_released'] += 1
+    with self._lock:
+      self._to_release.append(request_id)
 
   def close(self) -> None:
     self._closed = True
@@ -669,6 +671,14 @@ class JaxEngine(api.QueuedEngine):
       self._counts['kv_held_mismatch'] += 1
       return None
     return pages, valid
+
+  def _release_held(self) -> None:
+    with self._lock:
+      ids, self._to_release = self._to_release, []
+    for request_id in ids:
+      if request_id in self._held:
+        self._drop_held(request_id)
+        self._counts['kv_held_released'] += 1
 
   def _drop_held(self, request_id: str) -> None:
     _, pages = self._held.pop(request_id)
