@@ -12,12 +12,14 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from pipelinerl_jax import episodes
 from pipelinerl_jax.generation import api
 from pipelinerl_jax.generation import budget
 from pipelinerl_jax.generation import jax_engine as engine_lib
 from pipelinerl_jax.models import attention as attention_lib
 from pipelinerl_jax.models import paged_attention as paged
 from pipelinerl_jax.models import transformer
+from pipelinerl_jax.tasks import base as tasks_base
 
 CFG = transformer.ModelConfig(vocab_size=40, hidden_size=32, intermediate_size=64, num_layers=2,
                               num_heads=4, num_kv_heads=2, head_dim=8)
@@ -315,11 +317,11 @@ def test_a_continued_turn_equals_a_fresh_prefill_of_its_history(params_a, sync_e
 
 
 def test_held_pages_go_first_under_pool_pressure_and_corrupt_nobody(params_a):
-  """A pool of 8 pages: episode e's turn 1 holds its pages while two other requests arrive;
+  """A pool of 7 pages: episode e's turn 1 holds its pages while two other requests arrive;
   they evict them rather than wait, decode what a roomy pool gives them, and e's turn 2 then
   prefills its whole history (the same tokens as a fresh engine). A history that does not
   start with the held tokens is prefilled whole too. No page is lost."""
-  config = dataclasses.replace(PAGED, num_pages=9, sync_every=1)
+  config = dataclasses.replace(PAGED, num_pages=8, sync_every=1)  # (compiled above)
   others = [turn('x', OTHER, n=9, continuable=False, seed=4),
             turn('y', PROMPT[:6], n=9, continuable=False, seed=5)]
   alone, _ = run(params_a, PAGED, reqs=others)
@@ -364,3 +366,36 @@ def test_held_pages_are_freed_by_a_recompute_update_and_by_abort(params_a, param
     eng.step()
     stats = eng.stats()
     assert stats['kv_pages_held'] == 0 and stats['kv_pages_free'] == stats['kv_pages']
+
+
+class _ThreeTurns(tasks_base.Environment):
+  """Observation '7 8 9' after turns 1 and 2; done after turn 3."""
+  turns = 0
+
+  def reset(self, problem):
+    return problem.prompt
+
+  def step(self, turn_text, *, truncated, last):
+    self.turns += 1
+    done = last or self.turns == 3
+    return tasks_base.EnvStep(observation=None if done else '7 8 9', reward=float(done),
+                              done=done)
+
+
+def test_episodes_leave_every_page_free(params_a):
+  """Six sampled 3-turn episodes on 4 slots: turns reuse held pages, and once the episodes have
+  ended (each releasing its last turn) every page is free. (Eviction: the test above.)"""
+  config = dataclasses.replace(PAGED, sync_every=1)
+  limits = episodes.Limits(sampling=api.SamplingParams(temperature=1.0, max_tokens=5),
+                           max_turns=3, max_seq_len=S)
+  with engine_lib.JaxEngine(CFG, params_a, config) as eng:
+    started = [episodes.start(tasks_base.Problem(f'p{i}', '', ''), _ThreeTurns(),
+                              lambda p, i=i: PROMPT[i:], limits, request_id=f'e{i}', seed=i)
+               for i in range(6)]
+    done = episodes.run(eng, started, decode=lambda t: ' '.join(map(str, t)),
+                        encode_text=lambda text: [int(t) for t in text.split()], limits=limits)
+    eng.step()  # (releases take effect at the next step)
+    stats = eng.stats()
+  assert all(e.turns == 3 and e.outcome == 'done' for e in done)
+  assert stats['kv_held_reused'] > 0
+  assert stats['kv_pages_free'] == stats['kv_pages'] and stats['kv_pages_held'] == 0
