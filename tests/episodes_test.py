@@ -276,6 +276,8 @@ def test_the_actor_runs_multi_turn_groups_within_its_credits_and_logs_episode_me
   assert any(r['episode/frac_env_error'] > 0 for r in records)
   assert all(r['episode/frac_done'] + r['episode/frac_env_error'] == 1.0 for r in records)
   assert all(r['lag_max'] >= 0 for r in records)
+  counters = result.actor.counters()
+  assert counters['episodes_env_error'] > 0 and counters['episodes_done'] > 0
 
 
 def test_one_turn_tasks_log_no_episode_metrics():

@@ -20,6 +20,7 @@ never holds more than H requests. A one-turn task takes the path it always took.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import itertools
 import threading
@@ -103,6 +104,7 @@ class Actor:
     self.groups_dropped = 0        # all-equal rewards, when drop_zero_advantage_groups
     self.samples_masked = 0        # dropped because the task masked them
     self.groups_masked = 0         # dropped because every sample was masked
+    self.episode_outcomes: collections.Counter = collections.Counter()  # multi-turn tasks
     self._group_ids = itertools.count() if group_ids is None else group_ids
     self._open: dict[int, dict[str, Any]] = {}
 
@@ -168,6 +170,7 @@ class Actor:
   def _end_episodes(self, gid: int) -> None:
     entry = self._open.pop(gid)
     episodes = entry['episodes']
+    self.episode_outcomes.update(e.outcome for e in episodes)
     group = make_group(gid, entry['problem'], [episodes_lib.completion(e) for e in episodes],
                        [e.score for e in episodes], self.config,
                        loss_masks=[episodes_lib.loss_mask(e) for e in episodes],
@@ -194,7 +197,8 @@ class Actor:
   def counters(self) -> dict[str, int]:
     """Totals since the start, for the metrics records."""
     return dict(groups_emitted=self.groups_emitted, groups_dropped=self.groups_dropped,
-                samples_masked=self.samples_masked, groups_masked=self.groups_masked)
+                samples_masked=self.samples_masked, groups_masked=self.groups_masked,
+                **{f'episodes_{outcome}': n for outcome, n in self.episode_outcomes.items()})
 
   def run(self) -> None:
     while not self.stop.is_set():
