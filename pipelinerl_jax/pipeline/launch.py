@@ -55,7 +55,7 @@ def run_experiment(config: ml_collections.ConfigDict | config_lib.Config, workdi
   model_dir = prepare(config, workdir, model_dir, interrupt)
   if not distributed.is_primary():
     return multiprocess.follow(config, workdir, model_dir, interrupt)
-  return lead(config, workdir, model_dir, on_ready=on_ready, interrupt=interrupt)
+  return run_primary(config, workdir, model_dir, on_ready=on_ready, interrupt=interrupt)
 
 
 def launches_trainers(config: config_lib.Config) -> bool:
@@ -69,7 +69,7 @@ def _launch_trainers(config: config_lib.Config, workdir: str, model_dir: str | N
   from pipelinerl_jax.pipeline import trainer_actors  # imports Ray: only when it is used
   with trainer_actors.launch(config, workdir, follow_as_actor) as launched:  # joins: process 0
     model_dir = prepare(config, workdir, model_dir, interrupt, checked=True)
-    return lead(config, workdir, model_dir, on_ready=on_ready, interrupt=interrupt,
+    return run_primary(config, workdir, model_dir, on_ready=on_ready, interrupt=interrupt,
                 trainers=launched)
 
 
@@ -109,8 +109,8 @@ def prepare(config: config_lib.Config, workdir: str, model_dir: str | None = Non
   return model_dir
 
 
-def lead(config: config_lib.Config, workdir: str, model_dir: str, *, on_ready=None,
-         interrupt: threading.Event | None = None, trainers=None) -> dict[str, Any]:
+def run_primary(config: config_lib.Config, workdir: str, model_dir: str, *, on_ready=None,
+                interrupt: threading.Event | None = None, trainers=None) -> dict[str, Any]:
   """Process 0: claims the outputs, builds the parts (each call that involves the other
   processes announced to them first: multiprocess.Followers) and runs the pipeline. `trainers`:
   the trainer actors' trainer_actors.Launch."""
