@@ -56,8 +56,9 @@ def one_line(error: BaseException) -> str:
 
 
 def exit_now(status: int | str) -> None:
-  """sys.exit, unless a loop of the run was abandoned mid-step (inside XLA, see run.supervise):
-  interpreter shutdown would abort under it, so the process ends at once (output flushed). So
+  """sys.exit, unless a loop of the run was abandoned mid-step (inside XLA, see
+  supervise.run_loops): interpreter shutdown would abort under it, so the process ends at once
+  (output flushed). So
   does an error in a trainer of several processes: a normal exit would wait at jax.distributed's
   shutdown barrier for peers that may be gone (then abort with a stack trace)."""
   from pipelinerl_jax import distributed

@@ -35,15 +35,14 @@ def main(argv):
   from pipelinerl_jax import distributed
   from pipelinerl_jax.pipeline import launch
   from pipelinerl_jax.pipeline import metrics as metrics_lib
-  from pipelinerl_jax.pipeline import multiprocess
-  from pipelinerl_jax.pipeline import run as run_lib
+  from pipelinerl_jax.pipeline import supervise
   try:
     summary = launch.run_experiment(_CONFIG.value, _WORKDIR.value, interrupt=_STOP.request)
   except signals.Interrupted as e:
     print(f'\nInterrupted by {signal.Signals(e.signum).name} during start-up; nothing was '
           'trained.', flush=True)
     sys.exit(signals.exit_code(e.signum))
-  except (ValueError, OSError, run_lib.RunError, multiprocess.TrainerProcessError) as e:
+  except (ValueError, OSError, supervise.RunError, supervise.TrainerProcessError) as e:
     command_line.exit_now(f'error: {command_line.one_line(e)}')  # OSError: a full or read-only disk
   if summary.get('follower'):  # another process of the trainer (pipeline/multiprocess.py)
     print(f"{distributed.describe()}: followed process 0 to step {summary['steps']}")

@@ -17,8 +17,8 @@ from pipelinerl_jax import export as export_lib
 from pipelinerl_jax import sharding as sharding_lib
 from pipelinerl_jax import train
 from pipelinerl_jax.models import hf_io
+from pipelinerl_jax.pipeline import launch
 from pipelinerl_jax.pipeline import metrics as metrics_lib
-from pipelinerl_jax.pipeline import run as run_lib
 from pipelinerl_jax.pipeline import stream as stream_lib
 from pipelinerl_jax.pipeline import trainer as trainer_lib
 from pipelinerl_jax.tasks import arithmetic
@@ -73,13 +73,13 @@ def test_exact_resume_conventional(model_dir, tmp_path, varied_rewards):
     c.checkpoint.every_steps = 0  # only at exit
     return c
 
-  a = run_lib.run(config(4), str(tmp_path / 'a'), model_dir=model_dir)
-  b1 = run_lib.run(config(2), str(tmp_path / 'b'), model_dir=model_dir)
+  a = launch.run_experiment(config(4), str(tmp_path / 'a'), model_dir=model_dir)
+  b1 = launch.run_experiment(config(2), str(tmp_path / 'b'), model_dir=model_dir)
   assert b1['steps'] == 2 and b1['checkpoint'] == str(tmp_path / 'b' / 'checkpoints')
   meta = checkpoint_lib.read_meta(tmp_path / 'b' / 'checkpoints')
   # At a sync boundary every admitted group was trained: 2 steps x 16 samples / 4 per group.
   assert meta['data'] == dict(next_group=8, done_above=[]) and meta['policy_version'] == 2
-  b2 = run_lib.run(config(4), str(tmp_path / 'b'), model_dir=model_dir)
+  b2 = launch.run_experiment(config(4), str(tmp_path / 'b'), model_dir=model_dir)
   assert b2['steps'] == 4 and b2['samples'] == a['samples']
 
   initial = hf_io.load_params(model_dir, hf_io.load_config(model_dir))
@@ -113,7 +113,7 @@ def test_interrupt_saves_then_pipeline_resume_continues(model_dir, tmp_path, var
   # whatever ran before in this process (once, in the full suite, this run was not interrupted).
   previous = signal.signal(signal.SIGINT, signal.default_int_handler)
   try:
-    first = run_lib.run(c, str(tmp_path), model_dir=model_dir, on_ready=on_ready)
+    first = launch.run_experiment(c, str(tmp_path), model_dir=model_dir, on_ready=on_ready)
   finally:
     signal.signal(signal.SIGINT, previous)
   steps = first['steps']
@@ -126,7 +126,7 @@ def test_interrupt_saves_then_pipeline_resume_continues(model_dir, tmp_path, var
 
   c.rl.total_steps = steps + 3
   c.checkpoint.every_steps, c.checkpoint.keep = 1, 2
-  second = run_lib.run(c, str(tmp_path), model_dir=model_dir)
+  second = launch.run_experiment(c, str(tmp_path), model_dir=model_dir)
   records = metrics_lib.read_metrics(str(tmp_path / 'metrics.jsonl'))
   assert [r['step'] for r in records] == list(range(1, steps + 4))
   # The engine resumed at version `steps`: had it restarted at 0, every sample it generated
@@ -190,14 +190,14 @@ def test_bad_checkpoint_dirs_give_one_line_errors_naming_the_path(model_dir, tmp
       f.write_bytes(b'')
   config.checkpoint.every_steps = 0
   with pytest.raises(ValueError) as e:
-    run_lib.run(config, str(tmp_path / 'work'), model_dir=model_dir)
+    launch.run_experiment(config, str(tmp_path / 'work'), model_dir=model_dir)
   assert str(root / '3') in str(e.value) and '\n' not in str(e.value)
   with pytest.raises(ValueError, match=str(root / '3')):
     checkpoint_lib.load_params(root, model_config)
 
   config.checkpoint.resume = False  # a fresh run must not mix its checkpoints with these
   with pytest.raises(ValueError, match=f'config.checkpoint.resume: .*{root}') as e:
-    run_lib.run(config, str(tmp_path / 'work'), model_dir=model_dir)
+    launch.run_experiment(config, str(tmp_path / 'work'), model_dir=model_dir)
   assert '\n' not in str(e.value)
 
 
@@ -208,7 +208,7 @@ def test_seed_mismatch_refuses_to_resume(model_dir, tmp_path):
   config.seed = 5
   config.train.mesh = '1,1,1'
   with pytest.raises(ValueError, match="config.seed: 5 differs from the checkpoint's seed 0"):
-    run_lib.run(config, str(tmp_path), model_dir=model_dir)
+    launch.run_experiment(config, str(tmp_path), model_dir=model_dir)
 
 
 def test_data_stream_skips_what_was_finished():

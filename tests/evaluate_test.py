@@ -9,8 +9,8 @@ from pipelinerl_jax import config as config_lib
 from pipelinerl_jax import evaluate
 from pipelinerl_jax import evaluation
 from pipelinerl_jax.models import hf_io
+from pipelinerl_jax.pipeline import launch
 from pipelinerl_jax.pipeline import metrics as metrics_lib
-from pipelinerl_jax.pipeline import run as run_lib
 from pipelinerl_jax.tasks import arithmetic
 from pipelinerl_jax.tasks.base import Score
 
@@ -61,7 +61,7 @@ def test_cli_matches_the_in_training_evaluation(model_dir, tmp_path, monkeypatch
   c.rl.total_steps, c.rl.max_time_s = 2, 0.0
   c.eval.every_steps, c.eval.num_problems, c.eval.k = 2, 6, 3
   c.log.progress, c.log.tensorboard = False, False
-  summary = run_lib.run(c, str(tmp_path / 'run'), model_dir=model_dir)
+  summary = launch.run_experiment(c, str(tmp_path / 'run'), model_dir=model_dir)
   records = metrics_lib.read_metrics(str(tmp_path / 'run' / 'metrics.jsonl'))
   assert 'eval/pass@1' not in records[0]
   logged = records[1]  # step 2: evaluated with the params that step produced (the final ones)

@@ -34,8 +34,9 @@ from pipelinerl_jax import evaluate as evaluate_lib
 from pipelinerl_jax import sharding as sharding_lib
 from pipelinerl_jax import train
 from pipelinerl_jax.models import hf_io
+from pipelinerl_jax.pipeline import launch
 from pipelinerl_jax.pipeline import metrics as metrics_lib
-from pipelinerl_jax.pipeline import run as run_lib
+from pipelinerl_jax.pipeline import supervise
 from pipelinerl_jax.pipeline import trainer as trainer_lib
 
 import pipeline_test  # its small_config (tests/ is on sys.path under pytest)
@@ -139,9 +140,9 @@ def test_disk_full_mid_run_stops_with_the_real_error(model_dir, tmp_path, small_
     threading.Thread(target=body, daemon=True).start()
 
   finished, result = run_in_thread(
-      lambda: run_lib.run(c, str(workdir), model_dir=model_dir, on_ready=on_ready), 90)
+      lambda: launch.run_experiment(c, str(workdir), model_dir=model_dir, on_ready=on_ready), 90)
   assert finished, 'the run hung on a full disk'
-  assert isinstance(result, run_lib.RunError), result
+  assert isinstance(result, supervise.RunError), result
   assert 'trainer loop failed: OSError' in str(result) and 'No space left' in str(result)
   assert '\n' not in str(result)
 
@@ -155,8 +156,8 @@ def test_failed_save_removes_its_partial_checkpoint(model_dir, tmp_path, small_d
 
   def on_ready(live):
     fill(ckpt, leave_bytes=100 << 10)  # less than one checkpoint
-  with pytest.raises(run_lib.RunError) as e:
-    run_lib.run(c, str(tmp_path / 'w'), model_dir=model_dir, on_ready=on_ready)
+  with pytest.raises(supervise.RunError) as e:
+    launch.run_experiment(c, str(tmp_path / 'w'), model_dir=model_dir, on_ready=on_ready)
   message = str(e.value)
   assert 'could not write the checkpoint of step 2 (no space left on device' in message
   assert '\n' not in message
@@ -185,7 +186,7 @@ def test_output_problems_are_found_before_the_model_loads(model_dir, tmp_path, m
   else:
     c.checkpoint.dir = str(small_disk(2))   # the tiny model's checkpoints need ~7 MB
   with pytest.raises(ValueError) as e:
-    run_lib.run(c, str(workdir), model_dir=model_dir)
+    launch.run_experiment(c, str(workdir), model_dir=model_dir)
   assert str(e.value).startswith(key) and '\n' not in str(e.value), e.value
   if case == 'no_room_for_checkpoints':
     assert 'MB free' in str(e.value)
@@ -301,7 +302,7 @@ def test_a_second_run_on_a_workdir_is_refused_naming_the_holder(model_dir, tmp_p
       _thread.interrupt_main()  # Ctrl-C: the run waits for a step in progress and saves it
     threading.Thread(target=body, daemon=True).start()
 
-  first = run_lib.run(c, str(tmp_path), model_dir=model_dir, on_ready=on_ready)
+  first = launch.run_experiment(c, str(tmp_path), model_dir=model_dir, on_ready=on_ready)
   proc = second['proc']
   assert proc.returncode == 1, proc.stdout + proc.stderr
   assert proc.stderr.strip().count('\n') == 0, proc.stderr
@@ -387,7 +388,7 @@ def test_kill_9_then_resume_leaves_nothing_behind_and_repeats_no_step(model_dir,
   c.task.name, c.task.train_files, c.task.verify_workers = 'math', (str(data),), 2
   c.generation.max_prompt_len, c.checkpoint.every_steps, c.log.tensorboard = 112, 4, True
   capsys.readouterr()
-  run_lib.run(c, str(workdir), model_dir=model_dir)
+  launch.run_experiment(c, str(workdir), model_dir=model_dir)
   out = capsys.readouterr().out
   assert 'which ended without releasing it' in out  # the killed run's lock, taken over
 
@@ -480,7 +481,7 @@ def test_a_skipped_update_is_logged_as_such_and_never_saved(model_dir, tmp_path,
   monkeypatch.setattr(train, 'jit_train_step', jit)
   c = small_config(total_steps=4)
   c.rl.max_time_s = 60.0
-  summary = run_lib.run(c, str(tmp_path), model_dir=model_dir)
+  summary = launch.run_experiment(c, str(tmp_path), model_dir=model_dir)
   assert summary['steps'] == 4
   records = [json.loads(line) for line in (tmp_path / 'metrics.jsonl').read_text().splitlines()]
   assert [r.get('step') for r in records] == [1, None, 2, 3, 4]
@@ -501,7 +502,7 @@ def test_unreadable_latest_checkpoints_fall_back_to_the_previous_one(model_dir, 
   which is then refused; a non-finite one was resumed."""
   c = small_config(total_steps=4)
   c.checkpoint.every_steps, c.checkpoint.keep = 2, 5
-  run_lib.run(c, str(tmp_path), model_dir=model_dir)
+  launch.run_experiment(c, str(tmp_path), model_dir=model_dir)
   root = tmp_path / 'checkpoints'
   assert sorted(int(p.name) for p in root.iterdir() if p.name.isdigit()) == [2, 4]
   # Step 5: the state of step 4 made non-finite; step 4: a data file cut short.
@@ -521,7 +522,7 @@ def test_unreadable_latest_checkpoints_fall_back_to_the_previous_one(model_dir, 
 
   c.rl.total_steps = 6
   capsys.readouterr()
-  summary = run_lib.run(c, str(tmp_path), model_dir=model_dir)
+  summary = launch.run_experiment(c, str(tmp_path), model_dir=model_dir)
   out = capsys.readouterr().out
   assert 'non-finite' in out and 'resuming from step 2 instead' in out, out
   assert (root / '5.unreadable').is_dir() and (root / '4.unreadable').is_dir()
@@ -536,7 +537,7 @@ def test_unreadable_latest_checkpoints_fall_back_to_the_previous_one(model_dir, 
       p.write_bytes(b'')
   c.rl.total_steps = 7
   with pytest.raises(ValueError) as e:
-    run_lib.run(c, str(tmp_path), model_dir=model_dir)
+    launch.run_experiment(c, str(tmp_path), model_dir=model_dir)
   assert 'set config.checkpoint.dir to a new directory' in str(e.value)
   assert 'resume=False' not in str(e.value) and '\n' not in str(e.value)
 
@@ -568,7 +569,7 @@ def test_training_without_tokenizer_files_fails_before_the_model_loads(model_wit
   """Item 8: training failed later with "prompt has 0 tokens"."""
   no_model_load(monkeypatch)
   with pytest.raises(ValueError, match='no tokenizer files'):
-    run_lib.run(small_config(), str(tmp_path), model_dir=model_without_tokenizer)
+    launch.run_experiment(small_config(), str(tmp_path), model_dir=model_without_tokenizer)
 
 
 @pytest.mark.parametrize('content,message', [
@@ -589,7 +590,7 @@ def test_bad_data_files_are_reported_before_the_model_loads(model_dir, tmp_path,
   c = small_config()
   c.task.name, c.task.train_files, c.model.path = 'math', (str(data),), model_dir
   with pytest.raises((ValueError, FileNotFoundError)) as e:
-    run_lib.run(c, str(tmp_path / 'w'), model_dir=model_dir)
+    launch.run_experiment(c, str(tmp_path / 'w'), model_dir=model_dir)
   assert str(e.value).startswith(str(data)) and message in str(e.value), e.value
   assert '\n' not in str(e.value)
 
@@ -625,9 +626,9 @@ def test_wandb_logs_the_records_and_a_resumed_run_continues_the_same_run(model_d
   monkeypatch.setenv('WANDB_SILENT', 'true')
   c = small_config(total_steps=2)
   c.log.wandb, c.checkpoint.every_steps = True, 0
-  run_lib.run(c, str(tmp_path), model_dir=model_dir)
+  launch.run_experiment(c, str(tmp_path), model_dir=model_dir)
   c.rl.total_steps = 3
-  run_lib.run(c, str(tmp_path), model_dir=model_dir)
+  launch.run_experiment(c, str(tmp_path), model_dir=model_dir)
   run_id = (tmp_path / metrics_lib.WANDB_ID_FILE).read_text().strip()
   runs = sorted(glob.glob(str(tmp_path / 'wandb' / 'offline-run-*')))
   assert len(runs) == 2 and all(r.endswith(f'-{run_id}') for r in runs), runs

@@ -11,8 +11,8 @@ from pipelinerl_jax import config as config_lib
 from pipelinerl_jax.demo import warmstart
 from pipelinerl_jax.generation import api
 from pipelinerl_jax.pipeline import actor as actor_lib
+from pipelinerl_jax.pipeline import launch
 from pipelinerl_jax.pipeline import metrics as metrics_lib
-from pipelinerl_jax.pipeline import run as run_lib
 from pipelinerl_jax.pipeline import stream as stream_lib
 from pipelinerl_jax.tasks.base import STATUSES, Problem, Score, Task
 
@@ -58,7 +58,7 @@ def test_math_run_counts_statuses_masks_evaluates_and_closes_the_pool(model_dir,
     seen['task'] = live['task']
     seen['procs'] = [w.proc for w in live['task']._pool._workers if w is not None]
 
-  summary = run_lib.run(small_math_config(model_dir), str(tmp_path), on_ready=on_ready)
+  summary = launch.run_experiment(small_math_config(model_dir), str(tmp_path), on_ready=on_ready)
   assert summary['steps'] == 2
   records = metrics_lib.read_metrics(str(tmp_path / 'metrics.jsonl'))
   assert [r['step'] for r in records] == [1, 2]

@@ -34,8 +34,8 @@ from pipelinerl_jax import train
 from pipelinerl_jax.models import hf_io
 from pipelinerl_jax.models import transformer
 from pipelinerl_jax.pipeline import build as build_lib
+from pipelinerl_jax.pipeline import launch as launch_lib
 from pipelinerl_jax.pipeline import metrics as metrics_lib
-from pipelinerl_jax.pipeline import run as run_lib
 from pipelinerl_jax.pipeline import signals
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -119,7 +119,7 @@ def worker(mode: str, process_id: int, address: str, out: str, model_dir: str) -
                            devices=len(x.sharding.device_set))
                    for k, x in flat(copy).items()}, f)
     with signals.StopSignals() as stop:  # as main installs them
-      summary = run_lib.run(config, workdir, interrupt=stop.request)
+      summary = launch_lib.run_experiment(config, workdir, interrupt=stop.request)
     assert summary['interrupted'], summary  # by the stop request from process 1
     shards = {k: (x.shape, [(s.index, np.asarray(s.data)) for s in x.addressable_shards])
               for k, x in flat(summary['final_state']).items()}

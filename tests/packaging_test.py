@@ -300,7 +300,7 @@ def test_notebook_imports_need_no_torch_or_vllm(tmp_path):
   # What the notebooks call beyond their imports: the model build, the engine, the tokenizer.
   result = run_hidden('\n'.join(imports) + '\n'
                       'from pipelinerl_jax.generation import jax_engine\n'
-                      'from pipelinerl_jax.pipeline import run\n'
+                      'from pipelinerl_jax.pipeline import launch\n'
                       'from transformers import AutoTokenizer\n', tmp_path)
   assert result.returncode == 0, result.stderr
   assert loaded(result) == ''

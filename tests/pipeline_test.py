@@ -22,9 +22,10 @@ from pipelinerl_jax import config as config_lib
 from pipelinerl_jax import packing
 from pipelinerl_jax.generation import jax_engine as engine_lib
 from pipelinerl_jax.pipeline import build as build_lib
+from pipelinerl_jax.pipeline import launch
 from pipelinerl_jax.pipeline import metrics as metrics_lib
-from pipelinerl_jax.pipeline import run as run_lib
 from pipelinerl_jax.pipeline import stream as stream_lib
+from pipelinerl_jax.pipeline import supervise
 
 import xla_env  # tests/ is on sys.path
 
@@ -44,7 +45,7 @@ def small_config(**rl):
 
 
 def test_pipeline_mode_overlaps_and_bounds_lag(model_dir, tmp_path):
-  summary = run_lib.run(small_config(max_lag=1), str(tmp_path), model_dir=model_dir)
+  summary = launch.run_experiment(small_config(max_lag=1), str(tmp_path), model_dir=model_dir)
   records = metrics_lib.read_metrics(str(tmp_path / 'metrics.jsonl'))
   assert [r['step'] for r in records] == list(range(1, 7))
   for r in records:
@@ -74,7 +75,7 @@ def test_micro_batch_rows_fix_rows_per_shard_in_a_run(model_dir, tmp_path, monke
   monkeypatch.setattr(packing, 'split_microbatches', recording_split)
   c = small_config(mode='conventional', total_steps=2)
   c.train.mesh, c.train.micro_batch_rows = '1,2,1', 1
-  run_lib.run(c, str(tmp_path), model_dir=model_dir)
+  launch.run_experiment(c, str(tmp_path), model_dir=model_dir)
   assert len(shapes) == 2
   for m, r, _ in shapes:
     assert r == 2 and m & (m - 1) == 0  # 1 row on each of the 2 shards; 2^k micro-batches
@@ -92,8 +93,8 @@ def test_loop_failure_stops_everything_with_a_named_error(model_dir, tmp_path, m
 
   monkeypatch.setattr(engine_lib.JaxEngine, 'step', failing_step)
   t0 = time.monotonic()
-  with pytest.raises(run_lib.RunError, match='actor loop failed: RuntimeError: generator died'):
-    run_lib.run(small_config(total_steps=1000), str(tmp_path), model_dir=model_dir)
+  with pytest.raises(supervise.RunError, match='actor loop failed: RuntimeError: generator died'):
+    launch.run_experiment(small_config(total_steps=1000), str(tmp_path), model_dir=model_dir)
   assert time.monotonic() - t0 < 60
   # Both loops joined. (Named, not counted: tensorboardX's queue feeder thread ends on its own
   # shortly after the writer closes, which made a thread count racy.)
@@ -322,9 +323,9 @@ def test_pipeline_runs_with_vllm_backends(model_dir, tmp_path, placement):
       killed.append(victim)
     threading.Thread(target=body, daemon=True).start()
 
-  summary = run_lib.run(c, str(tmp_path), model_dir=model_dir,
-                        on_ready=kill_a_generator_after_step_1 if placement == 'ray'
-                        else None)
+  summary = launch.run_experiment(
+      c, str(tmp_path), model_dir=model_dir,
+      on_ready=kill_a_generator_after_step_1 if placement == 'ray' else None)
   records = metrics_lib.read_metrics(str(tmp_path / 'metrics.jsonl'))
   assert [r['step'] for r in records] == [1, 2, 3, 4]
   # Tokens carry the versions vLLM generated them with: after step 1 some come from version >= 1.

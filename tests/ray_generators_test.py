@@ -20,7 +20,7 @@ from pipelinerl_jax.generation.actors import members as members_lib
 from pipelinerl_jax.generation.actors import pool as pool_lib
 from pipelinerl_jax.models import hf_io
 from pipelinerl_jax.models import transformer
-from pipelinerl_jax.pipeline import run as run_lib
+from pipelinerl_jax.pipeline import launch
 
 
 @pytest.fixture(scope='module')
@@ -169,7 +169,7 @@ def test_free_trainer_cores_put_the_trainer_beside_its_generator_then_give_them_
   def on_ready(live):  # while the loops run
     seen.update(generator=live['engine'].members()[0]['cores'], driver=_thread_cores())
 
-  summary = run_lib.run(c, str(tmp_path), model_dir=model_dir, on_ready=on_ready)
+  summary = launch.run_experiment(c, str(tmp_path), model_dir=model_dir, on_ready=on_ready)
   assert summary['steps'] == 3
   assert seen['generator'] == [min(before)]
   rest = sorted(before - {min(before)})

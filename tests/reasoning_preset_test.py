@@ -5,8 +5,8 @@ import os
 
 from pipelinerl_jax import config as config_lib
 from pipelinerl_jax.demo import warmstart
+from pipelinerl_jax.pipeline import launch
 from pipelinerl_jax.pipeline import metrics as metrics_lib
-from pipelinerl_jax.pipeline import run as run_lib
 from pipelinerl_jax.tasks import registry
 from pipelinerl_jax.tasks.reasoning import ReasoningTask
 
@@ -43,7 +43,7 @@ def test_preset_builds_and_runs_a_few_steps(tmp_path):
   stamp = warmstart.read_stamp(model_dir)
   assert stamp['task']['name'] == 'ReasoningTask' and stamp['sft_steps'] == 2
   assert warmstart.model_dir_for(config) == model_dir  # cached
-  summary = run_lib.run(c, str(tmp_path / 'run'), model_dir=model_dir)
+  summary = launch.run_experiment(c, str(tmp_path / 'run'), model_dir=model_dir)
   records = metrics_lib.read_metrics(os.path.join(tmp_path, 'run', 'metrics.jsonl'))
   assert summary['steps'] == 3 and [r['step'] for r in records] == [1, 2, 3]
   for r in records:

@@ -26,8 +26,8 @@ from pipelinerl_jax.generation import api
 from pipelinerl_jax.generation import jax_engine
 from pipelinerl_jax.models import hf_io
 from pipelinerl_jax.models import transformer
+from pipelinerl_jax.pipeline import launch
 from pipelinerl_jax.pipeline import metrics as metrics_lib
-from pipelinerl_jax.pipeline import run as run_lib
 from pipelinerl_jax.tasks import registry
 
 SMOOTH_WINDOW = 10   # rewards swing +-0.1 step to step: targets are on a 10-step trailing mean
@@ -141,7 +141,7 @@ def run_once(config: ml_collections.ConfigDict, workdir: str, model_dir: str,
   before and after, because a shared machine's load changes how fast a run goes."""
   load_before = os.getloadavg()[0]
   t0 = time.monotonic()
-  summary = run_lib.run(config, workdir, model_dir=model_dir)
+  summary = launch.run_experiment(config, workdir, model_dir=model_dir)
   summary.pop('final_state', None)
   summary.update(name=name or config.rl.mode, wall_s=time.monotonic() - t0,
                  load_before=load_before, load_after=os.getloadavg()[0],
@@ -439,7 +439,7 @@ def policy_snapshots(config: ml_collections.ConfigDict, workdir: str, model_dir:
     engine.update_params = recording_publish
 
   c = override(config, rl__mode='pipeline', rl__total_steps=max(versions), rl__max_time_s=0.0)
-  result = run_lib.run(c, workdir, model_dir=model_dir, on_ready=on_ready)
+  result = launch.run_experiment(c, workdir, model_dir=model_dir, on_ready=on_ready)
   result.pop('final_state', None)
   missing = wanted - snapshots.keys()
   if missing:

@@ -952,7 +952,7 @@ def run_e2e(s: Section) -> None:
 def run_e2e_preset(s: Section, preset: str, share_s: float) -> None:
   from pipelinerl_jax import config as config_lib
   from pipelinerl_jax.demo import warmstart
-  from pipelinerl_jax.pipeline import run as run_lib
+  from pipelinerl_jax.pipeline import launch
 
   z = s.sizes
   c = e2e_config(preset, s.args.model_cache, s.args.quick)
@@ -967,7 +967,7 @@ def run_e2e_preset(s: Section, preset: str, share_s: float) -> None:
   error = None
   t0 = time.perf_counter()
   try:
-    summary = run_lib.run(c, str(rl_dir), model_dir=model_dir)
+    summary = launch.run_experiment(c, str(rl_dir), model_dir=model_dir)
     records = summary['records']
   except Exception as e:  # keep the steps that were logged
     error = _one_line(e)
@@ -1449,7 +1449,7 @@ def _vllm_e2e(s: Section, z: VllmSizes, name: str) -> None:
   'vllm'): reward first steps against last."""
   from pipelinerl_jax import config as config_lib
   from pipelinerl_jax.demo import warmstart
-  from pipelinerl_jax.pipeline import run as run_lib
+  from pipelinerl_jax.pipeline import launch
   c = e2e_config(name, s.args.model_cache, s.args.quick)
   c.generation.backend = 'vllm'
   c.log.progress = False
@@ -1462,7 +1462,7 @@ def _vllm_e2e(s: Section, z: VllmSizes, name: str) -> None:
   c.rl.max_time_s = min(z.e2e_rl_s, max(10.0, s.remaining() - 30.0)) if z.e2e_rl_s else 0.0
   rl_dir = pathlib.Path(s.args.workdir) / 'e2e-vllm' / f'run-{int(time.time())}'
   t0 = time.perf_counter()
-  summary = run_lib.run(c, str(rl_dir), model_dir=model_dir)
+  summary = launch.run_experiment(c, str(rl_dir), model_dir=model_dir)
   records = summary['records']
   s.add(f'e2e {name}', preset=name, backend='vllm', warmstart_s=warmstart_s,
         rl_s=time.perf_counter() - t0, batch_size=c.rl.batch_size,

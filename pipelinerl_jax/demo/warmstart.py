@@ -51,9 +51,7 @@ def model_dir_for(config: config_lib.Config) -> str:
   """config.model.path, or the demo model of config.model.demo and config.task, built once into
   the cache (keyed by its settings)."""
   if config.model.path:
-    if not os.path.isfile(os.path.join(config.model.path, hf_io.CONFIG_FILE)):
-      raise FileNotFoundError(f'config.model.path: no {hf_io.CONFIG_FILE} in {config.model.path}')
-    return config.model.path
+    return hf_io.check_model_dir(config.model.path, 'config.model.path')
   task = registry.make_task(config.task)
   try:
     cache = os.path.expanduser(config.model.cache_dir or DEFAULT_CACHE)

@@ -57,6 +57,14 @@ _SAVE_DTYPES = {'bfloat16': 'BF16', 'float32': 'F32', 'float16': 'F16'}
 # config.json
 
 
+def check_model_dir(model_dir: str, key: str) -> str:
+  """`model_dir`, when it holds an HF config; else a FileNotFoundError naming `key` (the flag or
+  config key that set it)."""
+  if not os.path.isfile(os.path.join(model_dir, CONFIG_FILE)):
+    raise FileNotFoundError(f'{key}: no {CONFIG_FILE} in {model_dir}')
+  return model_dir
+
+
 def load_config(model_dir: str | os.PathLike, **overrides) -> ModelConfig:
   """ModelConfig from `model_dir/config.json`.
 

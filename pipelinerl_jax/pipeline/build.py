@@ -39,26 +39,6 @@ from pipelinerl_jax.tasks import base as tasks_base
 from pipelinerl_jax.tasks import registry
 
 
-@dataclasses.dataclass
-class Parts:
-  """Everything a run is made of before its loops start."""
-  config: config_lib.Config
-  model_dir: str
-  model_config: transformer.ModelConfig
-  mesh: jax.sharding.Mesh
-  tokenizer: Any
-  task: tasks_base.Task
-  engine: api.Engine
-  state: train.TrainState              # restored or fresh, in the trainer's shardings
-  train_step: Callable                 # jitted (state, batch) -> (state, metrics), state donated
-  put_batch: Callable                  # packed host batch -> micro-batches on the mesh
-  publish: Callable[[Any, int], None]  # (params, version) -> the engine, as a fresh copy
-  checkpoints: checkpoint_lib.Checkpointer
-  resumed: dict[str, Any] | None       # the restored checkpoint's meta; None for a fresh start
-  evaluate: Callable[[Any, int], dict] | None  # (params, step) -> eval metrics
-  trainer_cores: tuple[int, ...] | None = None  # train.cores='free': this process's cores
-
-
 def check_backend_installed(config: config_lib.Config) -> None:
   """The vLLM backend needs vllm and torch, and placement 'ray' needs ray, which the light
   install ([notebooks], or no extra) leaves out: say so in one line before the model is built,
@@ -84,6 +64,20 @@ class Learner:
   train_step: Callable                 # jitted (state, batch) -> (state, metrics), state donated
   checkpoints: checkpoint_lib.Checkpointer
   resumed: dict[str, Any] | None       # the restored checkpoint's meta; None for a fresh start
+
+
+@dataclasses.dataclass
+class Parts:
+  """Everything a run is made of before its loops start (process 0's, with several processes)."""
+  model_dir: str
+  learner: Learner
+  tokenizer: Any
+  task: tasks_base.Task
+  engine: api.Engine
+  put_batch: Callable                  # packed host batch -> micro-batches on the mesh
+  publish: Callable[[Any, int], None]  # (params, version) -> the engine, as a fresh copy
+  evaluate: Callable[[Any, int], dict] | None  # (params, step) -> eval metrics
+  trainer_cores: tuple[int, ...] | None = None  # train.cores='free': this process's cores
 
 
 def build_learner(config: config_lib.Config, workdir: str, model_dir: str,
@@ -151,14 +145,12 @@ def _quietly(close: Callable[[], None]) -> None:
 def _build(config: config_lib.Config, workdir: str, model_dir: str,
            started: contextlib.ExitStack, check_interrupt: Callable[[], None],
            trainers=None) -> Parts:
-  check_backend_installed(config)
   tokenizer = hf_io.load_tokenizer(model_dir)
   task = registry.make_task(config.task, tokenizer)
   started.callback(_quietly, task.close)
   check_interrupt()
   learner = build_learner(config, workdir, model_dir, started)
   model_config, mesh, state = learner.model_config, learner.mesh, learner.state
-  train_step, checkpoints, resumed = learner.train_step, learner.checkpoints, learner.resumed
   check_interrupt()
   version = int(state.step)
   wire_dtype = transport_dtype(config, model_config, model_dir)
@@ -174,23 +166,22 @@ def _build(config: config_lib.Config, workdir: str, model_dir: str,
   trainer_cores = engine.take_free_cores() if config.train.cores == 'free' else None
   check_interrupt()
   publish = publisher(config, mesh, engine, wire_dtype, trainers)
-  if resumed and config.generation.backend != 'jax' and config.generation.placement == 'inline':
+  g = config.generation
+  if learner.resumed and g.backend != 'jax' and g.placement == 'inline':
     publish(state.params, version)  # inline vLLM loaded model_dir's weights
   evaluate = (evaluator(config, workdir, model_config, tokenizer, task, mesh)
               if config.eval.every_steps else None)
-  return Parts(config=config, model_dir=model_dir, model_config=model_config, mesh=mesh,
-               tokenizer=tokenizer, task=task, engine=engine, state=state,
-               train_step=train_step, put_batch=batch_placer(config.train, mesh),
-               publish=publish, checkpoints=checkpoints, resumed=resumed, evaluate=evaluate,
-               trainer_cores=trainer_cores)
+  return Parts(model_dir=model_dir, learner=learner, tokenizer=tokenizer, task=task,
+               engine=engine, put_batch=batch_placer(config.train, mesh), publish=publish,
+               evaluate=evaluate, trainer_cores=trainer_cores)
 
 
-def make_actor(parts: Parts, stream: stream_lib.SampleStream,
+def make_actor(config: config_lib.Config, parts: Parts, stream: stream_lib.SampleStream,
                stop: threading.Event) -> actor_lib.Actor:
-  config = parts.config
   g, rl, adv = config.generation, config.rl, config.advantage
   group_ids, problems = checkpoint_lib.data_stream(
-      parts.task.problems(config.seed), parts.resumed['data'] if parts.resumed else None)
+      parts.task.problems(config.seed),
+      parts.learner.resumed['data'] if parts.learner.resumed else None)
   tokenizer = parts.tokenizer
   return actor_lib.Actor(
       parts.engine, problems, parts.task,
@@ -207,16 +198,15 @@ def make_actor(parts: Parts, stream: stream_lib.SampleStream,
       encode_text=lambda text: list(tokenizer.encode(text, add_special_tokens=False)))
 
 
-def make_trainer(parts: Parts, stream: stream_lib.SampleStream, stop: threading.Event,
-                 log: Callable[[dict], None], after_publish: Callable[[], None]
-                 ) -> trainer_lib.Trainer:
-  config = parts.config
-  rl, tr = config.rl, config.train
+def make_trainer(config: config_lib.Config, parts: Parts, stream: stream_lib.SampleStream,
+                 stop: threading.Event, log: Callable[[dict], None],
+                 after_publish: Callable[[], None]) -> trainer_lib.Trainer:
+  rl, tr, learner = config.rl, config.train, parts.learner
   trainer = trainer_lib.Trainer(
-      parts.state, parts.train_step, parts.put_batch, publish=parts.publish, stream=stream,
+      learner.state, learner.train_step, parts.put_batch, publish=parts.publish, stream=stream,
       config=trainer_lib.TrainerConfig(
           batch_size=rl.batch_size, seq_len=tr.seq_len, micro_batches=tr.micro_batches,
-          row_multiple=packing.row_multiple(sharding_lib.data_parallel_size(parts.mesh),
+          row_multiple=packing.row_multiple(sharding_lib.data_parallel_size(learner.mesh),
                                             tr.micro_batches, tr.micro_batch_rows),
           mode=rl.mode, max_lag=rl.max_lag if rl.mode == 'pipeline' else None,
           conventional_steps=rl.conventional_steps, total_steps=rl.total_steps,
@@ -224,8 +214,8 @@ def make_trainer(parts: Parts, stream: stream_lib.SampleStream, stop: threading.
           eval_every_steps=config.eval.every_steps),
       stop=stop, log=log, gen_stats=parts.engine.stats, after_publish=after_publish,
       evaluate=parts.evaluate)
-  if parts.resumed:
-    trainer.restore(parts.resumed)
+  if learner.resumed:
+    trainer.restore(learner.resumed)
   return trainer
 
 

@@ -48,6 +48,7 @@ from pipelinerl_jax import config as config_lib
 from pipelinerl_jax import distributed
 from pipelinerl_jax import train
 from pipelinerl_jax.pipeline import build as build_lib
+from pipelinerl_jax.pipeline import supervise
 
 COMMAND_KEY = 'pipelinerl/command/'
 STOP_FLAG = 'pipelinerl/stop'
@@ -55,10 +56,6 @@ ANSWER_KEY = 'pipelinerl/answer/'          # a follower's answer to the stop fla
 LAST_WORDS_KEY = 'pipelinerl/last_words/'  # a follower's own failure, written before it exits
 STOP_REQUEST_KEY = 'pipelinerl/stop_request/'
 WAIT_SLICE_MS = 2_000  # blocking reads come back this often (a signal is handled in between)
-
-
-class TrainerProcessError(RuntimeError):
-  """A trainer process failed or is gone; the message names it and its host."""
 
 
 def _first_line(e: BaseException) -> str:
@@ -194,10 +191,11 @@ def lead(parts: build_lib.Parts, commands: Commands, sharded: bool = False) -> b
     commands.send('evaluate', step=step)
     return evaluate(distributed.whole(params), step)
 
+  checkpoints = _AnnouncedCheckpoints(parts.learner.checkpoints, commands)
   return dataclasses.replace(
       parts, put_batch=put_batch_everywhere, publish=publish_announced,
       evaluate=evaluate_whole if evaluate else None,
-      checkpoints=_AnnouncedCheckpoints(parts.checkpoints, commands))
+      learner=dataclasses.replace(parts.learner, checkpoints=checkpoints))
 
 
 class Followers:
@@ -226,8 +224,9 @@ class Followers:
       return
     lost = self._commands.stop(error=_first_line(error), grace_s=self._grace_s)
     if lost:
-      raise TrainerProcessError(f'{"; ".join(lost)}. All trainer processes stopped (seen by '
-                                f'process 0: {_first_line(error)})') from error
+      raise supervise.TrainerProcessError(
+          f'{"; ".join(lost)}. All trainer processes stopped (seen by process 0: '
+          f'{_first_line(error)})') from error
 
 
 # --- the other processes -----------------------------------------------------------------------
@@ -306,6 +305,7 @@ def follow(config: config_lib.Config, workdir: str, model_dir: str,
     learner.checkpoints.close()
   except BaseException as e:
     client.key_value_set(f'{LAST_WORDS_KEY}{jax.process_index()}', _first_line(e))
-    raise TrainerProcessError(f'{distributed.describe()} failed: {_first_line(e)}') from e
+    raise supervise.TrainerProcessError(
+        f'{distributed.describe()} failed: {_first_line(e)}') from e
   return dict(steps=int(state.step), follower=True, interrupted=bool(forwarded),
               final_state=state)

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import dataclasses
 import threading
-import time
 from typing import Any, Iterable
 
 import numpy as np
@@ -53,10 +52,6 @@ class Group:
   def start_version(self) -> int:
     """The oldest policy version among the group's tokens (what its lag is measured from)."""
     return int(min(s.versions.min() for s in self.samples))
-
-  @property
-  def num_tokens(self) -> int:
-    return int(sum(len(s.completion_tokens) for s in self.samples))
 
 
 class GroupLedger:
@@ -146,12 +141,3 @@ class SampleStream:
   def stats(self) -> dict[str, Any]:
     with self._cond:
       return dict(queued_samples=sum(len(g.samples) for g in self._groups), owned=self._owned)
-
-
-def wait_or_stop(stop: threading.Event, seconds: float) -> None:
-  if stop.wait(seconds):
-    raise Stopped()
-
-
-def now() -> float:
-  return time.monotonic()

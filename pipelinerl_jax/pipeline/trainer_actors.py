@@ -1,9 +1,10 @@
 """Trainer processes 1..N-1 as Ray actors (train.num_processes = N with generation.placement
 'ray'); the driver, the `main` command, is trainer process 0.
 
-  launch(config)            places the N-1 actors, starts each as trainer process k (it joins
-                            with jax.distributed and follows process 0: pipeline/multiprocess.py),
-                            and joins them as process 0. Leaving its `with` block ends them.
+  launch(config, w, follow) places the N-1 actors, starts each as trainer process k (it joins
+                            with jax.distributed and runs `follow`, which follows process 0:
+                            launch.follow_as_actor), and joins them as process 0. Leaving its
+                            `with` block ends them.
   Launch.publication(p, v, d)
                             version v of the params from every process, for the generator pool.
                             Object store: each process puts the pieces it holds into Ray's
@@ -49,7 +50,7 @@ import os
 import socket
 import threading
 import time
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import ray
 from ray import exceptions as ray_errors
@@ -148,13 +149,14 @@ class TrainerProcess:
     return sorted(os.sched_getaffinity(0))
 
   @ray.method(concurrency_group='run')
-  def run(self, config: config_lib.Config, workdir: str, address: str) -> dict[str, Any]:
-    """Joins the others as process `index` and follows process 0 until it ends the run."""
+  def run(self, config: config_lib.Config, workdir: str, address: str,
+          follow: Callable[[config_lib.Config, str, Stash], dict[str, Any]]) -> dict[str, Any]:
+    """Joins the others as process `index`, then `follow` (launch.follow_as_actor, handed in
+    by the driver: it follows process 0 until it ends the run)."""
     import jax
     from pipelinerl_jax import distributed
-    from pipelinerl_jax.pipeline import run as run_lib
     distributed.initialize(config.train, coordinator_address=address, process_id=self.index)
-    summary = run_lib.run_with_model(config, workdir, trainers=self.stash)
+    summary = follow(config, workdir, self.stash)
     jax.distributed.shutdown()  # meets process 0's (Launch.close)
     return dict(steps=summary['steps'], interrupted=summary['interrupted'])
 
@@ -235,9 +237,11 @@ class Launch:
     self.close(clean=error is None)
 
 
-def launch(config: config_lib.Config, workdir: str) -> Launch:
-  """Connects to Ray (config.cluster), places and starts trainer processes 1..N-1, then joins
-  them as process 0 (jax.distributed: before this process starts JAX's backend)."""
+def launch(config: config_lib.Config, workdir: str,
+           follow: Callable[[config_lib.Config, str, Stash], dict[str, Any]]) -> Launch:
+  """Connects to Ray (config.cluster), places and starts trainer processes 1..N-1, each running
+  `follow` once joined, then joins them as process 0 (jax.distributed: before this process
+  starts JAX's backend)."""
   from pipelinerl_jax import distributed
   from pipelinerl_jax.generation.actors import placement
   d, count = config.train.distributed, config.train.num_processes - 1
@@ -272,7 +276,7 @@ def launch(config: config_lib.Config, workdir: str) -> Launch:
         info['cores'] = ray.get(actor.pin.remote(cores), timeout=60)
       launched.infos.append(info)
     launched.address = f'{session.node_ip}:{distributed.free_port()}'
-    launched.runs = [a.run.remote(config, workdir, launched.address) for a in actors]
+    launched.runs = [a.run.remote(config, workdir, launched.address, follow) for a in actors]
     distributed.initialize(config.train, coordinator_address=launched.address, process_id=0)
     return launched
   except BaseException:
@@ -333,5 +337,5 @@ def _cause(e: BaseException) -> str:
 
 
 def _error(message: str) -> Exception:
-  from pipelinerl_jax.pipeline import multiprocess
-  return multiprocess.TrainerProcessError(message)
+  from pipelinerl_jax.pipeline import supervise
+  return supervise.TrainerProcessError(message)
