@@ -12,6 +12,10 @@ seed give the same numbers through either entry point.
 
 Correct means status 'correct' (not reward > 0: rewards may be shaped). Completions are judged
 as written, truncated or not: the reward options for truncation are a training matter.
+
+A multi-turn task's samples are episodes, run through the same episode functions as training
+(episodes.py: the same turn limit, budget and request ids per turn), and judged by the status of
+their environment's last step.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ from typing import Any, Callable, Mapping, Sequence
 import numpy as np
 
 from pipelinerl_jax import config as config_lib
+from pipelinerl_jax import episodes as episodes_lib
 from pipelinerl_jax.generation import api
 from pipelinerl_jax.generation import engines
 from pipelinerl_jax.tasks import base as tasks_base
@@ -85,34 +90,54 @@ def metrics_record(result: Mapping[str, Any], prefix: str = 'eval/') -> dict[str
 def evaluate(engine: api.Engine, datasets: Mapping[str, Sequence[tasks_base.Problem]], task, *,
              encode: Callable[[tasks_base.Problem], list[int]],
              decode: Callable[[np.ndarray], str], sampling: api.SamplingParams, k: int,
-             seed: int, n: int | None = None) -> dict[str, Any]:
+             seed: int, n: int | None = None,
+             encode_text: Callable[[str], list[int]] | None = None,
+             max_seq_len: int = 0) -> dict[str, Any]:
   """n samples (default k) of every problem on an idle engine, scored by the task.
 
-  Returns `summarize(...)` plus 'n', 'seconds' and 'samples' (one dict per sample).
+  A multi-turn task needs `encode_text` (an observation's token ids) and bounds its episodes
+  by `max_seq_len` (the engine's). Returns `summarize(...)` plus 'n', 'seconds' and 'samples'
+  (one dict per sample; an episode's also has its turns and outcome).
   """
   n = n or k
   if n < k:
     raise ValueError(f'need n >= k samples per problem, got n={n} k={k}')
+  multi_turn = task.environment() is not None
   items, requests = [], []
   for name, problems in datasets.items():
     for p in problems:
-      prompt = encode(p)
+      prompt = () if multi_turn else encode(p)  # an episode's prompt comes from its reset
       for j in range(n):
         requests.append(api.Request(request_id=f'{name}/{p.id}/{j}', prompt_tokens=prompt,
                                     sampling=sampling, seed=sample_seed(seed, name, p.id, j)))
         items.append((name, p, j))
-  t0 = time.monotonic()
-  completions = api.generate(engine, requests)
-  texts = [decode(c.tokens) for c in completions]
   problems = [p for _, p, _ in items]
-  scores = task.score_many(problems, texts)  # math: judged in parallel by the verify pool
+  t0 = time.monotonic()
+  extra: list[dict[str, Any]] = [{} for _ in items]
+  if not multi_turn:
+    completions = api.generate(engine, requests)
+    texts = [decode(c.tokens) for c in completions]
+    scores = task.score_many(problems, texts)  # math: judged in parallel by the verify pool
+  else:
+    if encode_text is None:
+      raise ValueError(f'task {task.name} is multi-turn: evaluate needs encode_text')
+    limits = episodes_lib.limits_of(task, sampling, max_seq_len)
+    episodes = episodes_lib.run(
+        engine, [episodes_lib.start(p, task.environment(), encode, limits,
+                                    request_id=r.request_id, seed=r.seed)
+                 for p, r in zip(problems, requests)],
+        decode=decode, encode_text=encode_text, limits=limits)
+    completions = [episodes_lib.completion(e) for e in episodes]
+    texts = [decode(c.tokens) for c in completions]
+    scores = [e.score for e in episodes]
+    extra = [dict(turns=e.turns, outcome=e.outcome) for e in episodes]
   correct: dict[str, dict[str, list[bool]]] = {name: {} for name in datasets}
   samples = []
-  for (name, p, j), c, text, s in zip(items, completions, texts, scores):
+  for (name, p, j), c, text, s, more in zip(items, completions, texts, scores, extra):
     correct[name].setdefault(p.id, []).append(s.status == 'correct')
     samples.append(dict(dataset=name, problem_id=p.id, sample=j, prompt=p.prompt,
                         completion=text, status=s.status, reward=s.reward,
-                        finish_reason=c.finish_reason, num_tokens=len(c.tokens)))
+                        finish_reason=c.finish_reason, num_tokens=len(c.tokens), **more))
   out = summarize({name: list(d.values()) for name, d in correct.items()}, k)
   out.update(n=n, seconds=time.monotonic() - t0, samples=samples)
   return out
@@ -146,12 +171,27 @@ def evaluate_params(config: config_lib.Config, model_config, params, tokenizer, 
       num_slots=engines.slots_for(num_requests, g.num_slots),
       jax_options=dict(engines.jax_options(g), recompute_kv=False))
   engine = engines.make_engine(spec, model_config, params=params, device=device)
+
+  def encode(problem: tasks_base.Problem) -> list[int]:
+    """A held-out prompt (encoded above), or the text a multi-turn task's environment starts
+    its episode from."""
+    if problem.prompt in encoded:
+      return encoded[problem.prompt]
+    ids = list(tokenizer.encode(problem.prompt, add_special_tokens=False))
+    if not 0 < len(ids) <= g.max_prompt_len:
+      raise ValueError(f'problem {problem.id}: the episode starts from {len(ids)} tokens, '
+                       f'config.generation.max_prompt_len is {g.max_prompt_len}')
+    return ids
+
   sampling = api.SamplingParams(temperature=ev.temperature, top_p=g.top_p, top_k=g.top_k,
                                 max_tokens=g.max_new_tokens)
   try:
-    result = evaluate(engine, kept, task, encode=lambda p: encoded[p.prompt],
+    result = evaluate(engine, kept, task, encode=encode,
                       decode=lambda t: tokenizer.decode(t, skip_special_tokens=True),
-                      sampling=sampling, k=k, n=n, seed=ev.seed)
+                      sampling=sampling, k=k, n=n, seed=ev.seed,
+                      encode_text=lambda text: list(tokenizer.encode(text,
+                                                                     add_special_tokens=False)),
+                      max_seq_len=g.max_seq_len)
   finally:
     engine.close()
   result['skipped'] = skipped

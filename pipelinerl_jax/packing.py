@@ -6,6 +6,13 @@ model's log pi(target) at position i conditions only on tokens <= i of the same 
 Targets that are completion tokens carry the loss (loss_mask = 1) and the per-token sampler
 data (behaviour log-probs, policy versions, advantage, optional reference log-probs).
 
+A multi-turn episode is one sample whose completion interleaves model turns and the
+environment's observations (episodes.py); its `Sample.loss_mask` says which completion tokens
+the model drew (1) and which were fed (0). An observation target is packed like a prompt token:
+loss_mask 0, no log mu, advantage or reference log-prob, version -1; so every per-token sum of
+the loss and its metrics (ESS, lag, entropy, clip fractions, token counts) covers model tokens
+only.
+
 Samples are placed first-fit decreasing into rows of T = seq_len positions; `segment_ids`
 (1..k per row, 0 = padding) keep attention inside a sample and `positions` restart at 0 for each.
 The packer also hands over each row's samples as spans, `segment_starts` / `segment_lengths`
@@ -39,6 +46,10 @@ class Sample:
   reward: float = 0.0
   ref_logprobs: np.ndarray | None = None  # float [C]
   group_id: int = -1
+  # [C] 1 = a model token (trained), 0 = an observation token (fed, never trained); None = all
+  # model tokens (a one-turn sample). Observation tokens carry log mu 0 and the version of the
+  # token before them in the arrays above; packing ignores both.
+  loss_mask: np.ndarray | None = None
 
   def __post_init__(self):
     def as_1d(name, kind):
@@ -64,6 +75,8 @@ class Sample:
     per_token = [('behaviour_logprobs', 'fiu'), ('versions', 'iu')]
     if self.ref_logprobs is not None:
       per_token.append(('ref_logprobs', 'fiu'))
+    if self.loss_mask is not None:
+      per_token.append(('loss_mask', 'biuf'))
     for name, kind in per_token:
       x = as_1d(name, kind)
       if x.size != c:
@@ -71,6 +84,8 @@ class Sample:
       # A NaN or inf here would poison every importance ratio of the batch.
       if x.dtype.kind == 'f' and not np.all(np.isfinite(x)):
         raise ValueError(f'Sample.{name} has non-finite values')
+    if self.loss_mask is not None and not np.all((self.loss_mask == 0) | (self.loss_mask == 1)):
+      raise ValueError('Sample.loss_mask must hold only 0 (observation) and 1 (model token)')
     if not math.isfinite(self.advantage):
       raise ValueError(f'Sample.advantage must be finite, got {self.advantage}')
 
@@ -198,13 +213,23 @@ def pack_samples(samples: Sequence[Sample], seq_len: int, *, num_rows: int | Non
     # Position j predicts token j + 1, a completion token from j = p - 1 on.
     c = n - (p - 1)
     loss = slice(o + p - 1, o + n)
-    batch['loss_mask'][r, loss] = 1.0
-    batch['behaviour_logprobs'][r, loss] = s.behaviour_logprobs[:c]
-    batch['advantages'][r, loss] = s.advantage
-    batch['versions'][r, loss] = s.versions[:c]
-    if 'ref_logprobs' in batch:
-      batch['ref_logprobs'][r, loss] = s.ref_logprobs[:c]
-    num_loss += c
+    if s.loss_mask is None:
+      batch['loss_mask'][r, loss] = 1.0
+      batch['behaviour_logprobs'][r, loss] = s.behaviour_logprobs[:c]
+      batch['advantages'][r, loss] = s.advantage
+      batch['versions'][r, loss] = s.versions[:c]
+      if 'ref_logprobs' in batch:
+        batch['ref_logprobs'][r, loss] = s.ref_logprobs[:c]
+      num_loss += c
+    else:  # observation targets stay as padding leaves them (see the module docstring)
+      model_C = s.loss_mask[:c] > 0
+      batch['loss_mask'][r, loss] = model_C
+      batch['behaviour_logprobs'][r, loss] = np.where(model_C, s.behaviour_logprobs[:c], 0.0)
+      batch['advantages'][r, loss] = np.where(model_C, s.advantage, 0.0)
+      batch['versions'][r, loss] = np.where(model_C, s.versions[:c], -1)
+      if 'ref_logprobs' in batch:
+        batch['ref_logprobs'][r, loss] = np.where(model_C, s.ref_logprobs[:c], 0.0)
+      num_loss += int(model_C.sum())
 
   full_B = np.array([s.prompt_tokens.size + s.completion_tokens.size - 1 for s in samples],
                     np.int64)
@@ -276,7 +301,8 @@ def split_microbatches(batch: dict[str, np.ndarray], num_micro: int) -> dict[str
 
 
 def unpack_per_token(values_RxT, batch: dict[str, np.ndarray]) -> list[np.ndarray]:
-  """Per sample (list index = sample_index), `values` at its loss positions, in token order.
+  """Per sample (list index = sample_index), `values` at its loss positions, in token order
+(an episode's model tokens only).
 
   Works on a packed batch or its split_microbatches view, given values of the same shape.
   """

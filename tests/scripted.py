@@ -11,7 +11,9 @@ stand-ins make them testable in well under a second:
 `ScriptedEngine` admits pending requests into free slots and draws one token per busy slot per
 `step()`, each stamped with the version of the weights in place at that step (an update waits
 for the next step, as the API says). What a request generates is `script(request)`; `hold(request,
-version)` keeps a finished request in its slot (a straggler) until it returns False.
+version)` keeps a finished request in its slot (a straggler) until it returns False. A finished
+`continuable` request is held (`held`) until a request `continues` it or `release` drops it, as
+an engine that keeps its KV would; `released` lists the ids released.
 `FakeLearner` is a TrainState stand-in (`.step`, `.params`) and a train step that only counts.
 """
 
@@ -53,12 +55,15 @@ class ScriptedEngine(api.Engine):
     self.steps = 0
     self.max_unfinished = 0          # the most requests unfinished at once, over all steps
     self.completed: list[str] = []   # request ids, in the order they were returned
+    self.held: set[str] = set()      # finished continuable requests not continued or released
+    self.released: list[str] = []
     self.closed = False
 
   def submit(self, request: api.Request) -> None:
     if self.closed:
       raise RuntimeError('engine is closed')
     self.queue.submit(request)
+    self.held.discard(request.continues)
     self.max_unfinished = max(self.max_unfinished, self.queue.num_unfinished)
 
   def update_params(self, params: Any, version: int) -> None:
@@ -72,7 +77,7 @@ class ScriptedEngine(api.Engine):
         self._update = None
     self.steps += 1
     self.busy += [api.SequenceRecord(r) for r in self.queue.take(self.num_slots - len(self.busy))]
-    done, drew = [], False
+    done, finished, drew = [], [], False
     for record in list(self.busy):
       want = self.script(record.request)
       if len(record.tokens) < len(want):
@@ -81,12 +86,18 @@ class ScriptedEngine(api.Engine):
         drew = True
       if len(record.tokens) == len(want) and not self.hold(record.request, self.version):
         self.busy.remove(record)
+        finished.append(record)
         done.append(record.completion('stop'))
     if not drew and not done:
       time.sleep(0.001)  # only stragglers held: do not spin a core the trainer needs
     self.queue.finish(c.request_id for c in done)
     self.completed += [c.request_id for c in done]
+    self.held.update(r.request.request_id for r in finished if r.request.continuable)
     return done
+
+  def release(self, request_id: str) -> None:
+    self.released.append(request_id)
+    self.held.discard(request_id)
 
   def stats(self) -> dict[str, Any]:
     return dict(tokens_generated=self.tokens_generated, tokens_per_s=0.0,
@@ -143,14 +154,16 @@ class FakeLearner:
 
 
 class RecordingTrainer(trainer_lib.Trainer):
-  """The real trainer, recording the group ids each optimizer step trains on."""
+  """The real trainer, recording the group ids each optimizer step trains on (and the groups)."""
 
   def __init__(self, *args, **kwargs):
     super().__init__(*args, **kwargs)
     self.trained: list[list[int]] = []
+    self.groups: list[stream_lib.Group] = []
 
   def _one_step(self, groups):
     self.trained.append([g.group_id for g in groups])
+    self.groups += groups
     return super()._one_step(groups)
 
 
@@ -175,6 +188,11 @@ def actor_config(group_size: int = 4, num_slots: int = 16, **kwargs) -> actor_li
                                sampling=api.SamplingParams(max_tokens=8), **kwargs)
 
 
+def encode_text(text: str) -> list[int]:
+  """An observation's tokens: `decode`'s inverse."""
+  return [int(t) for t in text.split()]
+
+
 def run_loops(engine: ScriptedEngine, trainer_cfg: trainer_lib.TrainerConfig,
               actor_cfg: actor_lib.ActorConfig, capacity: int,
               task: tasks_base.Task | None = None, learner: FakeLearner | None = None,
@@ -191,7 +209,7 @@ def run_loops(engine: ScriptedEngine, trainer_cfg: trainer_lib.TrainerConfig,
       capacity, stop, ledger=stream_lib.GroupLedger(**position) if position else None)
   group_ids, problems = checkpoint_lib.data_stream(task.problems(0), position)
   actor = actor_lib.Actor(engine, problems, task, encode, decode, stream, actor_cfg, stop,
-                          group_ids=group_ids)
+                          group_ids=group_ids, encode_text=encode_text)
   records, published = [], []
 
   def publish(params, version):

@@ -43,12 +43,21 @@ class SamplingParams:
 @dataclasses.dataclass(frozen=True)
 class Request:
   """`seed` is required on purpose: the samples of a request are a function of (seed, params)
-  only, so the G samples of one prompt need G different seeds."""
+  only, so the G samples of one prompt need G different seeds.
+
+  A multi-turn episode (episodes.py) is a chain of requests, one per model turn. `continues`
+  names the previous turn's request; `prompt_tokens` is still always the whole history (prompt,
+  earlier turns, observations), so the result never depends on what an engine kept of the
+  previous turn: an engine that still holds its KV may prefill only the new positions, any other
+  prefills the whole history. `continuable`: this turn may be continued, so an engine may keep
+  its KV after it finishes, until a request `continues` it or `Engine.release` drops it."""
   request_id: str
   prompt_tokens: Sequence[int]
   sampling: SamplingParams
   seed: int
   metadata: dict[str, Any] = dataclasses.field(default_factory=dict)
+  continues: str | None = None
+  continuable: bool = False
 
 
 @dataclasses.dataclass
@@ -100,6 +109,10 @@ class Engine(abc.ABC):
   @abc.abstractmethod
   def close(self) -> None:
     """Releases the backend's resources; the engine is unusable afterwards."""
+
+  def release(self, request_id: str) -> None:
+    """Drops what the engine keeps of a finished `continuable` request (its KV): the episode
+    ended. A request it does not hold is ignored. The default keeps nothing."""
 
   def __enter__(self):
     return self

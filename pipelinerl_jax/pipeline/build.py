@@ -202,8 +202,9 @@ def make_actor(parts: Parts, stream: stream_lib.SampleStream,
                                       max_tokens=g.max_new_tokens),
           seed=config.seed, advantage_baseline=adv.baseline,
           advantage_normalize_std=adv.normalize_std,
-          drop_zero_advantage_groups=adv.drop_zero_groups),
-      stop=stop, group_ids=group_ids)
+          drop_zero_advantage_groups=adv.drop_zero_groups, max_seq_len=g.max_seq_len),
+      stop=stop, group_ids=group_ids,
+      encode_text=lambda text: list(tokenizer.encode(text, add_special_tokens=False)))
 
 
 def make_trainer(parts: Parts, stream: stream_lib.SampleStream, stop: threading.Event,

@@ -17,6 +17,7 @@ from typing import Any, Iterable
 import numpy as np
 
 from pipelinerl_jax import config as config_lib
+from pipelinerl_jax import episodes as episodes_lib
 from pipelinerl_jax import packing
 
 
@@ -45,6 +46,8 @@ class Group:
   finished_at: float = 0.0         # time.monotonic() when the last sample finished
   num_masked: int = 0              # samples the task masked (dropped; statuses still listed)
   hit_length_limit: list[bool] = dataclasses.field(default_factory=list)  # per sample, all G
+  # A multi-turn task's episodes, all G (masked ones included); empty for a one-turn task.
+  episodes: list[episodes_lib.EpisodeStats] = dataclasses.field(default_factory=list)
 
   @property
   def start_version(self) -> int:

@@ -17,6 +17,7 @@ from typing import Any, Callable, Sequence
 import jax
 import numpy as np
 
+from pipelinerl_jax import episodes as episodes_lib
 from pipelinerl_jax import packing
 from pipelinerl_jax.pipeline import stream as stream_lib
 
@@ -199,7 +200,8 @@ class Trainer:
         pack_fill=pstats.fill, stale_dropped=self.stale_dropped, masked=masked,
         masked_frac=masked / max(len(statuses), 1), **lag_stats(lags),
         **version_stats([smp.versions for g in groups for smp in g.samples], step),
-        **length_limit_stats([h for g in groups for h in g.hit_length_limit]))
+        **length_limit_stats([h for g in groups for h in g.hit_length_limit]),
+        **episodes_lib.step_metrics([e for g in groups for e in g.episodes]))
     for status in sorted(set(statuses)):
       record[f'frac_{status}'] = statuses.count(status) / len(statuses)
     return record
