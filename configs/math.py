@@ -105,6 +105,10 @@ def tools():
   # (13): room for a second call, not for a third.
   c.task.max_episode_tokens = 96
   c.task.sft_tool_share = 0.3
+  # Sampled accuracy 0.2 (a call answered right on ~2/3 of the calls, direct answers nearly never)
+  # is where the warm start stops: the policy knows the format and RL has most of the way to go.
+  c.model.demo.target_sampled_accuracy = 0.2
+  c.model.demo.max_steps = 800
   c.generation.num_slots = 128
   c.generation.max_prompt_len = 8
   c.generation.max_new_tokens = 24   # one model turn: the call is the longest, 18 + EOS

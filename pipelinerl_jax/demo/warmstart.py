@@ -238,12 +238,15 @@ def evaluate_accuracy(params, model_config: transformer.ModelConfig, tokenizer, 
         engine, {'warmstart': list(problems)}, task, encode=lambda p: prompts[p.prompt],
         decode=lambda t: tokenizer.decode(t.tolist(), skip_special_tokens=True),
         sampling=gen_api.SamplingParams(temperature=temperature, max_tokens=max_tokens),
-        k=1, seed=seed)
+        k=1, seed=seed, encode_text=lambda text: encode(tokenizer, text),
+        max_seq_len=max_prompt + after_prompt)
   finally:
     engine.close()
   statuses = collections.Counter(s['status'] for s in result['samples'])
   out = {'accuracy': result['pass@1'], 'num': len(problems),
          'statuses': {k: statuses.get(k, 0) for k in tasks_base.STATUSES}}
+  if task.environment() is not None:  # episodes: the share that went past one turn
+    out['multi_turn'] = float(np.mean([s['turns'] > 1 for s in result['samples']]))
   if return_texts:
     out['texts'] = [s['completion'] for s in result['samples']]
   return out
@@ -279,9 +282,11 @@ def train_sft(params, model_config: transformer.ModelConfig, demo: config_lib.De
                             seed=step)
     loss = float(np.mean(losses)) if losses else float('nan')
     history.append({'step': step, 'loss': loss, 'sampled_accuracy': acc['accuracy'],
-                    'statuses': acc['statuses'], 'seconds': time.perf_counter() - start})
+                    'statuses': acc['statuses'], 'seconds': time.perf_counter() - start,
+                    **({'multi_turn': acc['multi_turn']} if 'multi_turn' in acc else {})})
+    turns = f'  multi-turn {acc["multi_turn"]:.2f}' if 'multi_turn' in acc else ''
     log(f'[warmstart] step {step:5d}  loss {loss:.3f}  sampled acc {acc["accuracy"]:.3f}  '
-        f'{acc["statuses"]}  {time.perf_counter() - start:.0f}s')
+        f'{acc["statuses"]}{turns}  {time.perf_counter() - start:.0f}s')
     losses.clear()
     return acc['accuracy']
 
