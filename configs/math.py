@@ -111,7 +111,9 @@ def tools():
   c.model.demo.max_steps = 800
   c.generation.num_slots = 128
   c.generation.max_prompt_len = 8
-  c.generation.max_new_tokens = 24   # one model turn: the call is the longest, 18 + EOS
+  # Engines hold max_prompt_len + max_new_tokens per sequence and episodes live within that, so
+  # a turn's own limit is the episode's budget here (a turn that never stops is cut there).
+  c.generation.max_new_tokens = 96
   c.rl.batch_size = 128              # 16 prompts x 8 episodes per optimizer step
   c.rl.group_size = 8
   c.rl.max_lag = 4

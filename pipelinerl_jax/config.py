@@ -667,11 +667,11 @@ class Config(_Section):
     _check(self.train.seq_len >= longest, 'train.seq_len',
            f'{self.train.seq_len} < max_prompt_len + max_new_tokens - 1 = {longest}: samples '
            'would not fit')
-    if t.name == 'calculator':
-      episode = g.max_prompt_len + t.max_episode_tokens - 1
-      _check(self.train.seq_len >= episode, 'train.seq_len',
-             f'{self.train.seq_len} < max_prompt_len + task.max_episode_tokens - 1 = {episode}: '
-             'episodes would not fit')
+    if t.name == 'calculator':  # (then the train.seq_len check above holds every episode)
+      _check(g.max_new_tokens >= t.max_episode_tokens, 'generation.max_new_tokens',
+             f'{g.max_new_tokens} < task.max_episode_tokens = {t.max_episode_tokens}: an '
+             'engine holds max_prompt_len + max_new_tokens per sequence, an episode needs '
+             'max_prompt_len + max_episode_tokens')
     tr = self.train
     _check(tr.num_processes == 1 or g.placement == 'ray' or g.backend == 'jax',
            'train.num_processes',

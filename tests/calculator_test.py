@@ -188,7 +188,8 @@ def test_the_char_tokenizer_covers_every_character_the_task_writes():
 def test_config_makes_and_checks_the_task():
   config = config_lib.validate(dict(task=dict(name='calculator', ops=('*',), digits=2,
                                               max_turns=4, max_episode_tokens=48,
-                                              sft_tool_share=0.25)))
+                                              sft_tool_share=0.25),
+                                    generation=dict(max_new_tokens=48)))
   task = registry.make_task(config.task)
   assert task == CalculatorTask(ops=('*',), digits=2, max_turns=4, max_episode_tokens=48,
                                 sft_tool_share=0.25)
@@ -198,7 +199,7 @@ def test_config_makes_and_checks_the_task():
                    (dict(max_episode_tokens=0), 'max_episode_tokens'),
                    (dict(sft_tool_share=1.5), 'sft_tool_share'), (dict(ops=('/',)), 'ops')]:
     with pytest.raises(ValueError, match=f'config.task.{key}: '):
-      config_lib.validate(dict(task=dict(name='calculator', **bad)))
-  with pytest.raises(ValueError, match='train.seq_len: .*episodes would not fit'):
-    config_lib.validate(dict(task=dict(name='calculator', max_episode_tokens=300),
-                             train=dict(seq_len=256)))
+      config_lib.validate(dict(task=dict(name='calculator', **bad),
+                               generation=dict(max_new_tokens=300), train=dict(seq_len=512)))
+  with pytest.raises(ValueError, match='generation.max_new_tokens: 16 < task.max_episode_tok'):
+    config_lib.validate(dict(task=dict(name='calculator', max_episode_tokens=96)))
