@@ -265,3 +265,102 @@ def test_chunked_prefill_interleaves_with_decoding_and_equals_one_prefill(params
         assert after['decode_steps'] == before['decode_steps'] + 1  # ... and a token step
     assert loading_steps == 5  # 40 positions of context in chunks of 8
   assert_same(done, whole)
+
+
+# --- multi-turn: a continuation takes over the previous turn's pages ---------------------------
+
+OBSERVATION = [7, 8, 9]
+
+
+def drain(eng, done=None):
+  done = {} if done is None else done
+  for _ in range(1000):
+    if not eng.num_unfinished:
+      break
+    done.update((c.request_id, c) for c in eng.step())
+  return done
+
+
+def turn(rid, prompt, n=6, continues=None, continuable=True, seed=11):
+  return api.Request(rid, prompt, api.SamplingParams(temperature=0.0, max_tokens=n), seed=seed,
+                     continues=continues, continuable=continuable)
+
+
+@pytest.mark.parametrize('sync_every', [0, 4])
+def test_a_continued_turn_equals_a_fresh_prefill_of_its_history(params_a, sync_every):
+  """Turn 2 of an episode prefills only the observation over turn 1's held pages: its tokens
+  and log mu equal those of a fresh engine given the whole history, and after `release` every
+  page is free."""
+  config = dataclasses.replace(PAGED, sync_every=sync_every)
+  with engine_lib.JaxEngine(CFG, params_a, config) as eng:
+    eng.submit(turn('e', PROMPT))
+    first = drain(eng)['e']
+    assert eng.stats()['kv_pages_held'] > 0
+    history = PROMPT + first.tokens.tolist() + OBSERVATION
+    before = eng.stats()['prefill_tokens']
+    eng.submit(turn('e/turn2', history, continues='e'))
+    second = drain(eng)['e/turn2']
+    stats = eng.stats()
+    assert stats['kv_held_reused'] == 1
+    assert stats['kv_held_positions_reused'] == len(PROMPT) + len(first.tokens) - 1
+    # Prefilled: turn 1's last token and the observation but its last token (the first input).
+    assert stats['prefill_tokens'] - before == 1 + len(OBSERVATION) - 1
+    eng.release('e/turn2')
+    eng.step()  # (a release takes effect at the next step)
+    stats = eng.stats()
+    assert stats['kv_pages_free'] == stats['kv_pages'] and stats['kv_pages_held'] == 0
+  fresh, _ = run(params_a, config, reqs=[turn('h', history, continuable=False)])
+  np.testing.assert_array_equal(second.tokens, fresh['h'].tokens)
+  np.testing.assert_allclose(second.logprobs, fresh['h'].logprobs, atol=1e-5)
+
+
+def test_held_pages_go_first_under_pool_pressure_and_corrupt_nobody(params_a):
+  """A pool of 8 pages: episode e's turn 1 holds its pages while two other requests arrive;
+  they evict them rather than wait, decode what a roomy pool gives them, and e's turn 2 then
+  prefills its whole history (the same tokens as a fresh engine). A history that does not
+  start with the held tokens is prefilled whole too. No page is lost."""
+  config = dataclasses.replace(PAGED, num_pages=9, sync_every=1)
+  others = [turn('x', OTHER, n=9, continuable=False, seed=4),
+            turn('y', PROMPT[:6], n=9, continuable=False, seed=5)]
+  alone, _ = run(params_a, PAGED, reqs=others)
+  with engine_lib.JaxEngine(CFG, params_a, config) as eng:
+    eng.submit(turn('e', PROMPT))
+    first = drain(eng)['e']
+    for r in others:
+      eng.submit(r)
+    out = drain(eng)
+    assert eng.stats()['kv_held_evicted'] == 1 and eng.stats()['kv_pages_held'] == 0
+    assert_same(out, alone)
+    history = PROMPT + first.tokens.tolist() + OBSERVATION
+    eng.submit(turn('e/turn2', history, continues='e'))
+    second = drain(eng)['e/turn2']
+    assert eng.stats().get('kv_held_reused', 0) == 0
+    # A mismatched history: the held KV is dropped, the whole history prefilled.
+    eng.submit(turn('f', PROMPT))
+    drain(eng)
+    eng.submit(turn('f/turn2', OTHER + OBSERVATION, continues='f', continuable=False))
+    mismatched = drain(eng)['f/turn2']
+    stats = eng.stats()
+    assert stats['kv_held_mismatch'] == 1
+    eng.release('e/turn2')
+    eng.step()  # (a release takes effect at the next step)
+    stats = eng.stats()
+    assert stats['kv_pages_free'] == stats['kv_pages']
+  fresh, _ = run(params_a, PAGED, reqs=[turn('h', history, continuable=False),
+                                        turn('m', OTHER + OBSERVATION, continuable=False)])
+  np.testing.assert_array_equal(second.tokens, fresh['h'].tokens)
+  np.testing.assert_array_equal(mismatched.tokens, fresh['m'].tokens)
+
+
+def test_held_pages_are_freed_by_a_recompute_update_and_by_abort(params_a, params_b):
+  config = dataclasses.replace(PAGED, recompute_kv=True)
+  with engine_lib.JaxEngine(CFG, params_a, config) as eng:
+    eng.submit(turn('e', PROMPT))
+    eng.submit(turn('f', OTHER))
+    drain(eng)
+    assert eng.stats()['kv_pages_held'] > 0
+    eng.abort(['f'])
+    eng.update_params(params_b, 1)
+    eng.step()
+    stats = eng.stats()
+    assert stats['kv_pages_held'] == 0 and stats['kv_pages_free'] == stats['kv_pages']

@@ -1,6 +1,8 @@
 """The pool's bookkeeping without Ray: routing of groups, exactly-once completions, evictions
 after a restart, and the per-node core allocation of generator actors."""
 
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -65,6 +67,30 @@ def test_evicted_requests_are_routed_again_to_the_generators_that_serve():
   assert route(routing, request(5, 0)) == dead  # now the least loaded
   done = [routing.accept(1 - dead, completion(r)) for r in evicted + requests[3:]]
   assert all(done) and routing.num_unfinished == 1
+
+
+def test_a_continued_turn_goes_to_the_generator_that_decoded_its_previous_turn():
+  """Even when its group has nothing left there (so group routing would pick the least
+  loaded); `release` names that generator once, and an eviction forgets what it held."""
+  routing = routing_lib.Routing(2)
+  turn1 = dataclasses.replace(request(0, 0), continuable=True)
+  at = route(routing, turn1)
+  assert route(routing, request(1, 0)) == 1 - at
+  assert routing.accept(at, completion(turn1))  # group 0 has nothing left anywhere
+  assert route(routing, request(2, 0)) == route(routing, request(2, 1)) == at
+  assert routing.load(at) == 2 > routing.load(1 - at)  # a new group would go to 1 - at
+  turn2 = dataclasses.replace(request(0, 0), request_id='0/0/turn2', continues='0/0',
+                              continuable=True)
+  assert routing.choose(turn2) == at
+  routing.assign(at, turn2)
+  assert routing.accept(at, completion(turn2))
+  assert routing.release('0/0/turn2') == at and routing.release('0/0/turn2') is None
+  # A generator that restarts lost the KV: its turns are routed like any request.
+  turn3 = dataclasses.replace(turn2, request_id='x', continues=None)
+  i = route(routing, turn3)
+  assert routing.accept(i, completion(turn3))
+  routing.evict(i)
+  assert routing.release('x') is None
 
 
 def test_no_generator_serving_means_no_choice():

@@ -32,6 +32,7 @@ from pipelinerl_jax.generation import sampling  # noqa: E402
 from pipelinerl_jax.generation.transport import hf_tensors  # noqa: E402
 from pipelinerl_jax.models import hf_io  # noqa: E402
 from pipelinerl_jax.models import transformer  # noqa: E402
+from pipelinerl_jax.tasks import base as tasks_base  # noqa: E402
 
 import xla_env  # tests/ is on sys.path
 
@@ -192,6 +193,47 @@ def test_greedy_matches_the_jax_engine(engine, model):
   for a, b in zip(ours, theirs):
     np.testing.assert_array_equal(a.tokens, b.tokens)
     np.testing.assert_allclose(a.logprobs, b.logprobs, atol=1e-4)  # temperature-1 log-probs
+
+
+class _ToolEnv(tasks_base.Environment):
+  """Answers turn 1 with the observation '9 10 11', ends at turn 2."""
+  turns = 0
+
+  def reset(self, problem):
+    return problem.prompt
+
+  def step(self, turn_text, *, truncated, last):
+    self.turns += 1
+    if last or self.turns == 2:
+      return tasks_base.EnvStep(observation=None, reward=1.0, done=True)
+    return tasks_base.EnvStep(observation='9 10 11', reward=0.0, done=False, tool_call=True)
+
+
+def test_multi_turn_episodes_match_the_jax_engine_continuing_its_kv(engine, model):
+  """vLLM runs each turn as a new request with the whole history (prefix caching stays off);
+  the JAX engine continues the held KV. Greedy episodes agree token for token."""
+  from pipelinerl_jax import episodes
+  _, config, p0, _ = model
+  publish(engine, p0, 45)
+  limits = episodes.Limits(sampling=api.SamplingParams(temperature=0.0, max_tokens=6),
+                           max_turns=2)
+
+  def run_on(eng):
+    started = [episodes.start(tasks_base.Problem(f'p{i}', '', ''), _ToolEnv(),
+                              lambda p, i=i: [5 + i, 6, 7 + 2 * i, 8], limits,
+                              request_id=f'e{i}', seed=i) for i in range(2)]
+    return episodes.run(eng, started, decode=lambda tokens: ' '.join(map(str, tokens)),
+                        encode_text=lambda text: [int(t) for t in text.split()], limits=limits)
+
+  ours = run_on(engine)
+  with jax_engine.JaxEngine(config, p0, jax_engine.EngineConfig(num_slots=4,
+                                                               max_seq_len=MAX_LEN)) as je:
+    theirs = run_on(je)
+    assert je.stats()['kv_held_reused'] == 2
+  for a, b in zip(ours, theirs):
+    assert a.turns == b.turns == 2 and a.loss_mask == b.loss_mask
+    assert a.tokens == b.tokens and a.tokens[6:9] == [9, 10, 11]
+    np.testing.assert_allclose(a.logprobs, b.logprobs, atol=1e-4)
 
 
 def test_stop_tokens_end_the_sequence_and_are_kept(engine, model):

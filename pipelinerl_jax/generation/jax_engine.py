@@ -35,6 +35,15 @@ is the token at position p. A weight update between two steps leaves every slot 
 default the pool keeps the keys/values computed under older weights (the stale KV cache of
 PipelineRL); with `recompute_kv` every sequence is prefilled again under the new weights.
 
+A multi-turn episode continues its sequence (`api.Request.continues`): a `continuable` request
+that finishes keeps its pages, not its slot (`_held`), and the request that continues it takes
+them over when its prompt (the whole history) starts with the tokens whose KV they hold; only the
+new positions (the observation) are prefilled, as a chunked prefill does. Otherwise (evicted,
+`recompute_kv` update, history mismatch, restarted engine) the whole history is prefilled. Held
+pages keep the KV of the versions that wrote them, like a sequence in flight; they are the first
+pages given up when the pool is short (oldest first, before any decoding sequence is
+preempted), and `release`, `abort`, a `recompute_kv` update and `close` free them.
+
 The G samples of a prompt share its pages (`share_prompts`): the full pages of the prompt are
 written once, under one params version, and every sample admitted under that version reads them
 (reference counts return them when the last reader is done); each sample writes the prompt's
@@ -392,6 +401,9 @@ class JaxEngine(api.QueuedEngine):
     # Not in a slot yet: preempted ones (oldest first), then requests taken from the queue.
     self._waiting: collections.deque[_Sequence] = collections.deque()
     self._prefixes: dict[tuple[int, ...], _Prefix] = {}
+    # Finished continuable requests' pages, by request id, oldest first: (the sequence, its
+    # pages); the pool holds the KV of all its tokens but the last.
+    self._held: dict[str, tuple[_Sequence, list[int]]] = {}
     self._pending: list[_Dispatched] = []
     self._dispatched = 0
     self._table = np.zeros((h, config.table_width), np.int32)
@@ -401,7 +413,8 @@ class JaxEngine(api.QueuedEngine):
     self._admitted = 0
     self._collected = True  # a collection happened since pages were last reserved
     self._next_params: tuple[Any, int] | None = None
-    self._lock = threading.Lock()  # guards _next_params
+    self._to_release: list[str] = []  # request ids `release`d since the last step
+    self._lock = threading.Lock()  # guards _next_params and _to_release
     self._closed = False
     self._counts = collections.Counter()
     self._step_seconds = 0.0
@@ -469,6 +482,8 @@ class JaxEngine(api.QueuedEngine):
   def step(self) -> list[api.Completion]:
     self._check_open()
     start = time.perf_counter()
+    if self._to_release:
+      self._release_held()
     finished = self._apply_update()
     if len(self._pending) > self._sync_every:
       finished += self._collect(keep_newest=True)
@@ -497,6 +512,8 @@ class JaxEngine(api.QueuedEngine):
       for _, seq in d.decoded:
         if seq.request.request_id in ids:
           seq.done = True
+    for request_id in ids & self._held.keys():
+      self._drop_held(request_id)
     self._requests.discard(ids)
     self._counts['aborted'] += len(ids)
 
@@ -509,6 +526,7 @@ class JaxEngine(api.QueuedEngine):
                 step_seconds=self._step_seconds, busy_slots=busy, num_slots=len(self._slots),
                 pending=pending, version=self._version, kv_pages=self._pages.num_pages - 1,
                 kv_pages_free=self._pages.num_free, kv_pages_peak=self._pages.peak_in_use,
+                kv_pages_held=sum(len(pages) for _, pages in self._held.values()),
                 kv_page_size=self.config.page_size, sync_every=self._sync_every)
 
   def precompile(self) -> int:
@@ -530,11 +548,19 @@ class JaxEngine(api.QueuedEngine):
     jax.block_until_ready(self._state)
     return len(widths)
 
+  def release(self, request_id: str) -> None:
+    """Frees the pages a finished continuable request holds (its episode ended), at the next
+    `step()`; safe to call from any thread (a generator actor's pool calls it from another)."""
+    self._check_open()
+    with self._lock:
+      self._to_release.append(request_id)
+
   def close(self) -> None:
     self._closed = True
     self._params = self._state = self._next_params = None
     self._slots = [None] * self.config.num_slots
     self._pending, self._table_dev, self._prefixes, self._loading = [], {}, {}, []
+    self._held = {}
     self._waiting.clear()
     self._requests.clear()
 
@@ -562,6 +588,8 @@ class JaxEngine(api.QueuedEngine):
     self._prefixes = {}  # pages written under the old params are no prefix for new requests
     if not self.config.recompute_kv:
       return []
+    for request_id in list(self._held):  # their KV is the old params'
+      self._drop_held(request_id)
     finished = self._collect(keep_newest=False)
     placed = sorted(((s.slot, s) for s in self._slots if s is not None),
                     key=lambda slot_seq: slot_seq[1].order)
@@ -574,16 +602,27 @@ class JaxEngine(api.QueuedEngine):
 
   # Slots and pages.
 
-  def _place_sequence(self, seq: _Sequence, slot: int, prefix: _Prefix | None) -> None:
+  def _place_sequence(self, seq: _Sequence, slot: int, prefix: _Prefix | None,
+                      held: tuple[list[int], int] | None = None) -> None:
     """Gives `seq` the slot and pages to load its context and decode `lookahead` steps (the
     caller has checked there are enough free pages), sharing its prompt's pages when `prefix`
-    (`_usable_prefix`) is given."""
+    (`_usable_prefix`) is given, or taking over the previous turn's (pages, positions they
+    hold) when `held` (`_held_for`) is."""
     full = list(seq.request.prompt_tokens) + seq.tokens
     seq.context, position = full[:-1], len(full) - 1
     seq.slot, seq.decoding, seq.first_step = slot, False, self._dispatched
     last_needed = seq.last_needed_position
     last = min(position + self._lookahead - 1, last_needed)
-    if prefix is None:
+    if held is not None:
+      del self._held[seq.request.continues]
+      pages, loaded = held
+      total = self._pages_through(last)
+      self._pages.release(pages[total:])  # (pages it reserved for steps it never took)
+      seq.pages = pages[:total] + self._pages.take(max(0, total - len(pages)))
+      seq.loaded = loaded
+      self._counts['kv_held_reused'] += 1
+      self._counts['kv_held_positions_reused'] += loaded
+    elif prefix is None:
       seq.pages, seq.loaded = self._pages.take(self._pages_through(last)), 0
     else:
       shared = prefix.pages
@@ -592,7 +631,7 @@ class JaxEngine(api.QueuedEngine):
       self._counts['prompt_pages_shared'] += len(shared)
       seq.pages = shared + self._pages.take(self._pages_through(last) - len(shared))
       seq.loaded = len(shared) * self.config.page_size
-    if prefix is None and self.config.share_prompts:
+    if prefix is None and self.config.share_prompts and seq.request.continues is None:
       n = self._prompt_pages(seq)
       if n:
         prefix = _Prefix(key=tuple(seq.request.prompt_tokens), pages=seq.pages[:n],
@@ -609,12 +648,50 @@ class JaxEngine(api.QueuedEngine):
     return (len(seq.request.prompt_tokens) - 1) // self.config.page_size
 
   def _usable_prefix(self, seq: _Sequence) -> _Prefix | None:
-    if not self.config.share_prompts or not self._prompt_pages(seq):
+    if (not self.config.share_prompts or not self._prompt_pages(seq)
+        or seq.request.continues is not None):  # a history is no other sequence's prompt
       return None
     prefix = self._prefixes.get(tuple(seq.request.prompt_tokens))
     if prefix is None or prefix.version != self._version or prefix.holders == 0:
       return None
     return prefix
+
+  def _held_for(self, seq: _Sequence) -> tuple[list[int], int] | None:
+    """(pages, positions whose KV they hold) of the turn `seq` continues, when the engine holds
+    them and they are a prefix of its history; a mismatch frees them (whole prefill)."""
+    entry = self._held.get(seq.request.continues) if seq.request.continues else None
+    if entry is None or seq.tokens:  # (a preempted continuation loads again from scratch)
+      return None
+    previous, pages = entry
+    history = list(previous.request.prompt_tokens) + previous.tokens
+    valid = len(history) - 1  # the last token was never an input
+    prompt = seq.request.prompt_tokens
+    if len(prompt) <= valid or list(prompt[:valid]) != history[:valid]:
+      self._drop_held(seq.request.continues)
+      self._counts['kv_held_mismatch'] += 1
+      return None
+    return pages, valid
+
+  def _release_held(self) -> None:
+    with self._lock:
+      ids, self._to_release = self._to_release, []
+    for request_id in ids:
+      if request_id in self._held:
+        self._drop_held(request_id)
+        self._counts['kv_held_released'] += 1
+
+  def _drop_held(self, request_id: str) -> None:
+    _, pages = self._held.pop(request_id)
+    self._pages.release(pages)
+
+  def _evict_held(self, num_free: int, keep: str | None = None) -> None:
+    """Frees held pages, oldest first (but `keep`'s), until `num_free` pages are free."""
+    for request_id in list(self._held):
+      if self._pages.num_free >= num_free:
+        return
+      if request_id != keep:
+        self._drop_held(request_id)
+        self._counts['kv_held_evicted'] += 1
 
   def _start_decoding(self, seq: _Sequence) -> None:
     """Its context is in (prefill dispatched): it decodes from the next step on."""
@@ -627,10 +704,15 @@ class JaxEngine(api.QueuedEngine):
     self._table[slot, :len(seq.pages)] = seq.pages
     self._table_dev = {}
 
-  def _release_pages(self, seq: _Sequence, drop_in_flight: bool = True) -> None:
+  def _release_pages(self, seq: _Sequence, drop_in_flight: bool = True,
+                     finished: bool = False) -> None:
     """Returns the sequence's pages and slot. Tokens of its steps still in flight are dropped
-    (it will decode them again), unless `drop_in_flight` is False (they are its last ones)."""
-    self._pages.release(seq.pages)
+    (it will decode them again), unless `drop_in_flight` is False (they are its last ones).
+    A `finished` continuable sequence keeps its pages in `_held` instead."""
+    if finished and seq.request.continuable:
+      self._held[seq.request.request_id] = (seq, seq.pages)
+    else:
+      self._pages.release(seq.pages)
     seq.pages = []
     prefix, seq.prefix = seq.prefix, None
     if prefix is not None:
@@ -666,6 +748,8 @@ class JaxEngine(api.QueuedEngine):
       return
     slots = np.flatnonzero(short)
     missing = need[slots] + 1 - self._npages[slots]
+    if missing.sum() > self._pages.num_free:
+      self._evict_held(int(missing.sum()))
     if missing.sum() > self._pages.num_free:
       by_age = sorted(range(len(slots)), key=lambda j: self._slots[slots[j]].order)
       while by_age and missing.sum() > self._pages.num_free:
@@ -704,14 +788,19 @@ class JaxEngine(api.QueuedEngine):
       seq = waiting[0]
       last = min(len(seq.request.prompt_tokens) + len(seq.tokens) - 2 + self._lookahead,
                  seq.last_needed_position)
-      prefix = self._usable_prefix(seq)
+      prefix, held = self._usable_prefix(seq), self._held_for(seq)
       need = self._pages_through(last) - (len(prefix.pages) if prefix is not None else 0)
+      if held is not None:
+        need = max(0, need - len(held[0]))
       if need > self._pages.num_free - reserve:
-        return
+        self._evict_held(need + reserve, keep=seq.request.continues)
+        held = self._held_for(seq)  # (still there: kept)
+        if need > self._pages.num_free - reserve:
+          return
       waiting.popleft()
       self._admitted += 1
       seq.order = self._admitted
-      self._place_sequence(seq, free.pop(0), prefix)
+      self._place_sequence(seq, free.pop(0), prefix, held)
 
   # Prefill.
 
@@ -840,7 +929,7 @@ class JaxEngine(api.QueuedEngine):
     for slot in np.flatnonzero(decoding & (self._left == 0)).tolist():
       # Its last token is in flight: its slot and pages can go now (before the next prefill
       # overwrites them on the device, this step has written them).
-      self._release_pages(self._slots[slot], drop_in_flight=False)
+      self._release_pages(self._slots[slot], drop_in_flight=False, finished=True)
     return True
 
   def _collect(self, keep_newest: bool) -> list[api.Completion]:
@@ -875,7 +964,7 @@ class JaxEngine(api.QueuedEngine):
           continue
         seq.done = True
         if seq.slot is not None:
-          self._release_pages(seq)
+          self._release_pages(seq, finished=True)
         finished.append(seq.completion(reason))
     self._requests.finish(c.request_id for c in finished)
     self._counts['tokens_generated'] += appended

@@ -9,6 +9,7 @@ decoding continuously in a thread, fed and drained by the pool (pool.py) through
   join / receive(v)    the same over a collective (gloo on CPU, NCCL on GPUs; transport/collective):
                        one receiver thread and one staging buffer for the actor's life
   submit(requests)     into the engine's queue
+  release(ids)         finished turns whose episodes ended: the engine frees what it kept
   poll(ack, wait_s)    completions finished since the last acknowledged one, and the stats
 
 The engine is built by the first update (so a restarted actor starts from the latest weights the
@@ -248,6 +249,15 @@ class Generator:
       self._engine.submit(r)
     with self._cond:
       self._cond.notify_all()
+
+  @ray.method(concurrency_group='control')
+  def release(self, request_ids: list[str], incarnation: str) -> None:
+    """`api.Engine.release` for each id (an engine keeps a continuable turn's KV until then);
+    meant for another incarnation, or before the engine exists: nothing is held, nothing to do."""
+    if incarnation != self.incarnation or self._engine is None:
+      return
+    for rid in request_ids:
+      self._engine.release(rid)
 
   @ray.method(concurrency_group='io')
   def poll(self, incarnation: str, ack: int, wait_s: float

@@ -94,6 +94,15 @@ class RayGenerators(api.Engine):
       self._updates.dispatch()
     return self._progress(self.poll_s * 2)
 
+  def release(self, request_id: str) -> None:
+    """Tells the generator that decoded this finished turn that its episode ended."""
+    self._check_open()
+    with self._lock:
+      i = self._routing.release(request_id)
+      if i is not None:
+        m = self._members[i]
+        m.handle.release.remote([request_id], m.incarnation)
+
   def update_params(self, params: Any, version: int) -> None:
     """See `updates.Updates.publish`."""
     self._check_open()

@@ -12,7 +12,10 @@ Choices that make the output usable as PipelineRL's behaviour policy mu:
     default 'raw_logprobs' is the unscaled model distribution, wrong for any temperature != 1.)
     Greedy rows get the temperature-1 unfiltered log-prob, as in `sampling.sample`.
   * Prefix caching off: a cached prefix computed under older weights would be served to new
-    requests as if it were current.
+    requests as if it were current. So a multi-turn episode's next turn (`Request.continues`)
+    is a new request that prefills its whole history: vLLM's cache is shared by every request
+    and cannot be reset while sequences are in flight (which, in PipelineRL, is always), so it
+    cannot be kept to an episode's own history the way JaxEngine's held pages are.
   * No async scheduling, so the forward of step n runs after the update applied before it.
   * Each request samples from its own generator seeded with `request.seed` (vLLM's RNG: the
     same (seed, params) give the same tokens here, not the same tokens as `JaxEngine`).
