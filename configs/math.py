@@ -3,6 +3,8 @@
   tiny             the CPU demo (the default): arithmetic on a tiny locally built model
   reasoning        the paper's regime on CPU: long worked solutions (~20-150 tokens) that span
                    several weight updates each; 15 minutes of RL on 2 cores (docs/results.md)
+  tools            multi-turn: 2-digit products with a calculator tool the warm-started model
+                   learns to call (tasks/calculator.py); a few minutes on CPU
   qwen1p5b_8xh100  Qwen2.5-Math-1.5B on one 8xH100 host, vLLM generation
   paper_7b         the paper's Qwen2.5-7B run (B=1024, G=8, lr 1e-6, 8192 new tokens)
 
@@ -84,6 +86,42 @@ def reasoning():
   c.optimizer.lr = 1e-4
   c.optimizer.max_grad_norm = 1.0
   c.train.seq_len = 256
+  return c
+
+
+def tools():
+  """Two-digit products (`37*48=`) with a calculator: an episode is up to 3 model turns, a call
+  `<calc>37*48</calc>`, the environment's `<res>1776</res>`, then `\\boxed{1776}`. The tiny
+  demo model cannot multiply in its head; the warm start teaches the call format on 30% of its
+  SFT examples and direct answers (mostly wrong at this size) on the rest, so the policy starts
+  calling on about a third of the problems and RL has that share to raise along with the reward
+  (docs/results.md: the tools runs)."""
+  c = config_lib.base_config()
+  c.task.name = 'calculator'
+  c.task.ops = ('*',)
+  c.task.digits = 2
+  c.task.max_turns = 3
+  # A call (19 tokens with EOS), its result (up to 15; an error up to ~40) and the answer
+  # (13): room for a second call, not for a third.
+  c.task.max_episode_tokens = 96
+  c.task.sft_tool_share = 0.3
+  # Sampled accuracy 0.2 (a call answered right on ~2/3 of the calls, direct answers nearly never)
+  # is where the warm start stops: the policy knows the format and RL has most of the way to go.
+  c.model.demo.target_sampled_accuracy = 0.2
+  c.model.demo.max_steps = 800
+  c.generation.num_slots = 128
+  c.generation.max_prompt_len = 8
+  # Engines hold max_prompt_len + max_new_tokens per sequence and episodes live within that, so
+  # a turn's own limit is the episode's budget here (a turn that never stops is cut there).
+  c.generation.max_new_tokens = 96
+  c.rl.batch_size = 128              # 16 prompts x 8 episodes per optimizer step
+  c.rl.group_size = 8
+  c.rl.max_lag = 4
+  c.rl.total_steps = 100_000         # the time budget below ends the run
+  c.rl.max_time_s = 300.0
+  c.optimizer.lr = 3e-4
+  c.optimizer.max_grad_norm = 1.0
+  c.train.seq_len = 128              # prompt + episode: 8 + 96
   return c
 
 
@@ -208,5 +246,5 @@ def _gpu_model(c):
   c.log.progress = True
 
 
-PRESETS = {'tiny': tiny, 'reasoning': reasoning, 'qwen1p5b_8xh100': qwen1p5b_8xh100,
-           'paper_7b': paper_7b}
+PRESETS = {'tiny': tiny, 'reasoning': reasoning, 'tools': tools,
+           'qwen1p5b_8xh100': qwen1p5b_8xh100, 'paper_7b': paper_7b}

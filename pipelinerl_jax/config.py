@@ -197,14 +197,21 @@ class RewardConfig(_Section):
 
 @dataclasses.dataclass(frozen=True)
 class TaskConfig(_Section):
-  name: Literal['arithmetic', 'reasoning', 'math'] = 'arithmetic'
+  name: Literal['arithmetic', 'reasoning', 'math', 'calculator'] = 'arithmetic'
   # arithmetic (tasks/arithmetic.py): `a op b =`, also the demo model's SFT task.
   # reasoning (tasks/reasoning.py): the same sums written out digit by digit ('+' and '*' only).
+  # calculator (tasks/calculator.py): `a op b =` with a calculator tool, over several turns.
   ops: tuple[str, ...] = ('+',)
-  digits: int = 2                 # arithmetic: digits of each operand; reasoning: the most
+  digits: int = 2                 # arithmetic, calculator: digits of each operand; reasoning: the
+                                  # most
   min_digits: int = 1             # reasoning: the fewest digits of an operand
   sft_max_digits: int = 0         # reasoning: the most digits in SFT examples (0 = digits)
   sft_pool_mod: int = 8           # 1 / sft_pool_mod of the problems are reserved for SFT
+  max_turns: int = 3              # calculator: model turns per episode (a call, then an answer)
+  max_episode_tokens: int = 64    # calculator: tokens after the prompt per episode, model turns
+                                  # and observations (sizes packed rows and engine sequences)
+  sft_tool_share: float = 0.5     # calculator: share of the warm start's examples that call the
+                                  # tool (the rest answer directly), so RL has that share to raise
   # math (tasks/math.py): problems from local .jsonl / .json / .parquet files.
   train_files: tuple[str, ...] = ()   # paths; each is a dataset of the training mix
   train_weights: tuple[float, ...] = ()  # one weight per train file (draw probability); () = equal
@@ -230,6 +237,12 @@ class TaskConfig(_Section):
              'sft_max_digits', f'must be 0 or in min_digits..9, got {self.sft_max_digits}')
     _check(self.sft_pool_mod >= 2, 'sft_pool_mod',
            f'must be >= 2 (RL needs a pool too), got {self.sft_pool_mod}')
+    if self.name == 'calculator':
+      _check(1 <= self.max_turns <= 32, 'max_turns', f'must be in 1..32, got {self.max_turns}')
+      _check(self.max_episode_tokens >= 1, 'max_episode_tokens',
+             f'must be >= 1 for a multi-turn task, got {self.max_episode_tokens}')
+      _check(0 <= self.sft_tool_share <= 1, 'sft_tool_share',
+             f'must be in [0, 1], got {self.sft_tool_share}')
     _check(all(self.train_files), 'train_files', 'holds an empty path')
     _check(all(self.test_files), 'test_files', 'holds an empty path')
     _check(not self.train_weights or len(self.train_weights) == len(self.train_files),
@@ -654,6 +667,11 @@ class Config(_Section):
     _check(self.train.seq_len >= longest, 'train.seq_len',
            f'{self.train.seq_len} < max_prompt_len + max_new_tokens - 1 = {longest}: samples '
            'would not fit')
+    if t.name == 'calculator':  # (then the train.seq_len check above holds every episode)
+      _check(g.max_new_tokens >= t.max_episode_tokens, 'generation.max_new_tokens',
+             f'{g.max_new_tokens} < task.max_episode_tokens = {t.max_episode_tokens}: an '
+             'engine holds max_prompt_len + max_new_tokens per sequence, an episode needs '
+             'max_prompt_len + max_episode_tokens')
     tr = self.train
     _check(tr.num_processes == 1 or g.placement == 'ray' or g.backend == 'jax',
            'train.num_processes',

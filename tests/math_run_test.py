@@ -233,7 +233,7 @@ def test_bad_reward_and_missing_model_and_eval_set():
 
 
 def test_every_preset_validates_once_its_placeholders_are_set():
-  for preset in ('tiny', 'qwen1p5b_8xh100', 'paper_7b'):
+  for preset in ('tiny', 'tools', 'qwen1p5b_8xh100', 'paper_7b'):
     c = config_lib.load_preset(preset)
     if c.task.name == 'math':
       with pytest.raises(ValueError, match='config.model.path'):

@@ -18,6 +18,7 @@ from pipelinerl_jax.demo import char_tokenizer
 from pipelinerl_jax.models import hf_io
 from pipelinerl_jax.models import transformer
 from pipelinerl_jax.tasks import ArithmeticTask
+from pipelinerl_jax.tasks.calculator import CalculatorTask
 
 # A build small enough for a test: 32 SFT examples seen 150 times (memorized), never stopped
 # early by the accuracy target.
@@ -174,3 +175,31 @@ def test_model_dir_for_a_config_builds_the_demo_model_of_its_task(tmp_path):
   c.model.path = str(tmp_path / 'nowhere')
   with pytest.raises(FileNotFoundError, match='config.model.path: no config.json'):
     warmstart.model_dir_for(config_lib.validate(c))
+
+
+def test_multi_turn_sft_examples_carry_loss_on_model_turns_only():
+  """A calculator episode's observation tokens are fed (inputs) but never targets of the loss;
+  its model turns and each turn's EOS are; one-turn examples keep their whole completion."""
+  tok = char_tokenizer.build_char_tokenizer()
+  eos = warmstart.eos_id(tok)
+  task = CalculatorTask(sft_tool_share=0.5)
+  problems = task.sft_problems(0, 40)
+  examples = warmstart.encode_examples(tok, task, problems)
+  assert {len(e) for e in examples} == {2, 3}  # both kinds
+  for p, e in zip(problems, examples):
+    turns = task.target_turns(p)
+    batch = warmstart.pack_examples([e], 64, 1)
+    at = batch['segment_ids'] > 0
+    got = ''.join('|' if t == eos else tok.decode([t])
+                  for t in batch['targets'][at & (batch['loss_mask'] > 0)])
+    assert got == ''.join(turns[j] + '|' for j in range(0, len(turns), 2)), got
+    fed = tok.decode(batch['tokens'][at].tolist(), skip_special_tokens=True)
+    assert fed == p.prompt + ''.join(turns)  # observations are in the inputs
+  # Packed together, each example keeps its own mask: loss tokens add up.
+  batch = warmstart.pack_examples(examples, 128, 16)
+  assert batch['loss_mask'].sum() == sum(
+      sum(e[2]) if len(e) == 3 else len(e[1]) for e in examples)
+  s_id = tok.token_to_id('s')  # in every observation ('<res>', '</res>'), in no model turn
+  calls = sum(len(e) == 3 for e in examples)
+  assert np.sum(batch['targets'] == s_id) == 2 * calls > 0
+  assert not np.any((batch['targets'] == s_id) & (batch['loss_mask'] > 0))

@@ -123,27 +123,51 @@ def make_sft_step(model_config: transformer.ModelConfig,
   return sft_step
 
 
-def encode_examples(tokenizer, task, problems: Sequence[tasks_base.Problem]
-                    ) -> list[tuple[list[int], list[int]]]:
-  """(prompt ids, target ids + EOS) for each problem."""
+# An SFT example: (prompt ids, completion ids), or for a multi-turn task (prompt ids, completion
+# ids, completion loss mask): 1 on the model's turns and their EOS, 0 on observations.
+Example = tuple[list[int], ...]
+
+
+def encode_examples(tokenizer, task, problems: Sequence[tasks_base.Problem]) -> list[Example]:
+  """(prompt ids, target ids + EOS) for each problem; an episode of several turns
+  (`task.target_turns`) gives its turns and observations in order, EOS after each model turn,
+  and its loss mask."""
   eos = eos_id(tokenizer)
-  return [(encode(tokenizer, p.prompt), encode(tokenizer, task.target(p)) + [eos])
-          for p in problems]
+  examples = []
+  for p in problems:
+    turns = task.target_turns(p)
+    if len(turns) == 1:
+      examples.append((encode(tokenizer, p.prompt), encode(tokenizer, turns[0]) + [eos]))
+      continue
+    completion, mask = [], []
+    for i, text in enumerate(turns):
+      ids = encode(tokenizer, text) + ([eos] if i % 2 == 0 else [])
+      completion += ids
+      mask += [1 - i % 2] * len(ids)
+    examples.append((encode(tokenizer, p.prompt), completion, mask))
+  return examples
 
 
-def pack_examples(examples: Sequence[tuple[list[int], list[int]]], seq_len: int, num_rows: int
+def pack_examples(examples: Sequence[Example], seq_len: int, num_rows: int
                   ) -> dict[str, np.ndarray]:
-  """Packs (prompt, completion) pairs into a fixed [num_rows, seq_len] batch (a fixed shape, so
-  the jitted step compiles once)."""
+  """Packs examples into a fixed [num_rows, seq_len] batch (a fixed shape, so the jitted step
+  compiles once); an example's observation tokens are fed but carry no loss."""
   samples = [packing.Sample(prompt_tokens=p, completion_tokens=c,
                             behaviour_logprobs=np.zeros(len(c), np.float32),
                             versions=np.zeros(len(c), np.int32), advantage=0.0)
-             for p, c in examples]
+             for p, c, *_ in examples]
   batch, _ = packing.pack_samples(samples, seq_len, num_rows=num_rows)
+  for i, example in enumerate(examples):
+    if len(example) == 3:
+      # Position j of a sample predicts its token j + 1: completion token j - (prompt - 1).
+      at_RxT = batch['sample_index'] == i
+      k = batch['positions'][at_RxT] - (len(example[0]) - 1)
+      mask = np.asarray(example[2], np.float32)
+      batch['loss_mask'][at_RxT] *= np.where(k >= 0, mask[np.maximum(k, 0)], 1.0)
   return {k: batch[k] for k in ('tokens', 'targets', 'positions', 'segment_ids', 'loss_mask')}
 
 
-def next_packed_batch(examples: Sequence[tuple[list[int], list[int]]], stream: Iterator[int],
+def next_packed_batch(examples: Sequence[Example], stream: Iterator[int],
                       carried: list[int], seq_len: int, num_rows: int, max_examples: int
                       ) -> tuple[dict[str, np.ndarray], list[int]]:
   """The next SFT batch: examples in stream order (`carried` ones first) while they fit the
@@ -196,11 +220,14 @@ def evaluate_accuracy(params, model_config: transformer.ModelConfig, tokenizer, 
   Returns {'accuracy': fraction correct, 'statuses': {status: count}, 'num': N} (+ 'texts').
   """
   prompts = {p.prompt: encode(tokenizer, p.prompt) for p in problems}
-  if max_tokens is None:  # room for the answer plus a little slack before 'length'
-    max_tokens = max(len(encode(tokenizer, task.target(p))) for p in problems) + 4
+  if max_tokens is None:  # room for the longest model turn plus a little slack before 'length'
+    max_tokens = max(len(encode(tokenizer, turn)) for p in problems
+                     for turn in task.target_turns(p)[::2]) + 4
   max_prompt = max(len(ids) for ids in prompts.values())
+  # An episode of several turns holds up to max_episode_tokens after its prompt.
+  after_prompt = max(max_tokens, task.max_episode_tokens)
   # A power of two so repeated evaluations (different sets, same sizes) reuse the compiled step.
-  max_seq_len = 1 << (max_prompt + max_tokens - 1).bit_length()
+  max_seq_len = 1 << (max_prompt + after_prompt - 1).bit_length()
   spec = engines.EngineSpec(backend='jax', num_slots=engines.slots_for(len(problems), num_slots),
                             max_seq_len=max_seq_len, eos_token_ids=(eos_id(tokenizer),))
   engine = engines.make_engine(spec, model_config, params=params)
@@ -209,12 +236,15 @@ def evaluate_accuracy(params, model_config: transformer.ModelConfig, tokenizer, 
         engine, {'warmstart': list(problems)}, task, encode=lambda p: prompts[p.prompt],
         decode=lambda t: tokenizer.decode(t.tolist(), skip_special_tokens=True),
         sampling=gen_api.SamplingParams(temperature=temperature, max_tokens=max_tokens),
-        k=1, seed=seed)
+        k=1, seed=seed, encode_text=lambda text: encode(tokenizer, text),
+        max_seq_len=max_prompt + after_prompt)
   finally:
     engine.close()
   statuses = collections.Counter(s['status'] for s in result['samples'])
   out = {'accuracy': result['pass@1'], 'num': len(problems),
          'statuses': {k: statuses.get(k, 0) for k in tasks_base.STATUSES}}
+  if task.environment() is not None:  # episodes: the share that went past one turn
+    out['multi_turn'] = float(np.mean([s['turns'] > 1 for s in result['samples']]))
   if return_texts:
     out['texts'] = [s['completion'] for s in result['samples']]
   return out
@@ -232,7 +262,7 @@ def train_sft(params, model_config: transformer.ModelConfig, demo: config_lib.De
   sft_set = task.sft_problems(demo.sft_seed, demo.sft_examples)
   examples = encode_examples(tokenizer, task, sft_set)
   eval_set = list(_take(task.problems(demo.eval_seed), demo.eval_problems))
-  max_example_len = max(len(p) + len(c) for p, c in examples)
+  max_example_len = max(len(p) + len(c) for p, c, *_ in examples)
   num_rows, seq_len = packed_shape(max_example_len, demo.batch_size)
   if demo.rows_per_step:  # first-fit into fewer rows: short examples share a row
     num_rows = demo.rows_per_step
@@ -250,9 +280,11 @@ def train_sft(params, model_config: transformer.ModelConfig, demo: config_lib.De
                             seed=step)
     loss = float(np.mean(losses)) if losses else float('nan')
     history.append({'step': step, 'loss': loss, 'sampled_accuracy': acc['accuracy'],
-                    'statuses': acc['statuses'], 'seconds': time.perf_counter() - start})
+                    'statuses': acc['statuses'], 'seconds': time.perf_counter() - start,
+                    **({'multi_turn': acc['multi_turn']} if 'multi_turn' in acc else {})})
+    turns = f'  multi-turn {acc["multi_turn"]:.2f}' if 'multi_turn' in acc else ''
     log(f'[warmstart] step {step:5d}  loss {loss:.3f}  sampled acc {acc["accuracy"]:.3f}  '
-        f'{acc["statuses"]}  {time.perf_counter() - start:.0f}s')
+        f'{acc["statuses"]}{turns}  {time.perf_counter() - start:.0f}s')
     losses.clear()
     return acc['accuracy']
 

@@ -156,6 +156,12 @@ class Task(abc.ABC):
     """The completion SFT imitates (the tokenizer's EOS goes after it)."""
     raise NotImplementedError(f'{type(self).__name__} has no SFT targets for a warm start')
 
+  def target_turns(self, problem: Problem) -> tuple[str, ...]:
+    """The episode SFT imitates: model turns at even indices, the environment's observations
+    between them (fed, not imitated); the tokenizer's EOS goes after each model turn. One turn,
+    `target(problem)`, unless a multi-turn task says otherwise."""
+    return (self.target(problem),)
+
 
 def truncated_score(mode: str, truncated_reward: float) -> Score | None:
   """The score of a completion cut at the length limit, or None under 'none' (judge it as usual).
