@@ -97,7 +97,7 @@ def evaluate(engine: api.Engine, datasets: Mapping[str, Sequence[tasks_base.Prob
 
   A multi-turn task needs `encode_text` (an observation's token ids) and bounds its episodes
   by `max_seq_len` (the engine's). Returns `summarize(...)` plus 'n', 'seconds' and 'samples'
-  (one dict per sample; an episode's also has its turns and outcome).
+  (one dict per sample; an episode's also has its turns, tool calls, tool errors and outcome).
   """
   n = n or k
   if n < k:
@@ -130,7 +130,8 @@ def evaluate(engine: api.Engine, datasets: Mapping[str, Sequence[tasks_base.Prob
     completions = [episodes_lib.completion(e) for e in episodes]
     texts = [decode(c.tokens) for c in completions]
     scores = [e.score for e in episodes]
-    extra = [dict(turns=e.turns, outcome=e.outcome) for e in episodes]
+    extra = [dict(turns=e.turns, tool_calls=e.tool_calls, tool_errors=e.tool_errors,
+                  outcome=e.outcome) for e in episodes]
   correct: dict[str, dict[str, list[bool]]] = {name: {} for name in datasets}
   samples = []
   for (name, p, j), c, text, s, more in zip(items, completions, texts, scores, extra):
