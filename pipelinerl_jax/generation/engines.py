@@ -8,7 +8,7 @@
   slots_for(n, most)         slots for an evaluation of n requests
 
 Every engine of the project comes from here: the run's in the trainer's process (pipeline/
-build.py), each generator actor's (actors/generator.py), the evaluation's (evaluation.py) and the
+build.py), each generator actor's (actors/decode_loop.py), the evaluation's (evaluation.py) and the
 demo's warm start (demo/warmstart.py).
 
 Imports only the standard library at the top: a generator actor imports this before it pins its
