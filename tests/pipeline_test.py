@@ -21,7 +21,7 @@ import pytest
 from pipelinerl_jax import config as config_lib
 from pipelinerl_jax import packing
 from pipelinerl_jax.generation import jax_engine as engine_lib
-from pipelinerl_jax.pipeline import build as build_lib
+from pipelinerl_jax.pipeline import placements
 from pipelinerl_jax.pipeline import launch
 from pipelinerl_jax.pipeline import metrics as metrics_lib
 from pipelinerl_jax.pipeline import stream as stream_lib
@@ -144,7 +144,7 @@ def test_published_params_never_alias_the_trainers_buffers():
   mesh = jax.sharding.Mesh(np.array(jax.devices()), ('x',))
   replicated = jax.device_put(params, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))
   for source in (params, replicated):
-    copied = build_lib.copy_params_fn(device)(source)
+    copied = placements.copy_params_fn(device)(source)
     for a, b in zip(jax.tree.leaves(source), jax.tree.leaves(copied)):
       assert b.devices() == {device}
       pointers = {s.data.unsafe_buffer_pointer() for s in a.addressable_shards}
@@ -166,7 +166,7 @@ def test_collective_publisher_copies_in_the_wire_dtype_where_the_params_are():
     def update_params(self, p, version):
       published.append((p, version))
 
-  build_lib.publisher(config, mesh, Pool(), 'bfloat16')(params, 3)
+  placements.publisher(config, mesh, Pool(), 'bfloat16')(params, 3)
   (copy, version), = published
   w = copy['w']
   assert version == 3 and w.dtype == jax.numpy.bfloat16 and w.sharding.is_equivalent_to(

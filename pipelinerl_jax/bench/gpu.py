@@ -711,14 +711,14 @@ def run_engine(s: Section) -> None:
   from pipelinerl_jax.generation import budget
   from pipelinerl_jax.generation import jax_engine as engine_lib
   from pipelinerl_jax.models import transformer
-  from pipelinerl_jax.pipeline import build as build_lib
+  from pipelinerl_jax.pipeline import placements
 
   z = s.sizes
   device = jax.devices()[0]
   on_gpu = jax.default_backend() == 'gpu'
   config = dataclasses.replace(train_bench.MODEL_PRESETS[z.engine_model], dtype='bfloat16')
   master = [transformer.init_params(config, jax.random.PRNGKey(i)) for i in (0, 1)]
-  publish = build_lib.copy_params_fn(device, config.dtype)  # the trainer's copy to the engine
+  publish = placements.copy_params_fn(device, config.dtype)  # the trainer's copy to the engine
   served = [publish(p) for p in master]  # bf16, as the engine holds them
   max_len = z.prompt_len + z.new_tokens
   limit = memory_limit_bytes(device)
@@ -861,7 +861,7 @@ def run_publish(s: Section) -> None:
   from pipelinerl_jax.bench import train_step as train_bench
   from pipelinerl_jax.generation import jax_engine as engine_lib
   from pipelinerl_jax.models import transformer
-  from pipelinerl_jax.pipeline import build as build_lib
+  from pipelinerl_jax.pipeline import placements
 
   z = s.sizes
   device = jax.devices()[0]
@@ -884,7 +884,7 @@ def run_publish(s: Section) -> None:
     leaves = jax.tree.leaves(params)
     nbytes = sum(x.nbytes for x in leaves)
     try:
-      publish = build_lib.copy_params_fn(device)
+      publish = placements.copy_params_fn(device)
       publish_runs = wall_times(lambda: publish(params), z.repeats)
       flat = jnp.ones((nbytes // 4,), jnp.float32)
       copy = jax.jit(jnp.copy)

@@ -8,8 +8,8 @@
   slots_for(n, most)         slots for an evaluation of n requests
 
 Every engine of the project comes from here: the run's in the trainer's process (pipeline/
-build.py), each generator actor's (actors/decode_loop.py), the evaluation's (evaluation.py) and the
-demo's warm start (demo/warmstart.py).
+placements.py), each generator actor's (actors/decode_loop.py), the evaluation's (evaluation.py)
+and the demo's warm start (demo/warmstart.py).
 
 Imports only the standard library at the top: a generator actor imports this before it pins its
 threads, and the engine (JAX or vLLM, and their thread pools) only in `make_engine`.

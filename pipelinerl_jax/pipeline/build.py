@@ -2,8 +2,7 @@
 step, the publisher that hands each new policy to the engine, checkpoints, the actor and the
 trainer. Nothing here starts a loop: `run.py` does.
 
-Placement of the generation engine is one function per `generation.placement`
-(`ENGINE_PLACEMENTS`): a new placement of generators plugs in there.
+Where the generation engine runs, and how each new policy reaches it, is placements.py.
 """
 
 from __future__ import annotations
@@ -11,13 +10,11 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import importlib.util
-import json
 import os
 import threading
 from typing import Any, Callable
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from pipelinerl_jax import checkpoint as checkpoint_lib
@@ -28,10 +25,10 @@ from pipelinerl_jax import packing
 from pipelinerl_jax import sharding as sharding_lib
 from pipelinerl_jax import train
 from pipelinerl_jax.generation import api
-from pipelinerl_jax.generation import engines
 from pipelinerl_jax.models import hf_io
 from pipelinerl_jax.models import transformer
 from pipelinerl_jax.pipeline import actor as actor_lib
+from pipelinerl_jax.pipeline import placements
 from pipelinerl_jax.pipeline import signals
 from pipelinerl_jax.pipeline import stream as stream_lib
 from pipelinerl_jax.pipeline import trainer as trainer_lib
@@ -153,19 +150,19 @@ def _build(config: config_lib.Config, workdir: str, model_dir: str,
   model_config, mesh, state = learner.model_config, learner.mesh, learner.state
   check_interrupt()
   version = int(state.step)
-  wire_dtype = transport_dtype(config, model_config, model_dir)
+  wire_dtype = placements.transport_dtype(config, model_config, model_dir)
   if trainers is None:
     params = distributed.whole(state.params)  # collective, see whole(); one process: the params
   else:
     params = trainers.publication(state.params, version, wire_dtype)  # with every process
-  engine = ENGINE_PLACEMENTS[config.generation.placement](
+  engine = placements.ENGINE_PLACEMENTS[config.generation.placement](
       config, model_config, model_dir, mesh=mesh, eos_token_id=tokenizer.eos_token_id,
       params=params, version=version, cores=trainers and trainers.cores)
   del params
   started.callback(_quietly, engine.close)
   trainer_cores = engine.take_free_cores() if config.train.cores == 'free' else None
   check_interrupt()
-  publish = publisher(config, mesh, engine, wire_dtype, trainers)
+  publish = placements.publisher(config, mesh, engine, wire_dtype, trainers)
   g = config.generation
   if learner.resumed and g.backend != 'jax' and g.placement == 'inline':
     publish(state.params, version)  # inline vLLM loaded model_dir's weights
@@ -219,122 +216,6 @@ def make_trainer(config: config_lib.Config, parts: Parts, stream: stream_lib.Sam
   return trainer
 
 
-# --- generation ------------------------------------------------------------------------------
-
-
-def generation_device(mesh) -> jax.Device:
-  """The in-process engine's device: the first one the train mesh leaves free, else the first."""
-  free = [d for d in jax.local_devices() if d not in set(mesh.devices.flat)]
-  return free[0] if free else jax.local_devices()[0]
-
-
-def copy_params_fn(device=None, dtype: str | None = None) -> Callable:
-  """Params -> a fresh copy (on `device`), its floats in `dtype` when given (the dtype the JAX
-  engine computes in: the copy is then also the cast it would make, and moves fewer bytes). The
-  engine must never hold a buffer that the donated train step will reuse (see
-  api.Engine.update_params): `device_put` alone may hand back the very shard that already sits
-  on `device`, so copy first (in the train sharding), then move."""
-  def leaf(x):
-    x = jnp.copy(x)
-    return x.astype(dtype) if dtype is not None and jnp.issubdtype(x.dtype, jnp.floating) else x
-  copy = jax.jit(lambda p: jax.tree.map(leaf, p))
-  return copy if device is None else lambda params: jax.device_put(copy(params), device)
-
-
-def publisher(config: config_lib.Config, mesh, engine: api.Engine, wire_dtype: str,
-              trainers=None) -> Callable[[Any, int], None]:
-  """What the trainer calls after a step: a fresh copy of the params to the engine (for the
-  in-process JAX engine, on its device; vLLM copies into its own tensors). Generator actors
-  over the object store copy to host before `update_params` returns: no copy needed here. Over a
-  collective the pool keeps the params to re-send after a restart: a copy in the wire dtype
-  (`wire_dtype`, bf16 to vLLM on GPUs), sharded as the params are, from which the sender gathers
-  one tensor at a time. With trainer actors (`trainers`), every process puts its own pieces into
-  the object store."""
-  g = config.generation
-  if trainers is not None:
-    return lambda params, version: engine.update_params(
-        trainers.publication(params, version, wire_dtype), version)
-  if g.placement == 'ray' and g.remote.weight_transport == 'object_store':
-    return engine.update_params
-  if g.placement == 'ray':
-    dtype = jnp.dtype(wire_dtype)
-    copy = jax.jit(lambda p: jax.tree.map(lambda x: jnp.copy(x).astype(dtype), p))
-  elif g.backend == 'jax':  # in the engine's compute dtype: the copy is its cast too
-    copy = copy_params_fn(generation_device(mesh), config.model.dtype)
-  else:
-    copy = copy_params_fn()
-  return lambda params, version: engine.update_params(copy(params), version)
-
-
-def transport_dtype(config: config_lib.Config, model_config, model_dir: str) -> str:
-  """The dtype weight updates travel in to generator actors over a collective
-  (`budget.wire_dtype`: the serving dtype of vLLM over nccl, else the param dtype)."""
-  from pipelinerl_jax.generation import budget
-  with open(os.path.join(model_dir, hf_io.CONFIG_FILE)) as f:
-    serving = budget.serving_dtype(json.load(f))
-  g = config.generation
-  return budget.wire_dtype(g.remote.weight_transport, g.backend, serving,
-                           model_config.param_dtype)
-
-
-def _inline_engine(config: config_lib.Config, model_config, model_dir: str, *, mesh,
-                   eos_token_id: int, params, version: int, cores=None) -> api.Engine:
-  """The engine in the trainer's process: the JAX engine on a device the mesh leaves free, or
-  vLLM (which starts from the checkpoint on disk, what `params` were loaded from)."""
-  del cores
-  spec = engines.spec_from_config(config, (eos_token_id,))
-  if spec.backend == 'jax':
-    device = generation_device(mesh)
-    return engines.make_engine(spec, model_config,
-                               params=copy_params_fn(device, model_config.dtype)(params),
-                               version=version, device=device)
-  return engines.make_engine(spec, model_config, model_dir=model_dir)
-
-
-def _ray_engine(config: config_lib.Config, model_config, model_dir: str, *, mesh,
-                eos_token_id: int, params, version: int, cores=None) -> api.Engine:
-  """Generator actors on a Ray cluster (joined, or started here), each on its own devices.
-  `cores`: the placement.CoreAllocator that trainer actors took their cores from."""
-  from pipelinerl_jax import cluster as cluster_lib  # imports Ray
-  from pipelinerl_jax.generation.actors import generator
-  from pipelinerl_jax.generation.actors import placement
-  from pipelinerl_jax.generation.actors import pool
-  import ray
-  g, remote = config.generation, config.generation.remote
-  gpus = None
-  visible = placement.visible_gpus()
-  if not config.cluster.address and visible:  # a local Ray gets the GPUs the mesh leaves free
-    placement.assign_devices(visible, mesh.devices.size, g.num_generators, remote.devices,
-                             per_child_max=1)  # the same checks, one line each
-    gpus = placement.free_gpus(visible, mesh.devices.size, remote.devices)
-  session = cluster_lib.connect(config.cluster, gpus=gpus)
-  try:
-    gpus_each = remote.gpus_per_generator
-    if gpus_each < 0:
-      gpus_each = 1 if ray.cluster_resources().get('GPU', 0) > 0 else 0
-    if remote.weight_transport == 'nccl' and not gpus_each:
-      raise ValueError("config.generation.remote.weight_transport: 'nccl' needs generators on "
-                       "GPUs (the cluster has none, or gpus_per_generator=0); use 'gloo' or "
-                       "'object_store'")
-    spec = generator.GeneratorSpec(
-        engine=engines.spec_from_config(config, (eos_token_id,)),
-        model_dir=os.path.abspath(model_dir),
-        model_overrides=dict(param_dtype=model_config.param_dtype, dtype=model_config.dtype,
-                             lm_head_fp32=model_config.lm_head_fp32),
-        transport=remote.weight_transport, transport_timeout_s=remote.transport_timeout_s,
-        wire_dtype=transport_dtype(config, model_config, model_dir))
-    return pool.RayGenerators(
-        spec, model_config, num_generators=g.num_generators, params=params, version=version,
-        cpus_per_generator=remote.cpus_per_generator, gpus_per_generator=gpus_each,
-        max_restarts=remote.max_restarts, session=session, cores=cores)
-  except BaseException:
-    session.close()
-    raise
-
-
-ENGINE_PLACEMENTS = {'inline': _inline_engine, 'ray': _ray_engine}
-
-
 def prompt_encoder(tokenizer, max_len: int) -> Callable[[tasks_base.Problem], list[int]]:
   """Problem -> prompt token ids; a prompt that is empty or longer than max_len is an error
   naming the problem and the config key."""
@@ -374,8 +255,8 @@ def evaluator(config: config_lib.Config, workdir: str, model_config, tokenizer, 
   """(params, step) -> eval metrics: the CLI's evaluation on a copy of the current params (the
   train step donates them), its samples written to workdir/eval/samples-<step>.jsonl."""
   problems = task.held_out(config.eval.num_problems, config.eval.seed)
-  device = generation_device(mesh)
-  copy = copy_params_fn(device)
+  device = placements.generation_device(mesh)
+  copy = placements.copy_params_fn(device)
 
   def evaluate(params, step: int) -> dict:
     result = evaluation.evaluate_params(config, model_config, copy(params), tokenizer, task,

@@ -48,6 +48,7 @@ from pipelinerl_jax import config as config_lib
 from pipelinerl_jax import distributed
 from pipelinerl_jax import train
 from pipelinerl_jax.pipeline import build as build_lib
+from pipelinerl_jax.pipeline import placements
 from pipelinerl_jax.pipeline import supervise
 
 COMMAND_KEY = 'pipelinerl/command/'
@@ -276,7 +277,7 @@ def follow(config: config_lib.Config, workdir: str, model_dir: str,
     if stash is None:
       publish = lambda params, version: distributed.whole(params)  # noqa: E731 (a collective)
     elif config.generation.remote.weight_transport != 'object_store':
-      wire_dtype = build_lib.transport_dtype(config, learner.model_config, model_dir)
+      wire_dtype = placements.transport_dtype(config, learner.model_config, model_dir)
 
       def publish(params, version):  # the gather that gives process 0 its copy to broadcast
         del version
