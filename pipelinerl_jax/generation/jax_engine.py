@@ -639,11 +639,9 @@ class JaxEngine(api.QueuedEngine):
       seq.pages = shared + self._pages.take(self._pages_through(last) - len(shared))
       seq.loaded = len(shared) * self.config.page_size
     if prefix is None and seq.prompt_pages and seq.request.continues is None:
-      n = seq.prompt_pages
-      if n:
-        prefix = _Prefix(key=tuple(seq.request.prompt_tokens), pages=seq.pages[:n],
-                         version=self._version, writer=seq, holders=1)
-        self._prefixes[prefix.key] = prefix
+      prefix = _Prefix(key=tuple(seq.request.prompt_tokens), pages=seq.pages[:seq.prompt_pages],
+                       version=self._version, writer=seq, holders=1)
+      self._prefixes[prefix.key] = prefix
     seq.prefix = prefix
     self._slots[slot] = seq
     self._loading.append(seq)
