@@ -76,6 +76,7 @@ from pipelinerl_jax.models import paged_attention
 from pipelinerl_jax.models import transformer
 
 TRACES: collections.Counter = collections.Counter()  # function name -> times traced
+NEVER = 1 << 40  # a slot's `_grow` while it needs no page
 PARKED = 1 << 30  # the position of a slot that is not decoding: past every table, so its writes
                   # go to the trash page
 # The fewest positions a call reads per row: shorter reads are cheap, and every read width is a
@@ -334,6 +335,10 @@ class _Sequence(api.SequenceRecord):
   stop_ids: frozenset[int] = frozenset()
   max_tokens: int = 0
   filtered: bool = False          # top-k / top-p
+  # Constants of the request, computed once (admission reads them for every waiting sequence):
+  prompt_len: int = 0
+  prompt_pages: int = 0           # full pages of the prompt's context: what samples can share
+  last_needed: int = 0            # the input position of the step that draws its last token
   order: int = 0                  # admission order (the youngest is preempted first)
   slot: int | None = None
   pages: list[int] = dataclasses.field(default_factory=list)  # its block table
@@ -347,15 +352,11 @@ class _Sequence(api.SequenceRecord):
   __eq__ = object.__eq__  # identity, as the host's bookkeeping means it
   __hash__ = object.__hash__
 
-  @property
-  def last_needed_position(self) -> int:
-    """The input position of the step that draws its last token (`max_tokens`)."""
-    return len(self.request.prompt_tokens) + self.max_tokens - 2
-
 
 class _Dispatched(NamedTuple):
   drawn_2xH: jax.Array      # tokens and log mu (`unpack_drawn`)
-  decoded: list             # (slot, sequence) of each slot that decoded in it
+  slots: list[int]          # the slots that decoded in it
+  seqs: list                # the sequence in each of them
   index: int                # decode steps dispatched before it
   version: int
 
@@ -397,6 +398,9 @@ class JaxEngine(api.QueuedEngine):
     self._left = np.zeros(h, np.int64)
     self._last = np.zeros(h, np.int64)
     self._npages = np.zeros(h, np.int64)
+    # ... and the position from which its next `lookahead` steps need a page it does not hold
+    # (NEVER when no step does, or the slot is not decoding): `_reserve` compares only this.
+    self._grow = np.full(h, NEVER, np.int64)
     self._filtered = 0                    # decoding sequences with top-k / top-p
     # Not in a slot yet: preempted ones (oldest first), then requests taken from the queue.
     self._waiting: collections.deque[_Sequence] = collections.deque()
@@ -465,7 +469,8 @@ class JaxEngine(api.QueuedEngine):
     api.check_request(request, max_len=self.config.max_seq_len,
                       max_len_field='max_seq_len',
                       vocab_size=self.model_config.vocab_size)
-    needed = self._pages_through(len(request.prompt_tokens) + request.sampling.max_tokens - 2)
+    needed = ((len(request.prompt_tokens) + request.sampling.max_tokens - 2)
+              // self.config.page_size + 1)  # pages through its last input position
     if needed > self._pages.num_pages - 1:
       raise ValueError(f'request {request.request_id!r}: prompt {len(request.prompt_tokens)} + '
                        f'max_tokens {request.sampling.max_tokens} needs {needed} KV pages of '
@@ -509,7 +514,7 @@ class JaxEngine(api.QueuedEngine):
         seq.done = True
         self._release_pages(seq)
     for d in self._pending:  # sequences whose last token is in flight hold no slot any more
-      for _, seq in d.decoded:
+      for seq in d.seqs:
         if seq.request.request_id in ids:
           seq.done = True
     for request_id in ids & self._held.keys():
@@ -608,10 +613,12 @@ class JaxEngine(api.QueuedEngine):
     caller has checked there are enough free pages), sharing its prompt's pages when `prefix`
     (`_usable_prefix`) is given, or taking over the previous turn's (pages, positions they
     hold) when `held` (`_held_for`) is."""
-    full = list(seq.request.prompt_tokens) + seq.tokens
-    seq.context, position = full[:-1], len(full) - 1
+    context = list(seq.request.prompt_tokens)
+    context += seq.tokens
+    context.pop()
+    seq.context, position = context, len(context)
     seq.slot, seq.decoding, seq.first_step = slot, False, self._dispatched
-    last_needed = seq.last_needed_position
+    last_needed = seq.last_needed
     last = min(position + self._lookahead - 1, last_needed)
     if held is not None:
       del self._held[seq.request.continues]
@@ -623,7 +630,7 @@ class JaxEngine(api.QueuedEngine):
       self._counts['kv_held_reused'] += 1
       self._counts['kv_held_positions_reused'] += loaded
     elif prefix is None:
-      seq.pages, seq.loaded = self._pages.take(self._pages_through(last)), 0
+      seq.pages, seq.loaded = self._pages.take(last // self.config.page_size + 1), 0
     else:
       shared = prefix.pages
       self._pages.share(shared)
@@ -631,25 +638,27 @@ class JaxEngine(api.QueuedEngine):
       self._counts['prompt_pages_shared'] += len(shared)
       seq.pages = shared + self._pages.take(self._pages_through(last) - len(shared))
       seq.loaded = len(shared) * self.config.page_size
-    if prefix is None and self.config.share_prompts and seq.request.continues is None:
-      n = self._prompt_pages(seq)
-      if n:
-        prefix = _Prefix(key=tuple(seq.request.prompt_tokens), pages=seq.pages[:n],
-                         version=self._version, writer=seq, holders=1)
-        self._prefixes[prefix.key] = prefix
+    if prefix is None and seq.prompt_pages and seq.request.continues is None:
+      prefix = _Prefix(key=tuple(seq.request.prompt_tokens), pages=seq.pages[:seq.prompt_pages],
+                       version=self._version, writer=seq, holders=1)
+      self._prefixes[prefix.key] = prefix
     seq.prefix = prefix
     self._slots[slot] = seq
     self._loading.append(seq)
     self._pos[slot], self._last[slot] = position, last_needed
-    self._left[slot], self._npages[slot] = 0, len(seq.pages)
+    self._left[slot], self._npages[slot], self._grow[slot] = 0, len(seq.pages), NEVER
 
-  def _prompt_pages(self, seq: _Sequence) -> int:
-    """Full pages of the prompt's context: what the samples of a prompt can share."""
-    return (len(seq.request.prompt_tokens) - 1) // self.config.page_size
+  def _new_sequence(self, request: api.Request, eos: frozenset[int]) -> _Sequence:
+    sp, n = request.sampling, len(request.prompt_tokens)
+    return _Sequence(
+        request, stop_ids=eos.union(sp.stop_token_ids) if sp.stop_token_ids else eos,
+        max_tokens=sp.max_tokens, filtered=sp.top_k > 0 or sp.top_p < 1.0, prompt_len=n,
+        prompt_pages=(n - 1) // self.config.page_size if self.config.share_prompts else 0,
+        last_needed=n + sp.max_tokens - 2)
 
   def _usable_prefix(self, seq: _Sequence) -> _Prefix | None:
-    if (not self.config.share_prompts or not self._prompt_pages(seq)
-        or seq.request.continues is not None):  # a history is no other sequence's prompt
+    # (`prompt_pages` is 0 without `share_prompts`; a history is no other sequence's prompt)
+    if not seq.prompt_pages or seq.request.continues is not None:
       return None
     prefix = self._prefixes.get(tuple(seq.request.prompt_tokens))
     if prefix is None or prefix.version != self._version or prefix.holders == 0:
@@ -699,6 +708,8 @@ class JaxEngine(api.QueuedEngine):
     seq.decoding = True
     self._loading.remove(seq)
     self._left[slot] = seq.max_tokens - len(seq.tokens)
+    held = len(seq.pages) * self.config.page_size  # positions its pages hold
+    self._grow[slot] = held - (self._lookahead - 1) if seq.last_needed >= held else NEVER
     self._filtered += seq.filtered
     self._table[slot] = paged_attention.TRASH_PAGE
     self._table[slot, :len(seq.pages)] = seq.pages
@@ -734,6 +745,7 @@ class JaxEngine(api.QueuedEngine):
       else:
         self._loading.remove(seq)
       self._left[slot] = self._npages[slot] = 0
+      self._grow[slot] = NEVER
     seq.slot, seq.decoding = None, False
     if drop_in_flight:
       seq.first_step = self._dispatched
@@ -742,10 +754,10 @@ class JaxEngine(api.QueuedEngine):
     """Pages for the next `lookahead` steps of every decoding sequence; when the pool is short,
     the youngest decoding sequences wait (their pages return; they are loaded again later)."""
     self._collected = False
-    need = np.minimum(self._pos + (self._lookahead - 1), self._last) // self.config.page_size
-    short = (need >= self._npages) & (self._left > 0)  # need + 1 pages > held
+    short = self._pos >= self._grow
     if not short.any():
       return
+    need = np.minimum(self._pos + (self._lookahead - 1), self._last) // self.config.page_size
     slots = np.flatnonzero(short)
     missing = need[slots] + 1 - self._npages[slots]
     if missing.sum() > self._pages.num_free:
@@ -759,11 +771,14 @@ class JaxEngine(api.QueuedEngine):
         self._waiting.appendleft(victim)
         self._counts['preemptions'] += 1
         missing[j] = 0
+    z, lookahead = self.config.page_size, self._lookahead
     for slot, n in zip(slots[missing > 0].tolist(), missing[missing > 0].tolist()):
       seq = self._slots[slot]
       seq.pages += self._pages.take(n)
       self._table[slot, :len(seq.pages)] = seq.pages
       self._npages[slot] = len(seq.pages)
+      held = len(seq.pages) * z
+      self._grow[slot] = held - (lookahead - 1) if seq.last_needed >= held else NEVER
       self._table_dev = {}
 
   def _admit(self) -> None:
@@ -774,22 +789,21 @@ class JaxEngine(api.QueuedEngine):
     decoding = int(np.count_nonzero(self._left))
     reserve = -(-decoding * self._lookahead // self.config.page_size)
     eos = frozenset(self.config.eos_token_ids)
-    waiting = self._waiting
+    waiting, page_size, lookahead = self._waiting, self.config.page_size, self._lookahead
+    free.reverse()  # popped from the end: lowest slots first
     while free:
       if not waiting:
         new = self._requests.take(len(free))
         if not new:
           return
-        for r in new:
-          sp = r.sampling
-          waiting.append(_Sequence(
-              r, stop_ids=eos.union(sp.stop_token_ids) if sp.stop_token_ids else eos,
-              max_tokens=sp.max_tokens, filtered=sp.top_k > 0 or sp.top_p < 1.0))
+        waiting.extend(self._new_sequence(r, eos) for r in new)
       seq = waiting[0]
-      last = min(len(seq.request.prompt_tokens) + len(seq.tokens) - 2 + self._lookahead,
-                 seq.last_needed_position)
-      prefix, held = self._usable_prefix(seq), self._held_for(seq)
-      need = self._pages_through(last) - (len(prefix.pages) if prefix is not None else 0)
+      last = min(seq.prompt_len + len(seq.tokens) - 2 + lookahead, seq.last_needed)
+      need = last // page_size + 1  # pages through `last`
+      prefix = self._usable_prefix(seq) if seq.prompt_pages else None
+      if prefix is not None:
+        need -= len(prefix.pages)
+      held = self._held_for(seq) if seq.request.continues is not None else None
       if held is not None:
         need = max(0, need - len(held[0]))
       if need > self._pages.num_free - reserve:
@@ -800,7 +814,7 @@ class JaxEngine(api.QueuedEngine):
       waiting.popleft()
       self._admitted += 1
       seq.order = self._admitted
-      self._place_sequence(seq, free.pop(0), prefix, held)
+      self._place_sequence(seq, free.pop(), prefix, held)
 
   # Prefill.
 
@@ -918,10 +932,10 @@ class JaxEngine(api.QueuedEngine):
       table = self._table_dev[width] = jax.device_put(table, self._device)
     self._state, drawn_2xH = decode_step(
         self._params, self._state, table, config=self.model_config, filtered=self._filtered > 0)
+    decoded = np.flatnonzero(decoding).tolist()
     slots = self._slots
-    self._pending.append(_Dispatched(
-        drawn_2xH, [(i, slots[i]) for i in np.flatnonzero(decoding).tolist()], self._dispatched,
-        self._version))
+    self._pending.append(_Dispatched(drawn_2xH, decoded, list(map(slots.__getitem__, decoded)),
+                                     self._dispatched, self._version))
     self._dispatched += 1
     self._counts['decode_steps'] += 1
     self._pos += decoding
@@ -929,7 +943,7 @@ class JaxEngine(api.QueuedEngine):
     for slot in np.flatnonzero(decoding & (self._left == 0)).tolist():
       # Its last token is in flight: its slot and pages can go now (before the next prefill
       # overwrites them on the device, this step has written them).
-      self._release_pages(self._slots[slot], drop_in_flight=False, finished=True)
+      self._release_pages(slots[slot], drop_in_flight=False, finished=True)
     return True
 
   def _collect(self, keep_newest: bool) -> list[api.Completion]:
@@ -948,7 +962,7 @@ class JaxEngine(api.QueuedEngine):
       tokens_H, logprobs_H = unpack_drawn(np.asarray(d.drawn_2xH))  # no pytree device_get
       tokens, logprobs = tokens_H.tolist(), logprobs_H.tolist()
       index, version = d.index, d.version
-      for slot, seq in d.decoded:
+      for slot, seq in zip(d.slots, d.seqs):
         if seq.done or index < seq.first_step:
           continue
         token, drawn = tokens[slot], seq.tokens
