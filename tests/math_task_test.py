@@ -14,6 +14,9 @@ from pipelinerl_jax.tasks import math as math_task
 from pipelinerl_jax.tasks import verify
 from pipelinerl_jax.tasks.base import STATUSES, Problem, Score
 
+# Per-sample deadlines and worker kills: on a loaded core a verdict can turn into a timeout.
+pytestmark = pytest.mark.serial
+
 DATA = pathlib.Path(__file__).resolve().parent / 'data'
 TIMEOUT_S = 2.0
 MARGIN_S = 1.5  # kill + respawn + scheduling noise on a loaded 2-core machine

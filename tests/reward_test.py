@@ -26,6 +26,9 @@ import pytest
 
 from pipelinerl_jax.pipeline import metrics as metrics_lib
 
+# Learning runs in which the in-flight lag follows the speed of each loop; vLLM.
+pytestmark = pytest.mark.serial
+
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 STEPS = 240
 MARGIN = 0.10  # see the module docstring
