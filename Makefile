@@ -24,10 +24,10 @@ demo: venv
 # the timing-sensitive ones (marked `serial`: signals, kills, deadlines, several processes, Ray,
 # vLLM engines) alone. The second phase runs even when the first failed, so one run shows every
 # failure; the target fails if either does. pytest exits 5 when it collects no test: a failure
-# for us, not a pass. loadgroup keeps an `xdist_group` (a costly module fixture) on one worker.
+# for us, not a pass.
 TEST_WORKERS ?= 2
 test: venv
-	@$(PY) -m pytest -q tests -n $(TEST_WORKERS) --dist loadgroup -m 'not serial' $(PYTEST_ARGS); \
+	@$(PY) -m pytest -q tests -n $(TEST_WORKERS) -m 'not serial' $(PYTEST_ARGS); \
 	parallel=$$?; \
 	$(PY) -m pytest -q tests -m serial $(PYTEST_ARGS); \
 	serial=$$?; \

@@ -19,10 +19,6 @@ from pipelinerl_jax.bench import gpu
 from pipelinerl_jax.bench import train_step as train_bench
 from pipelinerl_jax.models import transformer
 
-# Under `make test`'s parallel phase, one worker runs this file: the `quick` fixture (one whole
-# --quick run, the suite's costliest setup) is then built once, not once per worker.
-pytestmark = pytest.mark.xdist_group('gpu_kit')
-
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 # On the image: none of these (ml_collections travels as a wheel, so it stays visible here).
 HIDDEN = tuple(m for m in gpu.IMAGE_ABSENT if m not in gpu.CARRIED)
@@ -81,14 +77,17 @@ def test_hider_makes_the_image_absent_packages_absent(tmp_path):
 
 
 @pytest.fixture(scope='module')
-def quick(tmp_path_factory):
-  """One --quick run, as `make gpu-check` does it, with the image's absent packages hidden."""
-  tmp = tmp_path_factory.mktemp('gpu_kit')
-  out = tmp / 'gpu.json'
-  proc = run_kit(['--quick', f'--out={out}', f'--workdir={tmp / "work"}'],
-                 image_like_env(tmp / 'hider'))
-  assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
-  return json.loads(out.read_text()), proc.stdout
+def quick(built_once):
+  """One --quick run, as `make gpu-check` does it, with the image's absent packages hidden; the
+  suite's costliest setup, so one run serves every pytest-xdist worker (conftest's built_once)."""
+  def build(tmp):
+    proc = run_kit(['--quick', f'--out={tmp / "gpu.json"}', f'--workdir={tmp / "work"}'],
+                   image_like_env(tmp / 'hider'))
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    (tmp / 'stdout.txt').write_text(proc.stdout)
+
+  tmp = built_once('gpu_kit_quick', build)
+  return json.loads((tmp / 'gpu.json').read_text()), (tmp / 'stdout.txt').read_text()
 
 
 def items(report, section):
