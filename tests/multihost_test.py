@@ -38,6 +38,8 @@ from pipelinerl_jax.pipeline import launch as launch_lib
 from pipelinerl_jax.pipeline import metrics as metrics_lib
 from pipelinerl_jax.pipeline import signals
 
+pytestmark = pytest.mark.serial  # several JAX processes (jax.distributed), a kill with a deadline
+
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 SGD_LR = 0.05
 # The trainer processes' environment. XLA's CPU backend at -O0 compiles the train step ~3x

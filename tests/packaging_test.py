@@ -39,6 +39,8 @@ IMPORT_TO_DISTS = {
 TRANSITIVE_PINS = {
     'jaxlib': 'jax requires the jaxlib of its own version',
 }
+# Declared and pinned but never imported: pytest loads these plugins itself.
+PLUGINS = {'pytest-xdist': "the Makefile's parallel test phase (pytest -n 2)"}
 # Declared in a vLLM extra but not pinned in requirements-gpu.txt: vllm pins its CUDA torch.
 PINNED_BY_VLLM = {'torch'}
 
@@ -164,7 +166,7 @@ def test_every_import_is_declared():
 
 
 def test_no_declared_package_is_unused():
-  imported = set()
+  imported = set(PLUGINS)
   for source, _ in sources().values():
     for module in third_party_imports(source):
       imported |= providers(module)

@@ -101,6 +101,7 @@ def test_loop_failure_stops_everything_with_a_named_error(model_dir, tmp_path, m
   assert not {'actor', 'trainer'} & {t.name for t in threading.enumerate()}
 
 
+@pytest.mark.serial
 @pytest.mark.parametrize('sig', [signal.SIGINT, signal.SIGTERM], ids=['ctrl_c', 'sigterm'])
 def test_interrupt_stops_within_ten_seconds(model_dir, tmp_path, sig):
   cmd = [sys.executable, '-m', 'pipelinerl_jax.main', '--config=configs/math.py:tiny',
@@ -300,6 +301,7 @@ def test_unknown_preset_is_an_error():
     config_lib.load_preset('huge')
 
 
+@pytest.mark.serial
 @pytest.mark.parametrize('placement', ['inline', 'ray'])
 def test_pipeline_runs_with_vllm_backends(model_dir, tmp_path, placement):
   """placement 'ray' runs 2 vLLM generator actors, one of which is killed after the first

@@ -22,6 +22,8 @@ from pipelinerl_jax.models import hf_io
 from pipelinerl_jax.models import transformer
 from pipelinerl_jax.pipeline import launch
 
+pytestmark = pytest.mark.serial  # Ray actors, kills and restarts with transfer deadlines
+
 
 @pytest.fixture(scope='module')
 def session():

@@ -21,6 +21,9 @@ from pipelinerl_jax import cluster
 
 import xla_env  # tests/ is on sys.path
 
+# Ray, signals and kills with deadlines, and /dev/shm listed before and after a run.
+pytestmark = pytest.mark.serial
+
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
 def _main(workdir, model_dir, *extra):

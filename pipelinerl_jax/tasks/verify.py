@@ -23,7 +23,14 @@ Verdicts, one per (gold, answer) pair:
   'unparsable'         the answer did not parse to any math object
   'gold_unparsable'    the reference answer did not parse (a dataset problem, not the model's)
   'timeout'            the sample ran past `timeout_s`; its worker was killed and replaced
-  'error'              the worker raised (RecursionError, MemoryError, ...), died, or never started
+  'error'              the worker raised (RecursionError, MemoryError, ...) or never started, or
+                       two workers in turn died on the sample before answering it
+
+A worker that dies before answering (killed while idle or mid-sample, by the OOM killer, say)
+does not cost its sample the verdict: the sample goes back to the queue and is sent to a worker
+started after that death. A kill can land between any check of a worker and the send to it, so
+no check before sending can promise this; re-sending can. A sample whose second, fresh worker
+dies too is taken to be what kills them: 'error', and no third worker is spent on it.
 
 This file imports nothing from the project: it runs as a script in the workers.
 """
@@ -135,14 +142,39 @@ def _worker_main(fd: int, memory_limit_mb: int, cpu_backstop_s: int, parent_pid:
 class _Worker:
   proc: subprocess.Popen
   conn: mp_connection.Connection
+  serial: int  # spawn order: a sample re-sent after a death goes to a worker spawned after it
   ready: bool = False  # True once it sent _READY; only ready workers get jobs
+
+
+@dataclasses.dataclass
+class _Batch:
+  """One `verify_many` call's state while its samples are out with the workers."""
+  results: list
+  pending: collections.deque  # indices into the batch, not yet sent (or sent again after a death)
+  busy: dict = dataclasses.field(default_factory=dict)  # worker slot -> (index, deadline)
+  # index -> the lowest worker serial it may go to: set when its first worker died on it.
+  resend_from: dict = dataclasses.field(default_factory=dict)
+
+  def lost(self, index: int, next_serial: int) -> bool:
+    """Its worker died before answering: queue it again for a fresh worker (True), unless
+    this is its second worker to die (False: its verdict is 'error')."""
+    if index in self.resend_from:
+      return False
+    self.resend_from[index] = next_serial
+    self.pending.appendleft(index)
+    return True
+
+  def next_for(self, w: _Worker) -> int | None:
+    """The first pending sample this worker may take."""
+    return next((i for i in self.pending if self.resend_from.get(i, 0) <= w.serial), None)
 
 
 class VerifyPool:
   """`num_workers` processes judging (gold, answer) pairs; see `verify_many`.
 
   A sample's clock starts when it is handed to a worker, so a batch of n samples takes at most
-  about ceil(n / num_workers) * timeout_s (plus start-up, for the first batch: `wait_ready`).
+  about ceil(n / num_workers) * timeout_s (plus start-up, for the first batch: `wait_ready`);
+  a sample whose worker died is sent once more, which can add a start-up and a timeout_s.
   Thread-safe (one batch at a time).
   """
 
@@ -154,7 +186,9 @@ class VerifyPool:
       raise ValueError(f'timeout_s={timeout_s} must be > 0')
     self.timeout_s, self.memory_limit_mb = timeout_s, memory_limit_mb
     self.start_timeout_s = start_timeout_s
-    self.counters = {'timeout': 0, 'error': 0, 'restarts': 0, 'start_failures': 0}
+    self.counters = {'timeout': 0, 'error': 0, 'restarts': 0, 'start_failures': 0,
+                     'resent': 0}
+    self._spawned = 0  # workers spawned so far: the next one's serial
     self._lock = threading.Lock()
     # Workers are forked from this one thread (see the module docstring: the parent-death
     # signal follows the forking thread).
@@ -191,7 +225,7 @@ class VerifyPool:
         if left <= 0:
           return False
         for conn in mp_connection.wait(list(starting), timeout=left):
-          self._on_message(starting[conn], busy={}, results=[])
+          self._on_message(starting[conn], _Batch([], collections.deque()))
 
   def close(self) -> None:
     with self._lock:
@@ -206,9 +240,8 @@ class VerifyPool:
   # --- internals -----------------------------------------------------------------------------
 
   def _run(self, pairs):
-    results = [None] * len(pairs)
-    pending = collections.deque(range(len(pairs)))
-    busy = {}  # worker slot -> (index into pairs, deadline)
+    batch = _Batch([None] * len(pairs), collections.deque(range(len(pairs))))
+    results, pending, busy = batch.results, batch.pending, batch.busy
     # Waiting on workers that are still starting is bounded too, by start_timeout_s.
     stall_deadline = time.monotonic() + self.start_timeout_s
     while pending or busy:
@@ -216,13 +249,14 @@ class VerifyPool:
       for slot, w in enumerate(self._workers):
         if not pending:
           break
-        if w and w.ready and slot not in busy:
+        if w and w.ready and slot not in busy and (index := batch.next_for(w)) is not None:
           try:
-            w.conn.send(pairs[pending[0]])
+            w.conn.send(pairs[index])
           except (OSError, ValueError):  # died while idle; the job waits for another worker
             self._replace(slot)
             continue
-          busy[slot] = (pending.popleft(), now + self.timeout_s)
+          pending.remove(index)
+          busy[slot] = (index, now + self.timeout_s)
           stall_deadline = now + self.start_timeout_s
       watched = {w.conn: slot for slot, w in enumerate(self._workers)
                  if w and (slot in busy or not w.ready)}
@@ -236,7 +270,7 @@ class VerifyPool:
         break
       wait_s = min(d for _, d in busy.values()) - now if busy else stall_deadline - now
       for conn in mp_connection.wait(list(watched), timeout=max(0.0, wait_s)):
-        self._on_message(watched[conn], busy, results)
+        self._on_message(watched[conn], batch)
       now = time.monotonic()
       for slot, (index, deadline) in list(busy.items()):
         if now >= deadline:
@@ -246,14 +280,18 @@ class VerifyPool:
           self._replace(slot)
     return results
 
-  def _on_message(self, slot, busy, results):
-    w = self._workers[slot]
+  def _on_message(self, slot, batch):
+    w, busy, results = self._workers[slot], batch.busy, batch.results
     try:
       msg = w.conn.recv()
     except (EOFError, OSError):  # the worker died: a segfault, the OOM killer, a broken start
       if slot in busy:
-        results[busy.pop(slot)[0]] = 'error'
-        self.counters['error'] += 1
+        index = busy.pop(slot)[0]
+        if batch.lost(index, next_serial=self._spawned):  # the replacement below qualifies
+          self.counters['resent'] += 1
+        else:
+          results[index] = 'error'
+          self.counters['error'] += 1
       if w.ready:
         self._replace(slot)
       else:
@@ -282,7 +320,8 @@ class VerifyPool:
           pass_fds=(child_sock.fileno(),), stdin=subprocess.DEVNULL).result()
     finally:
       child_sock.close()  # the child holds its copy; ours must go so its death reads as EOF
-    return _Worker(proc, mp_connection.Connection(parent_sock.detach()))
+    self._spawned += 1
+    return _Worker(proc, mp_connection.Connection(parent_sock.detach()), self._spawned - 1)
 
   def _fill_slots(self):
     for slot, w in enumerate(self._workers):
