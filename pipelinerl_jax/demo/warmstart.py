@@ -154,16 +154,10 @@ def pack_examples(examples: Sequence[Example], seq_len: int, num_rows: int
   compiles once); an example's observation tokens are fed but carry no loss."""
   samples = [packing.Sample(prompt_tokens=p, completion_tokens=c,
                             behaviour_logprobs=np.zeros(len(c), np.float32),
-                            versions=np.zeros(len(c), np.int32), advantage=0.0)
-             for p, c, *_ in examples]
+                            versions=np.zeros(len(c), np.int32), advantage=0.0,
+                            loss_mask=mask[0] if mask else None)
+             for p, c, *mask in examples]
   batch, _ = packing.pack_samples(samples, seq_len, num_rows=num_rows)
-  for i, example in enumerate(examples):
-    if len(example) == 3:
-      # Position j of a sample predicts its token j + 1: completion token j - (prompt - 1).
-      at_RxT = batch['sample_index'] == i
-      k = batch['positions'][at_RxT] - (len(example[0]) - 1)
-      mask = np.asarray(example[2], np.float32)
-      batch['loss_mask'][at_RxT] *= np.where(k >= 0, mask[np.maximum(k, 0)], 1.0)
   return {k: batch[k] for k in ('tokens', 'targets', 'positions', 'segment_ids', 'loss_mask')}
 
 

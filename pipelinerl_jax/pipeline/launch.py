@@ -70,7 +70,7 @@ def _launch_trainers(config: config_lib.Config, workdir: str, model_dir: str | N
   with trainer_actors.launch(config, workdir, follow_as_actor) as launched:  # joins: process 0
     model_dir = prepare(config, workdir, model_dir, interrupt, checked=True)
     return run_primary(config, workdir, model_dir, on_ready=on_ready, interrupt=interrupt,
-                trainers=launched)
+                       trainers=launched)
 
 
 def follow_as_actor(config: config_lib.Config, workdir: str, stash) -> dict[str, Any]:
