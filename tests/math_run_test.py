@@ -204,7 +204,7 @@ def _filled(preset='tiny', **task):
     ('test_fraction', 1.0, 'must be in [0, 1)'),
     ('verify_timeout_s', 0.0, 'must be > 0'),
     ('verify_workers', 0, 'must be >= 1'),
-    ('name', 'chess', "must be one of 'arithmetic', 'reasoning', 'math', got 'chess'"),
+    ('name', 'chess', "must be one of 'arithmetic', 'reasoning', 'math', 'calculator', got 'chess'"),
 ])
 def test_bad_math_fields_name_the_key(key, value, message):
   c = _filled()
