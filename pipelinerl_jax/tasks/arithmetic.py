@@ -21,12 +21,12 @@ import dataclasses
 import random
 import re
 import zlib
-from typing import Iterator
+from typing import Callable, Iterator
 
 from pipelinerl_jax.tasks import base
 from pipelinerl_jax.tasks.base import Problem, Score, extract_boxed
 
-_OPS = {'+': lambda a, b: a + b, '-': lambda a, b: a - b, '*': lambda a, b: a * b}
+OPS = {'+': lambda a, b: a + b, '-': lambda a, b: a - b, '*': lambda a, b: a * b}
 _INTEGER = re.compile(r'-?\d{1,32}')  # an answer longer than 32 digits is not a number we asked for
 ALPHABET = '0123456789+-*=\\boxed{}'  # every character a prompt or target can hold
 
@@ -43,6 +43,37 @@ def score_integer(problem: Problem, completion_text: str) -> Score:
     return Score(1.0, 'correct') if int(value) == int(problem.answer) else Score(0.0, 'wrong')
   except Exception:  # a scorer failure must never take the actor down
     return Score(0.0, 'unparsable')
+
+
+def score_answer(problem: Problem, completion_text: str, truncated: bool, truncated_mode: str,
+                 truncated_reward: float) -> Score:
+  """A completion of a boxed-integer task: the truncation rule (base.truncated_score) for one
+  cut at the length limit, else `score_integer`. Never raises."""
+  if truncated:
+    cut = base.truncated_score(truncated_mode, truncated_reward)
+    if cut is not None:
+      return cut
+  return score_integer(problem, completion_text)
+
+
+def problem_stream(name: str, ops: tuple[str, ...],
+                   operand_ranges: Callable[[str], tuple[range, range]], sft_pool_mod: int,
+                   sft: bool, prefix: str) -> Iterator[Problem]:
+  """Endless i.i.d. `a op b=` problems of one pool (the SFT pool when `sft`, else the RL pool):
+  op uniform over `ops`, a and b uniform over `operand_ranges(op)`; ids `prefix-<index>`."""
+  # A string seed keeps the SFT and RL streams of the same integer seed, and the tasks' streams,
+  # unrelated.
+  rng = random.Random(f'{name}/{prefix}')
+  index = 0
+  while True:
+    op = rng.choice(ops)
+    ra, rb = operand_ranges(op)
+    a, b = rng.choice(ra), rng.choice(rb)
+    prompt = f'{a}{op}{b}='
+    if in_sft_pool(prompt, sft_pool_mod) != sft:
+      continue
+    yield Problem(id=f'{prefix}-{index}', prompt=prompt, answer=str(OPS[op](a, b)))
+    index += 1
 
 
 def in_sft_pool(prompt: str, sft_pool_mod: int) -> bool:
@@ -91,11 +122,8 @@ class ArithmeticTask(base.Task):
   def score(self, problem: Problem, completion_text: str, truncated: bool = False,
             num_tokens: int | None = None) -> Score:
     """Never raises. num_tokens is not used (the reward does not depend on length)."""
-    if truncated:
-      cut = base.truncated_score(self.truncated, self.truncated_reward)
-      if cut is not None:
-        return cut
-    return score_integer(problem, completion_text)
+    return score_answer(problem, completion_text, truncated, self.truncated,
+                        self.truncated_reward)
 
   # --- supervised warm start -----------------------------------------------------------------
 
@@ -118,15 +146,5 @@ class ArithmeticTask(base.Task):
     return full, (range(1, 10) if op == '*' else full)
 
   def _stream(self, seed: int, sft: bool, prefix: str) -> Iterator[Problem]:
-    # A string seed keeps the SFT and RL streams of the same integer seed unrelated.
-    rng = random.Random(f'arithmetic/{prefix}')
-    index = 0
-    while True:
-      op = rng.choice(self.ops)
-      ra, rb = self._operand_ranges(op)
-      a, b = rng.choice(ra), rng.choice(rb)
-      prompt = f'{a}{op}{b}='
-      if in_sft_pool(prompt, self.sft_pool_mod) != sft:
-        continue
-      yield Problem(id=f'{prefix}-{index}', prompt=prompt, answer=str(_OPS[op](a, b)))
-      index += 1
+    return problem_stream('arithmetic', self.ops, self._operand_ranges, self.sft_pool_mod, sft,
+                          prefix)

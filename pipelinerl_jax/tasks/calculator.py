@@ -40,7 +40,6 @@ warm-started policy calls the tool on only part of the problems and RL has the s
 from __future__ import annotations
 
 import dataclasses
-import random
 import re
 import zlib
 from typing import Iterator
@@ -54,7 +53,6 @@ RESULT_OPEN, RESULT_CLOSE = '<res>', '</res>'
 MAX_EXPRESSION_CHARS = 40   # between the tags, spaces included
 MAX_OPERAND_DIGITS = 12
 MAX_RESULT_DIGITS = 24      # every intermediate result too
-_OPS = {'+': lambda a, b: a + b, '-': lambda a, b: a - b, '*': lambda a, b: a * b}
 _EXPR_TOKEN = re.compile(r'[ \t]*(?:([0-9]+)|([-+*/]))')  # ASCII digits only
 
 
@@ -209,11 +207,8 @@ class CalculatorTask(base.Task):
   def score(self, problem: Problem, completion_text: str, truncated: bool = False,
             num_tokens: int | None = None) -> Score:
     """A one-turn reading of a completion (no tool): the last boxed integer. Never raises."""
-    if truncated:
-      cut = base.truncated_score(self.truncated, self.truncated_reward)
-      if cut is not None:
-        return cut
-    return arithmetic.score_integer(problem, completion_text)
+    return arithmetic.score_answer(problem, completion_text, truncated, self.truncated,
+                                   self.truncated_reward)
 
   def environment(self) -> CalculatorEnv:
     return CalculatorEnv(self)
@@ -254,14 +249,6 @@ class CalculatorTask(base.Task):
     return range(10 ** (self.digits - 1) if self.digits > 1 else 0, 10 ** self.digits)
 
   def _stream(self, sft: bool, prefix: str) -> Iterator[Problem]:
-    # A string seed keeps the SFT and RL streams of the same integer seed unrelated.
-    rng = random.Random(f'calculator/{prefix}')
-    operands, index = self._operands(), 0
-    while True:
-      op = rng.choice(self.ops)
-      a, b = rng.choice(operands), rng.choice(operands)
-      prompt = f'{a}{op}{b}='
-      if arithmetic.in_sft_pool(prompt, self.sft_pool_mod) != sft:
-        continue
-      yield Problem(id=f'{prefix}-{index}', prompt=prompt, answer=str(_OPS[op](a, b)))
-      index += 1
+    operands = self._operands()
+    return arithmetic.problem_stream('calculator', self.ops, lambda op: (operands, operands),
+                                     self.sft_pool_mod, sft, prefix)

@@ -90,11 +90,8 @@ class ReasoningTask(base.Task):
   def score(self, problem: Problem, completion_text: str, truncated: bool = False,
             num_tokens: int | None = None) -> Score:
     """Never raises. num_tokens is not used (the reward does not depend on length)."""
-    if truncated:
-      cut = base.truncated_score(self.truncated, self.truncated_reward)
-      if cut is not None:
-        return cut
-    return arithmetic.score_integer(problem, completion_text)
+    return arithmetic.score_answer(problem, completion_text, truncated, self.truncated,
+                                   self.truncated_reward)
 
   # --- supervised warm start -----------------------------------------------------------------
 
