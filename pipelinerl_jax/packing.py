@@ -213,23 +213,15 @@ def pack_samples(samples: Sequence[Sample], seq_len: int, *, num_rows: int | Non
     # Position j predicts token j + 1, a completion token from j = p - 1 on.
     c = n - (p - 1)
     loss = slice(o + p - 1, o + n)
-    if s.loss_mask is None:
-      batch['loss_mask'][r, loss] = 1.0
-      batch['behaviour_logprobs'][r, loss] = s.behaviour_logprobs[:c]
-      batch['advantages'][r, loss] = s.advantage
-      batch['versions'][r, loss] = s.versions[:c]
-      if 'ref_logprobs' in batch:
-        batch['ref_logprobs'][r, loss] = s.ref_logprobs[:c]
-      num_loss += c
-    else:  # observation targets stay as padding leaves them (see the module docstring)
-      model_C = s.loss_mask[:c] > 0
-      batch['loss_mask'][r, loss] = model_C
-      batch['behaviour_logprobs'][r, loss] = np.where(model_C, s.behaviour_logprobs[:c], 0.0)
-      batch['advantages'][r, loss] = np.where(model_C, s.advantage, 0.0)
-      batch['versions'][r, loss] = np.where(model_C, s.versions[:c], -1)
-      if 'ref_logprobs' in batch:
-        batch['ref_logprobs'][r, loss] = np.where(model_C, s.ref_logprobs[:c], 0.0)
-      num_loss += int(model_C.sum())
+    # Observation targets (loss_mask 0) stay as padding leaves them (see the module docstring).
+    model_C = np.ones(c, bool) if s.loss_mask is None else s.loss_mask[:c] > 0
+    batch['loss_mask'][r, loss] = model_C
+    batch['behaviour_logprobs'][r, loss] = np.where(model_C, s.behaviour_logprobs[:c], 0.0)
+    batch['advantages'][r, loss] = np.where(model_C, s.advantage, 0.0)
+    batch['versions'][r, loss] = np.where(model_C, s.versions[:c], -1)
+    if 'ref_logprobs' in batch:
+      batch['ref_logprobs'][r, loss] = np.where(model_C, s.ref_logprobs[:c], 0.0)
+    num_loss += int(model_C.sum())
 
   full_B = np.array([s.prompt_tokens.size + s.completion_tokens.size - 1 for s in samples],
                     np.int64)
