@@ -292,7 +292,7 @@ def test_a_second_signal_exits_at_once(model_dir, tmp_path):
 # --- two runs, one workdir -------------------------------------------------------------------
 
 @pytest.mark.serial
-def test_a_second_run_on_a_workdir_is_refused_naming_the_holder(model_dir, tmp_path):
+def test_a_second_run_on_a_workdir_is_refused_naming_the_holder(model_dir, tmp_path, python_sigint):
   """Item 4: two runs interleaved metrics.jsonl and mixed their checkpoints."""
   c = small_config(total_steps=10_000)
   c.rl.max_time_s = 120.0
@@ -307,6 +307,7 @@ def test_a_second_run_on_a_workdir_is_refused_naming_the_holder(model_dir, tmp_p
     threading.Thread(target=body, daemon=True).start()
 
   first = launch.run_experiment(c, str(tmp_path), model_dir=model_dir, on_ready=on_ready)
+  assert first['interrupted'], first['steps']  # by the Ctrl-C, not by rl.max_time_s
   proc = second['proc']
   assert proc.returncode == 1, proc.stdout + proc.stderr
   assert proc.stderr.strip().count('\n') == 0, proc.stderr
