@@ -10,10 +10,16 @@ wants the default (a learning run of hundreds of steps) starts one without it (r
 
 `make test` runs most tests on pytest-xdist workers, each a session of its own: a costly build
 that tests only read goes through the `built_once` fixture, which makes it once for all of them.
+
+JAX's persistent compilation cache (`.cache/jax-tests`, every program however quick to compile)
+is shared by both phases, every worker and every process a test starts: the tests build the same
+few small models again and again, and XLA's key (the program, the flags, the JAX version) makes a
+hit the very executable a fresh compile would give. JAX_COMPILATION_CACHE_DIR='' turns it off.
 """
 import fcntl
 import os
 import pathlib
+import signal
 from typing import Callable
 
 import pytest
@@ -24,6 +30,10 @@ os.environ['XLA_FLAGS'] = (os.environ.get('XLA_FLAGS', '') + f' {FAST_COMPILE}'
                            ' --xla_force_host_platform_device_count=8').strip()
 os.environ.setdefault('JAX_PLATFORMS', 'cpu')
 os.environ.setdefault('TOKENIZERS_PARALLELISM', 'false')
+os.environ.setdefault('JAX_COMPILATION_CACHE_DIR',
+                      str(pathlib.Path(__file__).resolve().parent.parent / '.cache' / 'jax-tests'))
+os.environ.setdefault('JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS', '0')
+os.environ.setdefault('JAX_COMPILATION_CACHE_MAX_SIZE', str(2 << 30))  # least recently used go
 
 
 @pytest.fixture(scope='session')
@@ -56,3 +66,14 @@ def model_dir(built_once):
   demo = config_lib.DemoModelConfig(max_steps=0, eval_problems=8)
   build = lambda d: warmstart.build_demo_model(d / 'demo', demo, log=lambda *_: None)
   return str(built_once('model', build) / 'demo')
+
+
+@pytest.fixture
+def python_sigint():
+  """Python's own SIGINT handler (KeyboardInterrupt) for the test, the previous one after it.
+  `_thread.interrupt_main()` (a test's Ctrl-C) does nothing under SIG_IGN or SIG_DFL, which a test
+  before this one in the same process may have left (Ray and vLLM set their own): the run would
+  then go on to its time limit and the test would check nothing about the interrupt."""
+  previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+  yield
+  signal.signal(signal.SIGINT, previous)
