@@ -19,6 +19,7 @@ hit the very executable a fresh compile would give. JAX_COMPILATION_CACHE_DIR=''
 import fcntl
 import os
 import pathlib
+import shutil
 import signal
 from typing import Callable
 
@@ -30,10 +31,23 @@ os.environ['XLA_FLAGS'] = (os.environ.get('XLA_FLAGS', '') + f' {FAST_COMPILE}'
                            ' --xla_force_host_platform_device_count=8').strip()
 os.environ.setdefault('JAX_PLATFORMS', 'cpu')
 os.environ.setdefault('TOKENIZERS_PARALLELISM', 'false')
-os.environ.setdefault('JAX_COMPILATION_CACHE_DIR',
-                      str(pathlib.Path(__file__).resolve().parent.parent / '.cache' / 'jax-tests'))
+COMPILATION_CACHE = pathlib.Path(__file__).resolve().parent.parent / '.cache' / 'jax-tests'
+COMPILATION_CACHE_LIMIT_BYTES = 1 << 30
+
+
+def _empty_if_over(path: pathlib.Path, limit_bytes: int) -> None:
+  """Runs of changed code add entries; past the limit the next run starts the cache afresh. (JAX's
+  own jax_compilation_cache_max_size re-reads the whole directory on every write, under a lock
+  all processes share: with the suite's thousands of entries that cost more than it saved.)"""
+  if path.is_dir() and sum(f.stat().st_size for f in path.iterdir()) > limit_bytes:
+    shutil.rmtree(path, ignore_errors=True)
+
+
+if 'JAX_COMPILATION_CACHE_DIR' not in os.environ:
+  if not os.environ.get('PYTEST_XDIST_WORKER'):  # the session's first process, before any worker
+    _empty_if_over(COMPILATION_CACHE, COMPILATION_CACHE_LIMIT_BYTES)
+  os.environ['JAX_COMPILATION_CACHE_DIR'] = str(COMPILATION_CACHE)
 os.environ.setdefault('JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS', '0')
-os.environ.setdefault('JAX_COMPILATION_CACHE_MAX_SIZE', str(2 << 30))  # least recently used go
 
 
 @pytest.fixture(scope='session')
