@@ -338,13 +338,13 @@ class GenerationConfig(_Section):
   # page; kv_pool_mb of memory (0 = every slot at max length, or half the device's free memory
   # if that is less: generation/budget.py); how a decode step reads it ('xla' on any backend,
   # 'pallas' / 'cudnn' GPU kernels: models/paged_attention.py); token steps between two
-  # transfers of their results to the host (0: every step, no overlap; -1: 0 on a CPU, whose
-  # cores are the device's too, else 4); positions of a prompt prefilled per step (0 = whole
-  # prompts at admission); the samples of a prompt sharing its pages.
+  # transfers of their results to the host (0: every step, no overlap; -1: 1 on a CPU, so the
+  # host loop runs while the next step computes, else 4); positions of a prompt prefilled per
+  # step (0 = whole prompts at admission); the samples of a prompt sharing its pages.
   kv_page_size: int = 16
   kv_pool_mb: int = 0
   decode_attention: Literal['xla', 'pallas', 'cudnn'] = 'xla'
-  sync_every: int = -1            # -1: 0 on a CPU, 4 on a GPU
+  sync_every: int = -1            # -1: 1 on a CPU, 4 on a GPU
   prefill_chunk: int = 0
   share_prompts: bool = True
   vllm: VllmConfig = VllmConfig()

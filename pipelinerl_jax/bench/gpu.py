@@ -745,7 +745,7 @@ def run_engine(s: Section) -> None:
     except Exception as e:
       s.fail(f'attention {impl}', e)
 
-  sync = engine_lib.EngineConfig.sync_every  # the default: on a GPU 4, on a CPU 0
+  sync = engine_lib.EngineConfig.sync_every  # the default: on a GPU 4, on a CPU 1
   last = None  # (H, seconds per step, warm-up seconds) of the previous run, to predict the next
 
   def engine(h: int, impl: str, modes: tuple[str, ...], sync_every: int = sync) -> None:

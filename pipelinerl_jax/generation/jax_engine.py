@@ -15,12 +15,11 @@ So a step yields exactly one token per decoding slot, the first generated token 
 sits in which slot, the page allocator (`PagePool`) and each sequence's pages. One `step()`:
   1. applies a pending weight update (new params only; with `recompute_kv`, every sequence in a
      slot is loaded again under them);
-  2. every `sync_every` token steps (4 on a GPU; on a CPU every step, waited for: its cores are
-     the device's), collects the tokens of the steps dispatched before the newest one, in one
-     transfer while the newest still runs on the device: appends them with their log mu and
-     policy version, finishes the sequences that stopped (their pages return), and reserves
-     pages for the next steps (preempting the youngest sequence when the pool is short: it
-     waits and is loaded again later);
+  2. every `sync_every` token steps (4 on a GPU, 1 on a CPU), collects the tokens of the steps
+     dispatched before the newest one, in one transfer while the newest still runs on the
+     device: appends them with their log mu and policy version, finishes the sequences that
+     stopped (their pages return), and reserves pages for the next steps (preempting the
+     youngest sequence when the pool is short: it waits and is loaded again later);
   3. admits waiting requests into free slots while the pool has their pages (a slot is free once
      its sequence has stopped, or as soon as its last token is in flight), and prefills them
      (whole contexts, or `prefill_chunk` positions of each per step, so a long prompt never
@@ -98,8 +97,9 @@ class EngineConfig:
   num_pages: int = 0               # A, exactly (the trash page included); overrides pool_mb
   decode_attention: str = 'xla'    # how a decode step reads the pool: 'xla' | 'pallas' | 'cudnn'
   sync_every: int = -1             # token steps between two collections of their results (0:
-                                   # each step's at once, no overlap); -1: 0 on a CPU (the
-                                   # device is the host's cores), else SYNC_EVERY
+                                   # each step's at once, no overlap); -1: 1 on a CPU (the
+                                   # host loop runs while the next step computes on the other
+                                   # core), else SYNC_EVERY
   prefill_chunk: int = 0           # positions of one context prefilled per step (0 = all at once)
   share_prompts: bool = True       # the samples of one prompt share its full pages
   min_prefill_len: int = 16        # smallest prefill length bucket
@@ -380,7 +380,7 @@ class JaxEngine(api.QueuedEngine):
     self.config = config
     self._device = device
     self._sync_every = config.sync_every if config.sync_every >= 0 else (
-        0 if self._platform() == 'cpu' else SYNC_EVERY)
+        1 if self._platform() == 'cpu' else SYNC_EVERY)
     # Decode steps that may be dispatched before the next collection, the current one
     # included: pages for them are reserved at each collection.
     self._lookahead = max(1, self._sync_every) + 1
