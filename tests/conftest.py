@@ -86,8 +86,8 @@ def model_dir(built_once):
 def python_sigint():
   """Python's own SIGINT handler (KeyboardInterrupt) for the test, the previous one after it.
   `_thread.interrupt_main()` (a test's Ctrl-C) does nothing under SIG_IGN or SIG_DFL, which a test
-  before this one in the same process may have left (Ray and vLLM set their own): the run would
-  then go on to its time limit and the test would check nothing about the interrupt."""
+  before this one in the same process may have left: the run would then go on to its time limit
+  and the test would check nothing about the interrupt."""
   previous = signal.signal(signal.SIGINT, signal.default_int_handler)
   yield
   signal.signal(signal.SIGINT, previous)
