@@ -53,6 +53,11 @@ config, H, read width W, filtering on/off) and prefill one per (row bucket, leng
 width), powers of two. W, the block-table entries a step reads, is a power-of-two bucket of the
 longest sequence's pages for the 'xla' read and the whole table for the kernels (which read each
 row's own length). `TRACES` counts traces, for tests and the benchmark.
+
+LoRA: params given as `lora.Adapted(base, adapters, scale)` are served unmerged (every step
+computes x W + s (x A) B, as the trainer does), so the base can be the trainer's own buffers.
+Such an engine's updates are adapters alone: `update_params(adapters, version)` swaps them in
+between two token steps and keeps the base.
 """
 
 from __future__ import annotations
@@ -71,6 +76,7 @@ import numpy as np
 from pipelinerl_jax.generation import api
 from pipelinerl_jax.generation import budget
 from pipelinerl_jax.generation import sampling
+from pipelinerl_jax.models import lora as lora_lib
 from pipelinerl_jax.models import paged_attention
 from pipelinerl_jax.models import transformer
 
@@ -259,6 +265,20 @@ def _cast_floats(params, dtype_like):
                       if jnp.issubdtype(x.dtype, jnp.floating) else x, params)
 
 
+def _layout_mismatch(new, old) -> str | None:
+  """Why pytree `new` cannot replace `old` (other leaves, shapes or dtypes), or None."""
+  new_paths = {jax.tree_util.keystr(p): x for p, x in jax.tree_util.tree_leaves_with_path(new)}
+  old_paths = {jax.tree_util.keystr(p): x for p, x in jax.tree_util.tree_leaves_with_path(old)}
+  if new_paths.keys() != old_paths.keys():
+    missing, extra = sorted(old_paths.keys() - new_paths), sorted(new_paths.keys() - old_paths)
+    return f'leaves missing {missing[:3]}, unexpected {extra[:3]}'
+  for path, x in new_paths.items():
+    want = old_paths[path]
+    if x.shape != want.shape or x.dtype != want.dtype:
+      return f'{path} is {x.dtype}{list(x.shape)}, expected {want.dtype}{list(want.shape)}'
+  return None
+
+
 # ---------------------------------------------------------------------------------------------
 # The mutable shell.
 
@@ -436,6 +456,8 @@ class JaxEngine(api.QueuedEngine):
     return self._first_device().platform
 
   def _serving(self, params):
+    if isinstance(params, lora_lib.Adapted):  # adapters as given: cast in the layer, as trained
+      return params.replace(base=self._serving(params.base))
     dtype = jnp.dtype(self.model_config.dtype)
     if all(x.dtype == dtype for x in jax.tree.leaves(params)
            if jnp.issubdtype(x.dtype, jnp.floating)):
@@ -479,8 +501,17 @@ class JaxEngine(api.QueuedEngine):
     self._requests.submit(request)
 
   def update_params(self, params: Any, version: int) -> None:
+    """New params; an engine serving adapters (`lora.Adapted`) takes new adapters alone, checked
+    against the ones it serves, and keeps its base."""
     self._check_open()
-    placed = self._place(params)
+    served = self._params
+    if isinstance(served, lora_lib.Adapted) and not isinstance(params, lora_lib.Adapted):
+      problem = _layout_mismatch(params, served.adapters)
+      if problem:
+        raise ValueError(f'adapter update to version {version} rejected: {problem}')
+      placed = served.replace(adapters=self._place(params))
+    else:
+      placed = self._place(params)
     with self._lock:
       self._next_params = (placed, version)
 
