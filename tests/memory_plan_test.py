@@ -135,6 +135,37 @@ def test_in_process_vllm_shares_device_zero_with_the_trainer():
       alone.generator['kv'] - shared.trainer_total - delta, abs=2)
 
 
+# Qwen3-8B's shapes (huggingface.co/Qwen/Qwen3-8B's config.json) in Llama's format: the same
+# matrices, without Qwen3's q/k norms (2 x 128 params a layer).
+QWEN3_8B_SHAPES = dict(
+    architectures=['LlamaForCausalLM'], model_type='llama', hidden_size=4096, head_dim=128,
+    intermediate_size=12288, num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8,
+    vocab_size=151936, max_position_embeddings=40960, rope_theta=1000000, rms_norm_eps=1e-6,
+    tie_word_embeddings=False, torch_dtype='bfloat16')
+
+
+def test_lora_on_one_gpu_shares_the_base_where_full_fine_tuning_does_not_fit():
+  """LoRA: the trainer holds the frozen bf16 base and the adapters with their gradient and fp32
+  Adam; the inline JAX engine reads that base and adds only the adapters and its KV pool."""
+  config = config_lib.load_preset('qwen3_8b_lora_1xgpu')
+  p = memory_plan.plan(config, QWEN3_8B_SHAPES, num_devices=1, device_gib=80)
+  assert p.fits, p.refusal
+  f = p.facts
+  assert f['engine_shares_base'] and f['generator_devices'] == 0 and 'params' not in p.trainer
+  assert p.trainer['base'] == pytest.approx(2 * f['params'], rel=1e-3)
+  # Per layer and unit of rank: the 7 inputs (6 of D, down's F) and outputs (q, k, v, o, gate,
+  # up, down).
+  rank, per_rank = 32, 36 * ((6 * 4096 + 12288) + (4096 + 2 * 1024 + 4096 + 2 * 12288 + 4096))
+  adapters = 4 * rank * per_rank  # fp32, ~2.7M params per unit of rank (the issue's arithmetic)
+  assert p.trainer['adapters'] == adapters and 0 <= p.trainer['adam'] - 2 * adapters < 64
+  pool = config.generation.kv_pool_mb << 20
+  assert adapters + 0.99 * pool <= p.generator['engine'] <= adapters + pool
+  assert p.trainer_total + p.generator_total <= 80 * memory_plan.GIB
+  config.model.lora.rank = 0  # full fine-tuning: fp32 weights, gradients and Adam
+  full = memory_plan.plan(config, QWEN3_8B_SHAPES, num_devices=1, device_gib=80)
+  assert not full.fits and 'a trainer device needs' in full.refusal
+
+
 def test_unknown_kv_mode_is_a_clear_error():
   with pytest.raises(ValueError, match="kv='all'"):
     preset_plan('paper_7b', kv='all')
