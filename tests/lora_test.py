@@ -66,6 +66,9 @@ def test_zero_b_is_exactly_the_base_and_any_b_is_the_merged_model():
   only_o = lora_lib.LoraConfig(rank=2, alpha=2.0, targets=('o_proj',))
   assert lora_lib.shapes(CONFIG, only_o) == {('layers', 'attn', 'o_proj', 'a'): (2, 64, 2),
                                              ('layers', 'attn', 'o_proj', 'b'): (2, 2, 64)}
+  # A merged reload sends fused modules whole: q with k and v, up with gate.
+  assert lora_lib.merged_targets(lora_lib.LoraConfig(2, 2.0, ('up_proj', 'q_proj'))) == (
+      'q_proj', 'k_proj', 'v_proj', 'gate_proj', 'up_proj')
 
 
 def test_train_step_optimizes_only_the_adapters():
@@ -99,9 +102,10 @@ def test_train_step_optimizes_only_the_adapters():
   assert not any(x.is_deleted() for x in jax.tree.leaves(base))
 
 
-def _greedy_requests(tag, n=3, max_tokens=10):
+def _requests(tag, n=3, max_tokens=10, seed=50):
+  """Sampled (temperature 1) requests: the same tag gives the same prompts and seeds."""
   return [api.Request(f'{tag}{i}', [3 + i, 7, 11, 2 + i], api.SamplingParams(
-      temperature=1.0, max_tokens=max_tokens), seed=50 + i) for i in range(n)]
+      temperature=1.0, max_tokens=max_tokens), seed=seed + i) for i in range(n)]
 
 
 def _run(engine, requests, update_at=None, update=None):
@@ -149,7 +153,7 @@ def test_jax_engine_serves_adapters_on_the_trainers_own_base():
     for mine, theirs in zip(jax.tree.leaves(engine._params.base), jax.tree.leaves(base)):
       assert mine.unsafe_buffer_pointer() == theirs.unsafe_buffer_pointer()
 
-    first = _run(engine, _greedy_requests('a'))
+    first = _run(engine, _requests('a'))
     p1 = lora_lib.Adapted(base, a1, LORA.scale)
     for c in first:
       assert (c.versions == 1).all()
@@ -157,7 +161,7 @@ def test_jax_engine_serves_adapters_on_the_trainers_own_base():
       np.testing.assert_allclose(c.logprobs, ref[0, len(c.prompt_tokens) - 1:], atol=1e-5)
 
     k = 4  # the update lands before the 5th step: tokens 0..3 old, 4.. new
-    mid = _run(engine, _greedy_requests('m'), update_at=k, update=(copy(a2), 2))
+    mid = _run(engine, _requests('m'), update_at=k, update=(copy(a2), 2))
     p2 = lora_lib.Adapted(base, a2, LORA.scale)
     changed = 0
     for c, before in zip(mid, first):
@@ -176,7 +180,7 @@ def test_jax_engine_serves_adapters_on_the_trainers_own_base():
       engine.update_params(others[v % 4], 3 + v)
       engine.step()
     engine.update_params(copy(a1), 2000)
-    again = _run(engine, _greedy_requests('a'))
+    again = _run(engine, _requests('a'))
     for c, before in zip(again, first):
       np.testing.assert_array_equal(c.tokens, before.tokens)
       np.testing.assert_array_equal(c.logprobs, before.logprobs)
@@ -319,7 +323,7 @@ def test_adapters_over_a_collective_reach_a_generators_engine_whole(model_dir):
     version, views, release = received['r']
     assert version == 2
     loop.apply(None, 2, hf_views=views, release=release)
-    loop.submit(_greedy_requests('c'))
+    loop.submit(_requests('c'))
     done, ack = [], 0
     while len(done) < 3:
       items = loop.poll(ack, wait_s=30)

