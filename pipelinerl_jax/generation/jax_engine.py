@@ -57,7 +57,9 @@ row's own length). `TRACES` counts traces, for tests and the benchmark.
 LoRA: params given as `lora.Adapted(base, adapters, scale)` are served unmerged (every step
 computes x W + s (x A) B, as the trainer does), so the base can be the trainer's own buffers.
 Such an engine's updates are adapters alone: `update_params(adapters, version)` swaps them in
-between two token steps and keeps the base.
+between two token steps and keeps the base. It holds them as a step uses them, A and s B in the
+compute dtype, made once per update (`serve_adapters`): the bits the trainer's layer makes
+from the same adapters at every step, without their casts in every token step.
 """
 
 from __future__ import annotations
@@ -259,6 +261,14 @@ def unpack_drawn(drawn_2xH: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
   return drawn_2xH[0], drawn_2xH[1].view(np.float32)
 
 
+@functools.partial(jax.jit, static_argnames=('scale', 'dtype'))
+def serve_adapters(adapters, *, scale: float, dtype):
+  """A and s B in `dtype`: what `lora.variables` and `lora.Dense` make of the adapters at every
+  step (s B in the adapters' dtype, then both cast), made once; served with scale 1."""
+  return jax.tree_util.tree_map_with_path(
+      lambda p, x: (x * scale if p[-1].key == 'b' else x).astype(dtype), adapters)
+
+
 @jax.jit
 def _cast_floats(params, dtype_like):
   return jax.tree.map(lambda x: x.astype(dtype_like.dtype)
@@ -404,6 +414,10 @@ class JaxEngine(api.QueuedEngine):
     # Decode steps that may be dispatched before the next collection, the current one
     # included: pages for them are reserved at each collection.
     self._lookahead = max(1, self._sync_every) + 1
+    # LoRA: the scale, and the adapters' layout as updates bring them (served, they are cast).
+    self._lora_scale = params.scale if isinstance(params, lora_lib.Adapted) else None
+    self._adapter_layout = (jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype),
+                                         params.adapters) if self._lora_scale else None)
     self._params = self._serving(self._place(params))
     self._pages = PagePool(self._pool_size())
     h = config.num_slots
@@ -456,9 +470,11 @@ class JaxEngine(api.QueuedEngine):
     return self._first_device().platform
 
   def _serving(self, params):
-    if isinstance(params, lora_lib.Adapted):  # adapters as given: cast in the layer, as trained
-      return params.replace(base=self._serving(params.base))
     dtype = jnp.dtype(self.model_config.dtype)
+    if isinstance(params, lora_lib.Adapted):
+      return lora_lib.Adapted(self._serving(params.base),
+                              serve_adapters(params.adapters, scale=params.scale, dtype=dtype),
+                              1.0)
     if all(x.dtype == dtype for x in jax.tree.leaves(params)
            if jnp.issubdtype(x.dtype, jnp.floating)):
       return params
@@ -505,11 +521,11 @@ class JaxEngine(api.QueuedEngine):
     against the ones it serves, and keeps its base."""
     self._check_open()
     served = self._params
-    if isinstance(served, lora_lib.Adapted) and not isinstance(params, lora_lib.Adapted):
-      problem = _layout_mismatch(params, served.adapters)
+    if self._lora_scale is not None and not isinstance(params, lora_lib.Adapted):
+      problem = _layout_mismatch(params, self._adapter_layout)
       if problem:
         raise ValueError(f'adapter update to version {version} rejected: {problem}')
-      placed = served.replace(adapters=self._place(params))
+      placed = lora_lib.Adapted(served.base, self._place(params), self._lora_scale)
     else:
       placed = self._place(params)
     with self._lock:
