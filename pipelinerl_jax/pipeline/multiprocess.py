@@ -52,6 +52,7 @@ from pipelinerl_jax.pipeline import placements
 from pipelinerl_jax.pipeline import supervise
 
 COMMAND_KEY = 'pipelinerl/command/'
+READ_KEY = 'pipelinerl/command_read/'    # the last command a follower read
 STOP_FLAG = 'pipelinerl/stop'
 ANSWER_KEY = 'pipelinerl/answer/'          # a follower's answer to the stop flag
 LAST_WORDS_KEY = 'pipelinerl/last_words/'  # a follower's own failure, written before it exits
@@ -76,6 +77,7 @@ class Commands:
   def __init__(self, stop_request: threading.Event | None = None):
     self._client = distributed.coordination_client()
     self._next = 0
+    self._kept = 0  # commands before this one are deleted from the store
     self._stop_request = stop_request
     self._forwarded = False
 
@@ -85,11 +87,20 @@ class Commands:
     header = dict(op=op, fields=fields,
                   arrays={k: (list(v.shape), v.dtype.str) for k, v in arrays.items()})
     self._client.key_value_set(f'{COMMAND_KEY}{self._next}', json.dumps(header))
-    if self._next:  # every follower read it: each took part in the call that followed it
-      self._client.key_value_delete(f'{COMMAND_KEY}{self._next - 1}')
     self._next += 1
+    self._delete_read()
     if arrays:
       multihost_utils.broadcast_one_to_all(arrays)
+
+  def _delete_read(self) -> None:
+    """Deletes the commands every follower has read. (Not those before the latest call alone:
+    a call may need no communication, e.g. a publication of params every process holds whole,
+    and process 0 then runs ahead of a follower by several commands.)"""
+    read = [int(v) for _, v in self._client.key_value_dir_get(READ_KEY)]
+    done = min(read) + 1 if len(read) == jax.process_count() - 1 else 0
+    for i in range(self._kept, done):
+      self._client.key_value_delete(f'{COMMAND_KEY}{i}')
+    self._kept = max(self._kept, done)
 
   def receive(self, while_waiting: Callable[[], None] = lambda: None
               ) -> tuple[str, dict[str, Any], dict[str, np.ndarray]]:
@@ -104,6 +115,8 @@ class Commands:
       except jax.errors.JaxRuntimeError as e:
         if not _timed_out(e):
           raise
+    self._client.key_value_set(f'{READ_KEY}{jax.process_index()}', str(self._next),
+                               allow_overwrite=True)
     self._next += 1
     arrays = {}
     if header['arrays']:
