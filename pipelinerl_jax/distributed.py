@@ -88,8 +88,7 @@ def initialize(config: config_lib.TrainConfig, coordinator_address: str | None =
         initialization_timeout=d.initialization_timeout_s,
         # JAX's default listens on every address of the host ([::]:port)
         coordinator_bind_address=address if _is_local(host) else None,
-        heartbeat_timeout_seconds=jax_heartbeat_s(d.heartbeat_timeout_s),
-        shutdown_timeout_seconds=d.heartbeat_timeout_s)
+        heartbeat_timeout_seconds=jax_heartbeat_s(d.heartbeat_timeout_s))
   except (ValueError, TypeError, RuntimeError) as e:
     # e.g. no address given and no scheduler to read it from, or a peer that never came
     raise ValueError(f'config.train.distributed: cannot join the other trainer processes '
