@@ -21,6 +21,8 @@ import shutil
 import subprocess
 import time
 
+import procs  # tests/ is on sys.path
+
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / 'tools' / 'two_hosts.sh'
 ADDRESS = {'a': '198.18.0.1', 'b': '198.18.0.2'}
@@ -56,16 +58,8 @@ def in_namespaces(namespaces: set[str]) -> list[str]:
   for name in os.listdir('/proc'):
     if name.isdigit() and _state(int(name)) not in ('Z', 'X'):
       if {_pid_namespace(int(name), kind) for kind in ('net', 'pid')} & namespaces:
-        out.append(f'{name} {_cmdline(int(name))}')
+        out.append(f'{name} {procs.cmdline(int(name))}')
   return out
-
-
-def _cmdline(pid: int) -> str:
-  try:
-    with open(f'/proc/{pid}/cmdline', 'rb') as f:
-      return f.read().replace(b'\0', b' ').decode(errors='replace').strip()[:160]
-  except OSError:
-    return '?'
 
 
 def _state(pid: int) -> str:
@@ -148,7 +142,7 @@ class TwoHosts:
     for name in os.listdir('/proc'):
       if name.isdigit() and int(name) != init and _pid_namespace(int(name)) == ns:
         if _state(int(name)) not in ('Z', 'X'):
-          out.append(f'{name} {_cmdline(int(name))}')
+          out.append(f'{name} {procs.cmdline(int(name))}')
     return out
 
   def wait_empty(self, host: str, timeout_s: float) -> list[str]:
