@@ -220,7 +220,9 @@ def _gpu_placement(c):
   attention (for 7B every matrix) would sit whole, with their Adam state, on every trainer GPU;
   6 fails the same way for 7B. 4:4 is the nearest split that shards everything; it leans towards
   generation, which Appendix A's model favours when decoding long completions dominates a step.
-  `python -m pipelinerl_jax.memory_plan` checks a layout (docs/scaling.md: memory plan).
+  `python -m pipelinerl_jax.memory_plan` checks a layout (docs/scaling.md: memory plan). This
+  placement (vLLM on CUDA, Ray actors on GPUs, NCCL) has not run on GPUs yet: README, status on
+  GPUs.
   """
   c.train.mesh = '1,4,1'
   c.generation.backend = 'vllm'
