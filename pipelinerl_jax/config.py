@@ -181,7 +181,8 @@ class RewardConfig(_Section):
   # | 'mask' (not trained on) | 'none' (judged as usual: pays a policy that never stops).
   truncated: Literal['none', 'mask', 'penalize'] = 'penalize'
   truncated_reward: float = 0.0
-  overlong_max_len: int = 0       # L, in tokens, for DAPO's soft overlong penalty; 0 = off
+  overlong_max_len: int = 0       # L, in tokens, for DAPO's soft overlong penalty; 0 = off, else
+                                  # generation.max_new_tokens
   overlong_buffer: int = 0        # Lc
 
   def _check_values(self):
@@ -325,9 +326,12 @@ class GenerationConfig(_Section):
   # (Ray actors, each on its own GPU or CPU cores, restarted when they die; see `remote` and
   # `config.cluster`).
   placement: Literal['inline', 'ray'] = 'inline'
-  num_generators: int = 1         # generators (placement 'ray': one actor each); each holds
-                                  # ceil(num_slots / num_generators) sequences
-  num_slots: int = 64             # H: sequences in flight
+  num_generators: int = 1         # generators (placement 'ray': one actor each)
+  num_slots: int = 64             # H: sequences in flight; 0 = slots_per_generator x generators
+  # Sequences each generator holds (`generator_slots`); 0 = ceil(num_slots / num_generators). A
+  # preset whose H is per generator sets this and num_slots=0, so that H follows num_generators:
+  # validation derives num_slots, and refuses the two set apart.
+  slots_per_generator: int = 0
   max_prompt_len: int = 32
   max_new_tokens: int = 16
   temperature: float = 1.0
@@ -353,8 +357,20 @@ class GenerationConfig(_Section):
   def _check_values(self):
     _check(self.backend == 'jax' or not self.recompute_kv, 'recompute_kv',
            'is only implemented by the JAX engine')
-    _check(self.num_slots >= 1, 'num_slots', f'H must be >= 1, got {self.num_slots}')
     _check(self.num_generators >= 1, 'num_generators', f'must be >= 1, got {self.num_generators}')
+    _check(self.slots_per_generator >= 0, 'slots_per_generator',
+           f'must be >= 0 (0 = from num_slots), got {self.slots_per_generator}')
+    _check(self.num_slots >= 1 or (self.num_slots == 0 and self.slots_per_generator >= 1),
+           'num_slots', f'H must be >= 1 (0 = slots_per_generator x num_generators), got '
+           f'{self.num_slots}')
+    each = -(-self.num_slots // self.num_generators)
+    _check(not (self.num_slots and self.slots_per_generator)
+           or each == self.slots_per_generator, 'num_slots',
+           f'{self.num_slots} over num_generators={self.num_generators} is {each} per generator, '
+           f'not slots_per_generator={self.slots_per_generator}: set one of them (0 derives it '
+           'from the other)')
+    if not self.num_slots:  # H follows the generators (frozen: set as the tuples are)
+      object.__setattr__(self, 'num_slots', self.slots_per_generator * self.num_generators)
     _check(self.num_generators == 1 or self.placement != 'inline', 'num_generators',
            f"{self.num_generators} generators need placement 'ray', not 'inline'")
     _check(self.placement != 'inline' or self.remote == RemoteConfig(), 'remote',
@@ -378,7 +394,8 @@ class GenerationConfig(_Section):
     return self.max_prompt_len + self.max_new_tokens
 
   @property
-  def slots_per_generator(self) -> int:
+  def generator_slots(self) -> int:
+    """Sequences each generator holds."""
     return -(-self.num_slots // self.num_generators)
 
 
@@ -660,7 +677,7 @@ class Config(_Section):
            'cluster whose GPUs `ray start` gave it (CUDA_VISIBLE_DEVICES=... ray start ...)')
     _check(g.num_slots >= rl.group_size, 'generation.num_slots',
            f'H={g.num_slots} must hold at least one group (rl.group_size={rl.group_size})')
-    _check(g.slots_per_generator >= rl.group_size, 'generation.num_generators',
+    _check(g.generator_slots >= rl.group_size, 'generation.num_generators',
            f'{g.num_generators} generators leave each fewer than rl.group_size={rl.group_size} '
            f'of num_slots={g.num_slots}: a group must fit in one generator')
     longest = g.max_seq_len - 1
@@ -686,6 +703,11 @@ class Config(_Section):
            'processes itself, as Ray actors, and hands out their addresses and ids: give N >= 2 '
            'and leave train.distributed.coordinator_address and process_id unset (under SLURM, '
            'start a Ray cluster in the allocation: tools/slurm_multihost.sh)')
+    r = t.reward
+    _check(r.overlong_max_len in (0, g.max_new_tokens), 'task.reward.overlong_max_len',
+           f'{r.overlong_max_len} is not generation.max_new_tokens={g.max_new_tokens}: the soft '
+           'overlong penalty is measured against the length limit; set it to max_new_tokens '
+           '(or 0 = off)')
     _check(self.eval.num_problems >= 1 or t.name == 'math', 'eval.num_problems',
            'must be >= 1 for an endless problem stream (0 = whole test sets is for math)')
 

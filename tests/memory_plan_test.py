@@ -127,8 +127,8 @@ def test_in_process_vllm_shares_device_zero_with_the_trainer():
   shared = preset_plan('qwen1p5b_8xh100', config=config)
   alone = preset_plan('qwen1p5b_8xh100')
   assert shared.fits and shared.facts['generator_devices'] == 0
-  # The KV cache gets what the trainer leaves on device 0 (the sampler's logits differ with its
-  # 768 slots instead of 192, and in-process updates stage one fp32 tensor, not a bf16 update).
+  # The KV cache gets what the trainer leaves on device 0 (its H follows the one generator, 192
+  # slots as each of the 4 has; in-process updates stage one fp32 tensor, not a bf16 update).
   delta = ((shared.generator['activations'] - alone.generator['activations'])
            + (shared.generator['staging'] - alone.generator['staging']))
   assert shared.generator['kv'] == pytest.approx(
