@@ -15,6 +15,8 @@ import time
 import traceback
 from typing import Any, Callable
 
+from pipelinerl_jax import accelerators
+
 MEMORY_HEADROOM = 0.85       # a size is run only if its estimate fits in this share of memory
 
 # Packages the lent GPU image does not have (see docs/gpu-kit.md): the kit must not
@@ -22,17 +24,6 @@ MEMORY_HEADROOM = 0.85       # a size is run only if its estimate fits in this s
 IMAGE_ABSENT = ('vllm', 'math_verify', 'tensorboardX', 'datasets', 'ml_collections')
 CARRIED = ('ml_collections',)
 
-# Dense (no sparsity) bf16 tensor-core peaks from NVIDIA's datasheets, TFLOP/s, matched against
-# jax's device_kind in this order (the first substring found wins: PCIe / NVL before SXM).
-BF16_PEAKS = (
-    ('H100 PCIe', 756.5, 'H100 PCIe datasheet, dense bf16'),
-    ('H100 NVL', 835.5, 'H100 NVL datasheet, dense bf16'),
-    ('H200 NVL', 835.5, 'H200 NVL datasheet, dense bf16'),
-    ('GH200', 989.4, 'GH200 datasheet, dense bf16'),
-    ('H100', 989.4, 'H100 SXM datasheet, dense bf16'),
-    ('H200', 989.4, 'H200 SXM datasheet, dense bf16'),
-    ('A100', 312.0, 'A100 datasheet, dense bf16'),
-)
 _COMPILES: list[int] | None = None
 
 
@@ -56,10 +47,10 @@ def bf16_peak(device_kind: str, override_tflops: float = 0.0) -> dict[str, Any]:
   """{'tflops': peak or None, 'source': where it came from} for a jax device_kind."""
   if override_tflops > 0:
     return dict(tflops=override_tflops, source='--peak_tflops')
-  for needle, tflops, source in BF16_PEAKS:
-    if needle.lower() in device_kind.lower():
-      return dict(tflops=tflops, source=source)
-  return dict(tflops=None, source=f'no known bf16 peak for {device_kind!r} (MFU not computed)')
+  card = accelerators.card_of(device_kind)
+  if card is None:
+    return dict(tflops=None, source=f'no known bf16 peak for {device_kind!r} (MFU not computed)')
+  return dict(tflops=card.bf16_tflops, source=f'{card.source}, dense bf16')
 
 
 class Section:
