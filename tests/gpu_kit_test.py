@@ -119,6 +119,16 @@ def test_quick_runs_every_section_without_image_absent_packages(quick):
                                        and 'needs a CUDA GPU' in i['reason'])
                for i in section['items']), name
     assert section['jax_warnings'] == [] and section['output_tail'], name
+  # Every section records the card and the software its figures were measured with.
+  for name, section in report['sections'].items():
+    # The same card; on CPU each section sees the devices it simulates.
+    assert section['device'] == dict(report['card'],
+                                     num_devices=registry.SECTIONS[name].cpu_devices), name
+    assert section['stack'] == report['stack'], name
+  assert report['card']['device_kind'] == 'cpu' and report['card']['card'] is None
+  assert report['card']['num_devices'] == 1 and report['card']['platform'] == 'cpu'
+  assert report['stack']['jax'] == jax.__version__ and report['stack']['backend'] == 'cpu'
+  assert report['stack']['packages']['flax']
   # config.py (which the train step's LossConfig / OptimizerConfig come from) needs
   # ml_collections: the one carried package, and nothing else outside the image.
   for name in ('e2e', 'train'):
@@ -133,7 +143,8 @@ def test_quick_env_reports_versions_and_ceilings(quick):
   assert v['bf16_peak_tflops'] is None and 'no known bf16 peak' in v['bf16_peak_source']
   assert v['torch']['version'] and v['packages']['ml-collections']
   assert 'jax:' in v['environment_info']
-  assert positive(env['bf16_matmul']['tflops']) and env['bf16_matmul']['n'] == presets.QUICK.matmul_n
+  assert positive(env['bf16_matmul']['tflops'])
+  assert env['bf16_matmul']['n'] == presets.QUICK.matmul_n
   assert positive(env['device_copy']['gb_per_s'])
 
 
@@ -259,7 +270,11 @@ def test_quick_prints_one_table_row_per_item(quick):
   report, stdout = quick
   lines = stdout.splitlines()
   assert lines[0].split() == ['section', 'item', 'status', 'result']
-  rows = [l.split()[:2] for l in lines[2:] if not l.startswith('wrote ')]
+  assert lines[-2] == (f"measured on 1x cpu (card: not listed), jax {jax.__version__} / jaxlib "
+                       f"{report['stack']['jaxlib']} ({report['stack']['platform_version']}), "
+                       f"torch {report['stack']['packages']['torch']}, "
+                       f"python {report['stack']['python']}")
+  rows = [l.split()[:2] for l in lines[2:-2]]
   want = [[s, i['name'].split()[0]] for s, sec in report['sections'].items()
           for i in sec['items']]
   assert rows == want
@@ -362,7 +377,8 @@ def test_budget_shares_follow_the_weights_and_pass_on_unused_time():
   assert (time_budget.share_of_budget(300, weights[1:])
           > time_budget.share_of_budget(200, weights[1:]))
   assert time_budget.share_of_budget(-5, weights) == 0
-  assert time_budget.kill_after(100) == 100 + time_budget.KILL_GRACE_S and time_budget.kill_after(2) == 3.5
+  assert time_budget.kill_after(100) == 100 + time_budget.KILL_GRACE_S
+  assert time_budget.kill_after(2) == 3.5
 
 
 def test_bf16_peak_by_device_kind():
@@ -407,7 +423,8 @@ def test_section_env_sets_device_count_and_keeps_user_settings():
 def test_the_train_section_asks_for_a_larger_memory_fraction_alone():
   fraction = lambda section: float(runner.child_env(section, {})[runner.MEM_FRACTION_VAR])
   assert fraction('train') == 0.95 and fraction('env') == fraction('engine') == 0.90
-  assert runner.child_env('train', {runner.MEM_FRACTION_VAR: '0.5'})[runner.MEM_FRACTION_VAR] == '0.5'
+  assert runner.child_env('train', {runner.MEM_FRACTION_VAR: '0.5'})[
+      runner.MEM_FRACTION_VAR] == '0.5'
 
 
 def test_one_memory_fraction_variable_is_set_never_both():
@@ -467,7 +484,8 @@ def test_presets_short_is_one_size_of_each_gpu_section():
   assert short.sections == ('env', 'train', 'engine', 'publish')
   assert {v.model for v in short.train_grid} == {'qwen2.5-1.5b'} and short.engine_slots == (256,)
   assert short.budget_s <= 200 and presets.FULL.budget_s <= 540  # within a 10-minute command
-  assert presets.FULL.e2e_presets == ('tiny', 'reasoning') and presets.QUICK.e2e_presets == ('tiny',)
+  assert presets.FULL.e2e_presets == ('tiny', 'reasoning')
+  assert presets.QUICK.e2e_presets == ('tiny',)
   assert presets.FULL.sections == ()  # the registry's default sections
 
 

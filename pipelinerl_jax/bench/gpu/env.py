@@ -1,6 +1,7 @@
 """The env section: devices and versions (JAX, jaxlib, CUDA, torch), the bf16 peak used for MFU
 (from the device kind, or --peak_tflops), and two measured ceilings: a bf16 matmul and a device
-copy."""
+copy. Also what every section records beside its figures: the card (`device_facts`) and the
+software (`stack`)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,11 @@ import platform
 import statistics
 from typing import Any
 
+from pipelinerl_jax import accelerators
 from pipelinerl_jax.bench.gpu import section as section_lib
+
+STACK_PACKAGES = ('flax', 'optax', 'orbax-checkpoint', 'numpy', 'transformers', 'ml-collections',
+                  'torch')
 
 
 def package_version(name: str) -> str | None:
@@ -20,9 +25,29 @@ def package_version(name: str) -> str | None:
     return None
 
 
-def run(s: section_lib.Section) -> None:
+def stack() -> dict[str, Any]:
+  """The software a figure was measured with: Python, JAX and jaxlib, JAX's backend and its
+  platform version (on a GPU the CUDA version, 'cuda 13000'), and the packages the kit uses, as
+  installed (torch's too, without importing it)."""
   import jax
   import jax.extend
+  return dict(python=platform.python_version(), jax=jax.__version__,
+              jaxlib=package_version('jaxlib'), backend=jax.default_backend(),
+              platform_version=jax.extend.backend.get_backend().platform_version,
+              packages={p: package_version(p) for p in STACK_PACKAGES})
+
+
+def device_facts() -> dict[str, Any]:
+  """The card a figure was measured on: JAX's device kind, the card it is and its datasheet
+  figures (accelerators.py), and how many devices JAX sees."""
+  import jax
+  devices = jax.devices()
+  return dict(accelerators.describe(devices[0].device_kind), platform=devices[0].platform,
+              num_devices=len(devices))
+
+
+def run(s: section_lib.Section) -> None:
+  import jax
   import jax.numpy as jnp
 
   devices = jax.devices()
@@ -36,16 +61,11 @@ def run(s: section_lib.Section) -> None:
                       device=torch.cuda.get_device_name(0) if torch.cuda.is_available() else None)
   except Exception as e:  # the kit runs without torch; only DLPack needs it
     torch_info = dict(error=section_lib.one_line(e))
-  s.add('versions', python=platform.python_version(), jax=jax.__version__,
-        jaxlib=package_version('jaxlib'), backend=jax.default_backend(),
-        platform_version=jax.extend.backend.get_backend().platform_version,
-        device_kind=device.device_kind, num_devices=len(devices),
+  s.add('versions', **stack(), device_kind=device.device_kind, num_devices=len(devices),
         devices=[dict(id=d.id, platform=d.platform, kind=d.device_kind) for d in devices],
         memory=section_lib.device_memory(device), torch=torch_info,
         bf16_peak_tflops=peak['tflops'], bf16_peak_source=peak['source'], host=platform.node(),
         date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec='seconds'),
-        packages={p: package_version(p) for p in ('flax', 'optax', 'orbax-checkpoint', 'numpy',
-                                                  'transformers', 'ml-collections', 'torch')},
         environment_info=jax.print_environment_info(return_string=True))
 
   n = s.sizes.matmul_n

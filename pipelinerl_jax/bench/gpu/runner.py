@@ -8,7 +8,9 @@
 Every section first checks that JAX's backend is the one asked for (`--platform`, default gpu
 where the OS shows an NVIDIA device): a run meant for the GPU that JAX put on the CPU stops at
 once, in one line carrying JAX's own reason, and exits 1. JAX's warnings and the end of each
-section's output go into its JSON.
+section's output go into its JSON, with the card (device kind, datasheet figures) and the
+software (Python, JAX, jaxlib, CUDA, torch, ...) its figures were measured with; the report
+carries them at its top and the table in its last line.
 
 This module is the kit's runner. Each section (registry.py) runs in its own process with a
 share of the time budget (unused time passes on to the next) and is killed at the end of its
@@ -42,6 +44,7 @@ from typing import Any
 
 from pipelinerl_jax import platforms  # imports no JAX
 from pipelinerl_jax.bench.gpu import e2e
+from pipelinerl_jax.bench.gpu import env
 from pipelinerl_jax.bench.gpu import presets
 from pipelinerl_jax.bench.gpu import registry
 from pipelinerl_jax.bench.gpu import section as section_lib
@@ -118,6 +121,9 @@ def section_main(args: argparse.Namespace) -> None:
     s.record.update(status='error', error=problem, platform_error=True)
   else:
     section_lib.compile_count()  # start counting before anything compiles
+    # What its figures were measured on and with, saved before the first item.
+    s.record.update(device=env.device_facts(), stack=env.stack())
+    s.save()
     try:
       registry.SECTIONS[args.section].run(s)
       failed = [i['name'] for i in s.record['items'] if i['status'] == 'error']
@@ -201,6 +207,25 @@ def describe(section: str, item: dict[str, Any]) -> str:
   return registry.SECTIONS[section].describe(item)
 
 
+def add_measured_on(report: dict[str, Any]) -> None:
+  """The card and the software every figure was measured with, at the report's top: those of
+  the first section that started (each section's process records its own; all ran on one
+  machine, and one whose JAX was not on the platform asked for stopped the run)."""
+  first = next((sec for sec in report['sections'].values() if 'device' in sec), {})
+  report.update(card=first.get('device'), stack=first.get('stack'))
+
+
+def describe_measured_on(report: dict[str, Any]) -> str:
+  """The table's last line: the card and the software of every figure in it."""
+  card, stack = report.get('card'), report.get('stack')
+  if not card:
+    return 'measured on: nothing (no section started)'
+  return (f"measured on {card['num_devices']}x {card['device_kind']} (card: "
+          f"{card['card'] or 'not listed'}), jax {stack['jax']} / jaxlib {stack['jaxlib']} "
+          f"({stack['platform_version']}), torch {stack['packages'].get('torch') or 'absent'}, "
+          f"python {stack['python']}")
+
+
 def format_table(report: dict[str, Any]) -> str:
   rows = [('section', 'item', 'status', 'result')]
   for name, sec in report['sections'].items():
@@ -213,6 +238,7 @@ def format_table(report: dict[str, Any]) -> str:
   widths = [max(len(r[i]) for r in rows) for i in range(3)]
   lines = ['  '.join(c.ljust(w) for c, w in zip(r[:3], widths)) + '  ' + r[3] for r in rows]
   lines.insert(1, '  '.join('-' * w for w in widths) + '  ' + '-' * 6)
+  lines.append(describe_measured_on(report))
   return '\n'.join(line.rstrip() for line in lines)
 
 
@@ -309,6 +335,7 @@ def main(argv: list[str] | None = None) -> int:
         wrong_platform = report['sections'][name]['error']
   finally:
     train.add_measured_ceiling(report)
+    add_measured_on(report)
     report['wall_s'] = time.monotonic() - start
     out.write_text(json.dumps(report, indent=1, default=section_lib.json_default))
     for f in tmpdir.glob('*'):
