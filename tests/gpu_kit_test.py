@@ -14,7 +14,10 @@ import time
 
 import jax
 import pytest
+import torch
 
+from pipelinerl_jax.bench import train_step as train_bench
+from pipelinerl_jax.bench.gpu import collective as kit_collective
 from pipelinerl_jax.bench.gpu import e2e as kit_e2e
 from pipelinerl_jax.bench.gpu import engine as kit_engine
 from pipelinerl_jax.bench.gpu import presets
@@ -25,7 +28,7 @@ from pipelinerl_jax.bench.gpu import time_budget
 from pipelinerl_jax.bench.gpu import train as kit_train
 from pipelinerl_jax.bench.gpu import vllm
 from pipelinerl_jax.bench.gpu import vllm_items
-from pipelinerl_jax.bench import train_step as train_bench
+from pipelinerl_jax.generation.transport import hf_tensors
 from pipelinerl_jax.models import transformer
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -364,8 +367,40 @@ def test_quick_vllm_section_serves_updates_and_steps_beside_jax(tmp_path):
   assert 'stepped' in proc.stdout and 'vllm' in proc.stdout
 
 
+@pytest.mark.serial
+def test_quick_collective_section_sends_whole_updates_between_two_processes(tmp_path):
+  """`--sections=collective --quick`: the weight transport between the section's process and a
+  receiver's over gloo (NCCL's place on a GPU), with the image's absent packages hidden."""
+  out = tmp_path / 'gpu.json'
+  proc = run_kit(['--quick', '--sections=collective', f'--out={out}',
+                  f'--workdir={tmp_path / "w"}'], image_like_env(tmp_path / 'hider'), timeout=300)
+  assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+  report = json.loads(out.read_text())
+  assert report['sections']['collective']['imported_absent_on_image'] == []
+  got = items(report, 'collective')
+  assert list(got) == ['tiny join', 'tiny update']
+  assert got['tiny join']['backend'] == 'gloo' and got['tiny join']['nccl_hostids'] is None
+  update = got['tiny update']
+  config = train_bench.MODEL_PRESETS['tiny']
+  assert update['tensors'] == len(hf_tensors.expected_shapes(config))
+  assert update['bytes'] >= 2 * config.num_params  # bf16 on the wire, each tensor aligned
+  assert update['updates'] == len(update['seconds_runs']) == presets.QUICK.repeats
+  assert update['versions_ok'] is True and update['values_equal'] is True
+  assert positive(update['gb_per_s'])
+
+
 # ---------------------------------------------------------------------------------------------
 # Pure helpers.
+
+
+def test_bits_sum_tells_any_changed_bits_apart_in_any_order():
+  x = torch.tensor([1.0, -0.0, 3.5, -2.25], dtype=torch.bfloat16)
+  y = x.clone()
+  y[1] = 0.0  # equal as numbers, not as bits
+  assert kit_collective.bits_sum(x) != kit_collective.bits_sum(y)
+  assert kit_collective.bits_sum(x) == kit_collective.bits_sum(x.flip(0))
+  grid = torch.arange(6, dtype=torch.float32).reshape(2, 3)
+  assert kit_collective.bits_sum(grid.T) == kit_collective.bits_sum(grid)  # not contiguous
 
 
 def test_budget_shares_follow_the_weights_and_pass_on_unused_time():

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from typing import Any, Callable, NamedTuple
 
+from pipelinerl_jax.bench.gpu import collective
 from pipelinerl_jax.bench.gpu import e2e
 from pipelinerl_jax.bench.gpu import engine
 from pipelinerl_jax.bench.gpu import env
@@ -47,6 +48,8 @@ SECTIONS: dict[str, SectionSpec] = {spec.name: spec for spec in (
     SectionSpec('e2e', e2e.run, e2e.describe, weight=6.0),
     # vLLM is not on the GPU image until tools/gpu_stage.py has brought it there.
     SectionSpec('vllm', vllm.run, vllm.describe, weight=8.0, default=False),
+    # NCCL needs vLLM's communicator: after tools/gpu_stage.py, as vllm.
+    SectionSpec('collective', collective.run, collective.describe, weight=3.0, default=False),
 )}
 DEFAULT_SECTIONS = tuple(name for name, spec in SECTIONS.items() if spec.default)
 OPTIONAL_SECTIONS = tuple(name for name, spec in SECTIONS.items() if not spec.default)
