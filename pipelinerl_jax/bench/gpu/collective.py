@@ -29,6 +29,13 @@ TIMEOUT_S = 60.0             # a join or one update; a dead peer ends the item b
 NCCL_HOSTIDS = ('pipelinerl-trainer', 'pipelinerl-generator')  # ranks 0 and 1
 
 
+def _as_another_host(rank: int) -> None:
+  """NCCL settings of this process, before NCCL starts in it: its own host id, and the loopback
+  interface for NCCL's sockets (both ranks are on this machine)."""
+  os.environ['NCCL_HOSTID'] = NCCL_HOSTIDS[rank]
+  os.environ.setdefault('NCCL_SOCKET_IFNAME', 'lo')
+
+
 def bits_sum(tensor) -> int:
   """The sum of a tensor's elements read as integers of their width: equal for equal bits,
   exact, and the same in whatever order a device adds them."""
@@ -41,7 +48,7 @@ def _receive(endpoint, config, updates: int, device: str, results) -> None:
   """(the receiver's process) Joins as rank 1, receives `updates` updates of the model `config`
   and puts, for each, (version, {hf_name: bits_sum}) on `results`; an error as its one line."""
   if endpoint.backend == 'nccl':
-    os.environ['NCCL_HOSTID'] = NCCL_HOSTIDS[1]  # before NCCL starts in this process
+    _as_another_host(1)
   from pipelinerl_jax.generation.transport import collective
   from pipelinerl_jax.generation.transport import hf_tensors
   try:
@@ -77,7 +84,7 @@ def _model(s: section_lib.Section, name: str) -> None:
   on_gpu = jax.default_backend() == 'gpu'
   backend, device = ('nccl', 'cuda:0') if on_gpu else ('gloo', 'cpu')
   if on_gpu:
-    os.environ['NCCL_HOSTID'] = NCCL_HOSTIDS[0]
+    _as_another_host(0)
   config = train_bench.MODEL_PRESETS[name]
   plan = collective.make_plan(hf_tensors.expected_shapes(config), WIRE_DTYPE)
   params = transformer.init_params(config, jax.random.PRNGKey(0))
