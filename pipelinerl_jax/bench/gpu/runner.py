@@ -256,7 +256,8 @@ def build_parser() -> argparse.ArgumentParser:
   p.add_argument('--sections', default='',
                  help=f'comma-separated, run in this order: '
                       f'{",".join(registry.DEFAULT_SECTIONS)} (default: the preset\'s); also '
-                      f"{','.join(registry.OPTIONAL_SECTIONS)} (needs vLLM)")
+                      f"{','.join(registry.OPTIONAL_SECTIONS)} (on a GPU they need vLLM: "
+                      'tools/gpu_stage.py)')
   p.add_argument('--budget_s', type=float, default=0.0,
                  help='total seconds for all sections (default: the preset\'s, '
                       + ', '.join(f'{k} {v.budget_s:.0f}' for k, v in presets.PRESETS.items())
