@@ -74,6 +74,7 @@ def run(s: section_lib.Section) -> None:
 
 
 def _model(s: section_lib.Section, name: str) -> None:
+  """One model: its group, joined by a receiver's process, then `repeats` whole updates."""
   import multiprocessing
   import jax
   from pipelinerl_jax.bench import train_step as train_bench
@@ -92,10 +93,11 @@ def _model(s: section_lib.Section, name: str) -> None:
                                                       WIRE_DTYPE)
   sent = {n: bits_sum(t) for n, t in tensors()}
   updates = s.sizes.repeats
-  results = multiprocessing.get_context('spawn').Queue()
+  spawn = multiprocessing.get_context('spawn')
+  results = spawn.Queue()
   t0 = time.perf_counter()
   rendezvous = collective.Rendezvous(backend, timeout_s=TIMEOUT_S)
-  proc = multiprocessing.get_context('spawn').Process(
+  proc = spawn.Process(
       target=_receive, args=(rendezvous.endpoint, config, updates, device, results),
       daemon=True)
   proc.start()
@@ -112,7 +114,8 @@ def _model(s: section_lib.Section, name: str) -> None:
     try:
       for version in range(1, updates + 1):
         t0 = time.perf_counter()
-        sender.send(comm, plan, tensors, version, timeout_s=min(TIMEOUT_S, s.remaining()))
+        sender.send(comm, plan, tensors, version,
+                    timeout_s=max(5.0, min(TIMEOUT_S, s.remaining())))
         runs.append(time.perf_counter() - t0)
         received.append(results.get(timeout=TIMEOUT_S))
         if isinstance(received[-1], str):
