@@ -238,9 +238,9 @@ def decode_items(s, engine, config, param_sets, z: presets.VllmSizes) -> None:
             engine, section_lib.make_requests(h, z.prompt_len, 2, config.vocab_size, 1),
             params_for, every, h, version)['version']
         warmup_s = time.perf_counter() - t0
-        r = gen_bench.run_once(engine, section_lib.make_requests(h, z.prompt_len, z.new_tokens,
-                                                 config.vocab_size, 3),
-                               params_for, every, h, version)
+        r = gen_bench.run_once(
+            engine, section_lib.make_requests(h, z.prompt_len, z.new_tokens, config.vocab_size, 3),
+            params_for, every, h, version)
       except Exception as e:
         s.fail(name, e)
         continue
