@@ -2,7 +2,10 @@
 layout cannot fit.
 
   python -m pipelinerl_jax.memory_plan --config=configs/math.py:paper_7b \\
-      --model_config=configs/models/Qwen2.5-7B --devices=8 --device_gib=80
+      --model_config=configs/models/Qwen2.5-7B --devices=8 --device=h100
+
+`--device` names the card (h100, h200: what a process has on one, accelerators.py);
+`--device_gib` gives any other size.
 
 The parameter layout is the project's own: `train.state_shardings` (params by
 `sharding.param_shardings`, Adam's moments like their params) on `jax.eval_shape` of the train
@@ -75,6 +78,7 @@ import ml_collections
 import numpy as np
 from jax.sharding import AbstractMesh
 
+from pipelinerl_jax import accelerators
 from pipelinerl_jax import config as config_lib
 from pipelinerl_jax import packing
 from pipelinerl_jax import sharding as sharding_lib
@@ -471,7 +475,8 @@ def main(argv):
   f = flags.FLAGS
   try:
     hf_config, source = read_hf_config(f.model_config or f.config.model.path)
-    p = plan(f.config, hf_config, num_devices=f.devices, device_gib=f.device_gib, kv=f.kv,
+    device_gib = f.device_gib or accelerators.card_named(f.device).usable_gib
+    p = plan(f.config, hf_config, num_devices=f.devices, device_gib=device_gib, kv=f.kv,
              source=source)
   except (ValueError, FileNotFoundError) as e:
     raise SystemExit(f'error: {e}') from None
@@ -491,7 +496,11 @@ def _define_flags():
   flags.DEFINE_string('model_config', '', 'Model directory or config.json (default: '
                       'config.model.path), e.g. configs/models/Qwen2.5-7B.')
   flags.DEFINE_integer('devices', 8, 'Accelerators on the host.')
-  flags.DEFINE_float('device_gib', 80.0, 'Memory per accelerator, GiB.')
+  flags.DEFINE_enum('device', 'h100', list(accelerators.PLANNED),
+                    'The card, for the memory a process has on each device: ' + ', '.join(
+                        f'{c.name} {c.usable_gib:g} GiB' for c in accelerators.CARDS
+                        if c.usable_gib) + '.')
+  flags.DEFINE_float('device_gib', 0.0, 'Memory per accelerator, GiB (default: --device\'s).')
   flags.DEFINE_enum('kv', 'auto', list(KV_MODES), "vLLM KV cache: 'auto' = as the generators "
                     "size it on GPUs (the config's generation.vllm.gpu_memory_utilization, or "
                     "kv_cache_mb when it is 0); 'free' = from the share; 'config' = "

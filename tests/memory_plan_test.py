@@ -221,6 +221,19 @@ def test_cli_prints_the_plan_and_exits_nonzero_on_refusal(tmp_path):
       missing.stderr
 
 
+def test_cli_plans_for_the_card_named():
+  """The 7B preset's trainer on 2 fsdp devices needs ~103 GiB a device: more than an H100 offers
+  a process, less than an H200 does."""
+  flags = ('--config=configs/math.py:paper_7b', '--model_config=configs/models/Qwen2.5-7B',
+           '--config.train.mesh=1,2,1')
+  h100 = run_cli(*flags)  # the default card
+  assert h100.returncode == 1, h100.stderr[-2000:]
+  assert 'REFUSED: a trainer device needs 103.3 GiB > 78 GiB' in h100.stdout
+  h200 = run_cli(*flags, '--device=h200')
+  assert h200.returncode == 0, h200.stdout[-2000:] + h200.stderr[-2000:]
+  assert 'GiB of 139' in h200.stdout and h200.stdout.strip().endswith('FITS')
+
+
 def test_several_trainer_processes_keep_a_whole_copy_over_each_process_devices():
   """Over nccl from 2 trainer processes of 4 devices each, the pool's copy is whole on each
   process's devices (distributed.whole_per_process): a quarter of the bf16 model per device,
