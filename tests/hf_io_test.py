@@ -328,6 +328,39 @@ def test_name_map_matches_init_params():
     assert {s.path: s.shape for s in hf_io.name_map(config)} == flat
 
 
+def test_qwen3_config_is_written_as_transformers_reads_it(checkpoint):
+  config = hf_io.load_config(checkpoint('qwen3_tied')[0])
+  hub = {'layer_types': ['full_attention'] * 2, 'max_window_layers': 28, 'rope_theta': 5.0,
+         'rope_scaling': None, 'eos_token_id': [151645, 151643]}
+  written = hf_io.hf_config(config, extra=hub)
+  assert (written['model_type'], written['attention_bias'], written['use_sliding_window'],
+          written['head_dim']) == ('qwen3', False, False, 16)
+  assert written['eos_token_id'] == [151645, 151643]  # the original's own keys are kept
+  assert not {'layer_types', 'max_window_layers', 'rope_theta', 'rope_scaling'} & set(written)
+  assert hf_io.config_from_hf(written) == config
+  assert transformers.Qwen3Config(**written).head_dim == 16
+  for field in ('qk_norm', 'qkv_bias'):  # what Qwen3ForCausalLM cannot express
+    bad = dataclasses.replace(config, **{field: not getattr(config, field)})
+    with pytest.raises(ValueError, match=f'Qwen3ForCausalLM has qkv_bias=False, qk_norm=True; '
+                                         f'config has .*{field}={getattr(bad, field)}'):
+      hf_io.hf_config(bad)
+
+
+def test_stop_tokens_are_the_tokenizers_eos_and_generation_configs_list(tmp_path):
+  tokenizer = types.SimpleNamespace(eos_token_id=7)
+  assert hf_io.stop_token_ids(tmp_path, tokenizer) == (7,)  # no generation_config.json
+  generation = tmp_path / 'generation_config.json'
+  for eos, expected in (([128009, 128001, 7], (7, 128001, 128009)), (3, (3, 7)), (None, (7,))):
+    generation.write_text(json.dumps({'eos_token_id': eos, 'do_sample': True}))
+    assert hf_io.stop_token_ids(tmp_path, tokenizer) == expected
+  generation.write_text(json.dumps({'eos_token_id': ['</s>']}))
+  with pytest.raises(ValueError, match=r"generation_config.json: eos_token_id must be .*'</s>'"):
+    hf_io.stop_token_ids(tmp_path, tokenizer)
+  generation.write_text('{')
+  with pytest.raises(ValueError, match='generation_config.json: not valid JSON'):
+    hf_io.stop_token_ids(tmp_path, tokenizer)
+
+
 # ---------------------------------------------------------------------------------------------
 # Bad input: one clear error naming the file and the field / tensor.
 

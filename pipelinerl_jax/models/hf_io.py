@@ -32,6 +32,7 @@ import numpy as np
 from pipelinerl_jax.models.transformer import ModelConfig, RopeScaling
 
 CONFIG_FILE = 'config.json'
+GENERATION_CONFIG_FILE = 'generation_config.json'
 SINGLE_FILE = 'model.safetensors'
 INDEX_FILE = 'model.safetensors.index.json'
 _SHARD_RE = re.compile(r'model-\d{5}-of-\d{5}\.safetensors$')
@@ -117,6 +118,26 @@ def load_tokenizer(model_dir: str | os.PathLike):
   if tokenizer.eos_token_id is None:
     raise ValueError(f'{model_dir}: the tokenizer has no eos_token; generation could not stop')
   return tokenizer
+
+
+def stop_token_ids(model_dir: str | os.PathLike, tokenizer) -> tuple[int, ...]:
+  """The ids that end a completion: the tokenizer's EOS and every `eos_token_id` of the model
+  dir's generation_config.json (an id or a list: Llama-3 instruct models end a turn on
+  <|eot_id|> and the text on <|end_of_text|>, Qwen3's chat models on <|im_end|> and
+  <|endoftext|>), sorted."""
+  ids = {int(tokenizer.eos_token_id)}
+  path = Path(model_dir) / GENERATION_CONFIG_FILE
+  if not path.is_file():
+    return tuple(sorted(ids))
+  try:
+    generation = json.loads(path.read_text())
+  except json.JSONDecodeError as e:
+    raise ValueError(f'{path}: not valid JSON ({e})') from None
+  eos = generation.get('eos_token_id') if isinstance(generation, dict) else None
+  listed = eos if isinstance(eos, list) else [] if eos is None else [eos]
+  if not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in listed):
+    raise ValueError(f'{path}: eos_token_id must be a token id or a list of them, got {eos!r}')
+  return tuple(sorted(ids | set(listed)))
 
 
 def config_from_hf(hf: dict, source: str = CONFIG_FILE, **overrides) -> ModelConfig:
