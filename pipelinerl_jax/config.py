@@ -108,8 +108,12 @@ class _Section:
 
 @dataclasses.dataclass(frozen=True)
 class DemoModelConfig(_Section):
-  """The demo model built when `model.path` is '' (demo/warmstart.py): a small Qwen2 over a
-  character tokenizer, SFT-warmed on a fixed set of the task's SFT-pool problems."""
+  """The demo model built when `model.path` is '' (demo/warmstart.py): a small Qwen2 (or Qwen3)
+  over a character tokenizer, SFT-warmed on a fixed set of the task's SFT-pool problems."""
+  # The HF format it is saved in: 'qwen2' (q/k/v biases) or 'qwen3' (per-head q/k norms, no
+  # biases).
+  architecture: Literal['qwen2', 'qwen3'] = 'qwen2'
+  tie_embeddings: bool = False    # the lm_head is the embedding table (Qwen3 up to 4B)
   hidden_size: int = 64
   intermediate_size: int = 256
   num_layers: int = 2
