@@ -10,8 +10,7 @@
   qwen3_1p7b_1xgpu Qwen3-1.7B, full fine-tuning on one GPU of 80 GB or more: the trainer and
                    the JAX engine in one process
 
-The GPU presets leave the model and the data as placeholders; set them on the command line
-(the paths below are examples):
+The GPU presets leave the model and the data as placeholders; set them on the command line:
   --config.model.path=/models/Qwen2.5-Math-1.5B \\
   --config.task.train_files="('/data/orz_math_57k.jsonl',)" \\
   --config.task.test_files="('/data/math500.jsonl', '/data/aime24.jsonl')"
