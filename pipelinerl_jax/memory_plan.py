@@ -55,13 +55,21 @@ with the trainer; the JAX engine's params and KV cache go on the first free devi
                       CPU setting); `kv='auto'` (default) follows the config: 'free' unless the
                       share is 0
 
+generator device (the JAX engine, backend 'jax': the first device the mesh leaves free, or
+device 0 beside the trainer, whose terms it then adds to)
+  weights             its params, in the compute dtype
+  update              the next published copy, held beside them until the engine swaps it in
+                      between two token steps
+  kv                  the paged KV pool: generation.kv_pool_mb, or every slot at full length
+                      (the largest pool the engine makes without it)
+
 A plan refuses (`Plan.problems`, one line each, `Plan.refusal` joins them) when a device holds
 more than it has, when a large parameter stays whole on every fsdp device, when the KV cache
 cannot hold one full-length request, or when the mesh and the generators need more devices than
 there are. Everything here is an estimate from shapes (XLA's buffer assignment on the device
 decides the truth); `tests/memory_plan_test.py` checks the trainer terms against XLA's own
 numbers for small models compiled on CPU. Not modelled: the copies an in-process vLLM engine
-keeps of published params (placement 'inline' is not a GPU preset).
+keeps of published params (no GPU preset runs vLLM in the trainer's process).
 """
 
 from __future__ import annotations
@@ -167,6 +175,9 @@ def _layer_bytes_per_token(m: transformer.ModelConfig) -> int:
   h, k = m.num_heads, m.num_kv_heads
   in_dtype = 2 * d + (h + 2 * k) * dh + h * dh + 3 * d + 4 * f  # norms, qkv, attn, o, residuals, mlp
   in_fp32 = 2 * d + (h + k) * dh                                # norm x32, rotated q and k
+  if m.qk_norm:  # Qwen3: q and k normalized per head (fp32 inside the norm)
+    in_dtype += (h + k) * dh
+    in_fp32 += (h + k) * dh
   return dt * in_dtype + 4 * in_fp32
 
 
@@ -372,16 +383,20 @@ def plan(config: ml_collections.ConfigDict | config_lib.Config, hf_config: dict,
 
   generator = {}
   if g.backend == 'jax':
-    # The JAX engine's params (held in the compute dtype) and its KV pool (generation.
-    # kv_pool_mb, or every slot at full length: the pool's largest size), on the first device
-    # the mesh leaves free (or on device 0, beside the trainer).
+    # The JAX engine (the module doc's terms), on the first device the mesh leaves free (or on
+    # device 0, beside the trainer).
     page_bytes = budget.kv_page_bytes(m.num_layers, m.num_kv_heads, m.head_dim, g.kv_page_size,
                                       m.dtype)
     pages = budget.kv_pool_pages(num_slots=g.num_slots, max_seq_len=g.max_seq_len,
                                  page_size=g.kv_page_size, page_bytes=page_bytes,
                                  pool_mb=g.kv_pool_mb)
-    engine = m.num_params * _bytes(m.dtype) + pages * page_bytes
-    generator = dict(engine=engine)
+    weights = m.num_params * _bytes(m.dtype)
+    generator = dict(weights=weights, update=weights, kv=pages * page_bytes)
+    engine = sum(generator.values())
+    # The trash page holds no sequence; a full-length sequence takes whole pages.
+    facts.update(kv_pool_tokens=(pages - 1) * g.kv_page_size,
+                 kv_pool_full_sequences=(pages - 1) // -(-g.max_seq_len // g.kv_page_size),
+                 slots_per_generator=g.num_slots)
     facts['generator_devices'] = 1 if mesh.size < num_devices else 0
     if mesh.size > num_devices:
       problems.append(f'train.mesh={config.train.mesh} needs {mesh.size} devices, the host has '
@@ -451,6 +466,14 @@ def format_plan(p: Plan) -> str:
     lines += [f'    {k.ljust(width)} {v / GIB:8.2f} GiB' for k, v in terms.items()]
     lines.append(f"    {'total'.ljust(width)} {total / GIB:8.2f} GiB of "
                  f"{f['device_bytes'] / GIB:g}")
+  if 'kv_pool_tokens' in f:
+    shared = ' beside the trainer on device 0' if not f['generator_devices'] else ''
+    lines.append(f"JAX engine{shared}: {f['slots_per_generator']} slots; its KV pool holds "
+                 f"{f['kv_pool_tokens']:,} positions, {f['kv_pool_full_sequences']} full-length "
+                 'sequences (a sequence that finds no free page waits, or is preempted)')
+    if not f['generator_devices']:
+      lines.append(f'device 0 in all: {(p.trainer_total + p.generator_total) / GIB:.2f} GiB of '
+                   f"{f['device_bytes'] / GIB:g}")
   if 'kv_full_requests' in f:
     lines.append(f"generators: {f['generator_devices']}, {f['slots_per_generator']} slots each; "
                  f"KV {f['kv_bytes_per_token'] / 1024:.0f} KiB/token, a full request "
