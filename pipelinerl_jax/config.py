@@ -66,6 +66,11 @@ def _type_error(kind: Any, value: Any) -> str | None:
   if origin is Literal:
     return None if value in args else (
         f"must be one of {', '.join(repr(a) for a in args)}, got {value!r}")
+  if origin is dict:  # str keys, scalar values (a ConfigDict from an experiment file or flag)
+    ok = isinstance(value, (dict, ml_collections.ConfigDict)) and all(
+        isinstance(k, str) and isinstance(v, (bool, int, float, str)) for k, v in value.items())
+    shown = value.to_dict() if isinstance(value, ml_collections.ConfigDict) else value
+    return None if ok else f'must be a dict of names to numbers, strings or booleans, got {shown!r}'
   if origin is tuple:
     item = args[0]
     ok = isinstance(value, (tuple, list)) and all(_type_error(item, v) is None for v in value)
@@ -98,6 +103,8 @@ class _Section:
         raise ValueError(f'{name}: {problem}')
       if typing.get_origin(kind) is tuple:
         object.__setattr__(self, name, tuple(value))
+      if typing.get_origin(kind) is dict:
+        object.__setattr__(self, name, dict(value.items()))
     self._check_values()
 
   def _check_values(self):
@@ -109,8 +116,12 @@ class _Section:
 
 @dataclasses.dataclass(frozen=True)
 class DemoModelConfig(_Section):
-  """The demo model built when `model.path` is '' (demo/warmstart.py): a small Qwen2 over a
-  character tokenizer, SFT-warmed on a fixed set of the task's SFT-pool problems."""
+  """The demo model built when `model.path` is '' (demo/warmstart.py): a small Qwen2 (or Qwen3)
+  over a character tokenizer, SFT-warmed on a fixed set of the task's SFT-pool problems."""
+  # The HF format it is saved in: 'qwen2' (q/k/v biases) or 'qwen3' (per-head q/k norms, no
+  # biases).
+  architecture: Literal['qwen2', 'qwen3'] = 'qwen2'
+  tie_embeddings: bool = False    # the lm_head is the embedding table (Qwen3 up to 4B)
   hidden_size: int = 64
   intermediate_size: int = 256
   num_layers: int = 2
@@ -189,7 +200,8 @@ class RewardConfig(_Section):
   # | 'mask' (not trained on) | 'none' (judged as usual: pays a policy that never stops).
   truncated: Literal['none', 'mask', 'penalize'] = 'penalize'
   truncated_reward: float = 0.0
-  overlong_max_len: int = 0       # L, in tokens, for DAPO's soft overlong penalty; 0 = off
+  overlong_max_len: int = 0       # L, in tokens, for DAPO's soft overlong penalty; 0 = off, else
+                                  # generation.max_new_tokens
   overlong_buffer: int = 0        # Lc
 
   def _check_values(self):
@@ -226,6 +238,9 @@ class TaskConfig(_Section):
   test_files: tuple[str, ...] = ()    # held-out sets for evaluation, one dataset each
   test_fraction: float = 0.0      # without test_files: this fraction of each train file is held
                                   # out (split by problem text, seed 0) as its test set
+  # math: keyword arguments of the tokenizer's chat template, e.g. {'enable_thinking': False}
+  # for Qwen3's (a name the template never mentions is an error, not ignored).
+  chat_template_kwargs: dict[str, Any] = dataclasses.field(default_factory=dict)
   problem_field: str = ''         # '' = first present of problem / question / prompt
   answer_field: str = ''          # '' = first present of answer / final_answer / solution
   reward: RewardConfig = RewardConfig()
@@ -263,6 +278,8 @@ class TaskConfig(_Section):
     _check(self.verify_timeout_s > 0, 'verify_timeout_s',
            f'must be > 0, got {self.verify_timeout_s}')
     _check(self.verify_workers >= 1, 'verify_workers', f'must be >= 1, got {self.verify_workers}')
+    _check(not self.chat_template_kwargs or self.name == 'math', 'chat_template_kwargs',
+           f"apply to task 'math' only (task {self.name!r} prompts are plain text)")
 
 
 # --- generation ------------------------------------------------------------------------------
@@ -343,9 +360,12 @@ class GenerationConfig(_Section):
   # (Ray actors, each on its own GPU or CPU cores, restarted when they die; see `remote` and
   # `config.cluster`).
   placement: Literal['inline', 'ray'] = 'inline'
-  num_generators: int = 1         # generators (placement 'ray': one actor each); each holds
-                                  # ceil(num_slots / num_generators) sequences
-  num_slots: int = 64             # H: sequences in flight
+  num_generators: int = 1         # generators (placement 'ray': one actor each)
+  num_slots: int = 64             # H: sequences in flight; 0 = slots_per_generator x generators
+  # Sequences each generator holds (`generator_slots`); 0 = ceil(num_slots / num_generators). A
+  # preset whose H is per generator sets this and num_slots=0, so that H follows num_generators:
+  # validation derives num_slots, and refuses the two set apart.
+  slots_per_generator: int = 0
   max_prompt_len: int = 32
   max_new_tokens: int = 16
   temperature: float = 1.0
@@ -371,8 +391,20 @@ class GenerationConfig(_Section):
   def _check_values(self):
     _check(self.backend == 'jax' or not self.recompute_kv, 'recompute_kv',
            'is only implemented by the JAX engine')
-    _check(self.num_slots >= 1, 'num_slots', f'H must be >= 1, got {self.num_slots}')
     _check(self.num_generators >= 1, 'num_generators', f'must be >= 1, got {self.num_generators}')
+    _check(self.slots_per_generator >= 0, 'slots_per_generator',
+           f'must be >= 0 (0 = from num_slots), got {self.slots_per_generator}')
+    _check(self.num_slots >= 1 or (self.num_slots == 0 and self.slots_per_generator >= 1),
+           'num_slots', f'H must be >= 1 (0 = slots_per_generator x num_generators), got '
+           f'{self.num_slots}')
+    each = -(-self.num_slots // self.num_generators)
+    _check(not (self.num_slots and self.slots_per_generator)
+           or each == self.slots_per_generator, 'num_slots',
+           f'{self.num_slots} over num_generators={self.num_generators} is {each} per generator, '
+           f'not slots_per_generator={self.slots_per_generator}: set one of them (0 derives it '
+           'from the other)')
+    if not self.num_slots:  # H follows the generators (frozen: set as the tuples are)
+      object.__setattr__(self, 'num_slots', self.slots_per_generator * self.num_generators)
     _check(self.num_generators == 1 or self.placement != 'inline', 'num_generators',
            f"{self.num_generators} generators need placement 'ray', not 'inline'")
     _check(self.placement != 'inline' or self.remote == RemoteConfig(), 'remote',
@@ -396,7 +428,8 @@ class GenerationConfig(_Section):
     return self.max_prompt_len + self.max_new_tokens
 
   @property
-  def slots_per_generator(self) -> int:
+  def generator_slots(self) -> int:
+    """Sequences each generator holds."""
     return -(-self.num_slots // self.num_generators)
 
 
@@ -703,7 +736,7 @@ class Config(_Section):
            'cluster whose GPUs `ray start` gave it (CUDA_VISIBLE_DEVICES=... ray start ...)')
     _check(g.num_slots >= rl.group_size, 'generation.num_slots',
            f'H={g.num_slots} must hold at least one group (rl.group_size={rl.group_size})')
-    _check(g.slots_per_generator >= rl.group_size, 'generation.num_generators',
+    _check(g.generator_slots >= rl.group_size, 'generation.num_generators',
            f'{g.num_generators} generators leave each fewer than rl.group_size={rl.group_size} '
            f'of num_slots={g.num_slots}: a group must fit in one generator')
     longest = g.max_seq_len - 1
@@ -733,6 +766,11 @@ class Config(_Section):
            'train.distributed.coordinator_port',
            "is the port of the coordinator the run starts itself (trainer processes as Ray "
            "actors: generation.placement='ray'); otherwise it is coordinator_address's")
+    r = t.reward
+    _check(r.overlong_max_len in (0, g.max_new_tokens), 'task.reward.overlong_max_len',
+           f'{r.overlong_max_len} is not generation.max_new_tokens={g.max_new_tokens}: the soft '
+           'overlong penalty is measured against the length limit; set it to max_new_tokens '
+           '(or 0 = off)')
     _check(self.eval.num_problems >= 1 or t.name == 'math', 'eval.num_problems',
            'must be >= 1 for an endless problem stream (0 = whole test sets is for math)')
 

@@ -6,7 +6,8 @@ the outputs, builds the parts and runs the pipeline (`run.run`); every other pro
 
 Every check is made once per process, before anything heavy: the GPU first (a run meant for
 GPUs on a CPU says so before anything else is looked at), then what the run needs (the model
-and the data named, the backend installed, the workdir writable); on process 0, the outputs
+and the data named, what the installed versions and the accelerator can run (stack.py), the
+backend installed, the workdir writable); on process 0, the outputs
 (workdir and checkpoint dir writable, room for the checkpoints) are checked and locked before
 the model loads (pipeline/workdir.py). A stop request (a signal, see pipeline/signals.py) is
 honoured between these phases.
@@ -29,6 +30,7 @@ from pipelinerl_jax import cluster
 from pipelinerl_jax import config as config_lib
 from pipelinerl_jax import distributed
 from pipelinerl_jax import platforms
+from pipelinerl_jax import stack as stack_lib
 from pipelinerl_jax import train
 from pipelinerl_jax.demo import warmstart
 from pipelinerl_jax.models import hf_io
@@ -67,7 +69,8 @@ def launches_trainers(config: config_lib.Config) -> bool:
 
 def _launch_trainers(config: config_lib.Config, workdir: str, model_dir: str | None,
                      on_ready, interrupt) -> dict[str, Any]:
-  check(config, workdir)  # before Ray and the actors start
+  # Before Ray and the actors start; JAX's backends stay unstarted until the processes join.
+  check(config, workdir, stack_lib.installed(device=False))
   from pipelinerl_jax.pipeline import trainer_actors  # imports Ray: only when it is used
   with trainer_actors.launch(config, workdir, follow_as_actor) as launched:  # joins: process 0
     model_dir = prepare(config, workdir, model_dir, interrupt, checked=True)
@@ -93,11 +96,13 @@ def prepare_saying_last_words(config: config_lib.Config, workdir: str, *args) ->
     raise
 
 
-def check(config: config_lib.Config, workdir: str) -> None:
-  """What a run needs beyond a consistent config, none of it needing JAX: the model and the data
-  named, the backend installed (vLLM, Ray), the workdir writable, config.cluster.interface on
-  this host."""
+def check(config: config_lib.Config, workdir: str,
+          installed: stack_lib.Stack | None = None) -> None:
+  """What a run needs beyond a consistent config: the model and the data named, what the
+  installed stack can run (`installed`, default: read now, JAX's device included), the backend
+  installed (vLLM, Ray), the workdir writable, config.cluster.interface on this host."""
   config.check_runnable()
+  stack_lib.check(config, installed)  # reads the model's config.json, never its weights
   build_lib.check_backend_installed(config)  # before the demo model is built
   workdir_lib.check_dir(workdir, '--workdir')
   if config.cluster.interface:  # this host's side of the network the hosts share
@@ -110,7 +115,9 @@ def prepare(config: config_lib.Config, workdir: str, model_dir: str | None = Non
   model directory: `model_dir`, config.model.path, or else the demo model, built once (process 0
   first: the cache may be a shared disk)."""
   platforms.check(config)  # a run meant for GPUs on a CPU: before anything else is looked at
-  if not checked:
+  if checked:
+    stack_lib.check(config)  # the device, now that the processes have joined
+  else:
     check(config, workdir)
   if not model_dir and config.model.path:
     model_dir = hf_io.check_model_dir(config.model.path, 'config.model.path')
