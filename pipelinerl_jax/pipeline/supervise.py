@@ -156,7 +156,7 @@ def _join(threads: list[threading.Thread], timeout_s: float,
   see LOST_PROCESS_STOP_S), up to LOST_PROCESS_STOP_S more at most."""
   deadline = time.monotonic() + timeout_s
   shortened = False
-  while any(t.is_alive() for t in threads) and time.monotonic() < deadline:
+  while (alive := [t for t in threads if t.is_alive()]) and time.monotonic() < deadline:
     if not shortened and lost():
       shortened, deadline = True, min(deadline, time.monotonic() + LOST_PROCESS_STOP_S)
-    next(t for t in threads if t.is_alive()).join(min(0.5, max(0.0, deadline - time.monotonic())))
+    alive[0].join(min(0.5, max(0.0, deadline - time.monotonic())))
