@@ -11,7 +11,8 @@
 #   tools/two_hosts.sh up DIR          make the hosts and hold them until stdin closes or a
 #                                      signal (Ctrl-C); then remove everything. DIR (created,
 #                                      or empty) keeps their state; nothing else is written.
-#   tools/two_hosts.sh run DIR a|b CMD [ARG...]   CMD on host a or b (its cwd: this one)
+#   tools/two_hosts.sh run DIR a|b CMD [ARG...]   CMD on host a or b (its cwd: this one; it
+#                                                 gets SIGTERM if this command dies)
 #   tools/two_hosts.sh link DIR down|up           pull b's end of the cable, or plug it back
 #   tools/two_hosts.sh kill DIR a|b    SIGKILL every process on the host (but the harness's
 #                                      init); its network stays, and it can run more
