@@ -328,8 +328,8 @@ class RemoteConfig(_Section):
   # `ray start --node-ip-address` gave it); '' = wherever Ray finds room.
   node_ip: str = ''
   # A generator actor that hears nothing from the run for this long stops itself: its host was
-  # cut off from the driver's, and Ray would leave it running (holding its devices) until the
-  # Ray node itself gives up.
+  # cut off from the driver's, and Ray leaves such an actor running (holding its devices; seen
+  # for over a minute).
   heartbeat_timeout_s: float = 60.0
 
   def _check_values(self):
@@ -450,7 +450,7 @@ class ClusterConfig(_Section):
   # This host's address as the other hosts reach it (what `ray start --node-ip-address` gave
   # its node): the driver joins Ray as that node, and jax.distributed's coordinator and the
   # weights' rendezvous listen there. '' = Ray's guess (a route to a public address, else what
-  # the host name resolves to: on a cluster without a default route, often 127.0.1.1).
+  # the host name resolves to: 127.0.1.1 where /etc/hosts maps it there, as Debian's does).
   node_ip: str = ''
   # The network interface the hosts talk over, by the same name on every host (e.g. 'ib0'):
   # JAX's gloo collectives between trainer processes and the weights' gloo transport listen on

@@ -5,7 +5,7 @@ decode_loop.py, free of Ray.
   pin(cores)           the process's threads to its cores (CPU nodes), before any engine starts
   heartbeat()          the pool is there: from the first one on, an actor that hears none for
                        spec.heartbeat_timeout_s stops itself (its host cut off from the driver's:
-                       Ray would leave it running until the Ray node itself gives up)
+                       Ray leaves such an actor running)
   update(tree, v, d)   weights through Ray's object store: `tree` arrives as read-only numpy views
                        of the one shared copy; checked against its digest `d`, then handed whole
                        to the engine, which applies it between two token steps
