@@ -389,6 +389,30 @@ def test_quick_collective_section_sends_whole_updates_between_two_processes(tmp_
   assert positive(update['gb_per_s'])
 
 
+def test_quick_one_gpu_section_runs_the_preset_on_a_tiny_qwen3(tmp_path):
+  """`--sections=qwen3_1xgpu --quick`: the one-GPU preset's path (a random Qwen3 saved as an HF
+  dir, the preset run whole) on CPU, the image's absent packages hidden; the plan's terms and the
+  run's figures recorded."""
+  out = tmp_path / 'gpu.json'
+  proc = run_kit(['--quick', '--sections=qwen3_1xgpu', f'--out={out}',
+                  f'--workdir={tmp_path / "w"}'], image_like_env(tmp_path / 'hider'), timeout=600)
+  assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+  report = json.loads(out.read_text())
+  section = report['sections']['qwen3_1xgpu']
+  assert section['status'] == 'ok' and section['imported_absent_on_image'] == []
+  (item,) = items(report, 'qwen3_1xgpu').values()
+  assert item['name'] == 'qwen3_1p7b_1xgpu preset' and item['preset'] == 'qwen3_1p7b_1xgpu'
+  assert item['steps'] == presets.QUICK.one_gpu_steps
+  assert item['max_new_tokens'] == presets.QUICK.one_gpu_new_tokens
+  # Random weights: every sample runs to the length limit, the plan's worst case.
+  assert item['frac_hit_length_limit'] > 0.5
+  assert positive(item['train_step_s_median']) and positive(item['gen_tokens_per_s_median'])
+  assert item['plan_refusal'] == '' and positive(item['plan_total_bytes'])
+  model = tmp_path / 'w' / 'one_gpu' / 'qwen3_1p7b_1xgpu-quick'
+  assert json.loads((model / 'config.json').read_text())['model_type'] == 'qwen3'
+  assert 'qwen3_1p7b_1xgpu preset' in proc.stdout
+
+
 # ---------------------------------------------------------------------------------------------
 # Pure helpers.
 

@@ -17,6 +17,7 @@ from typing import Any, Callable, NamedTuple
 from pipelinerl_jax.bench.gpu import collective
 from pipelinerl_jax.bench.gpu import e2e
 from pipelinerl_jax.bench.gpu import engine
+from pipelinerl_jax.bench.gpu import one_gpu
 from pipelinerl_jax.bench.gpu import env
 from pipelinerl_jax.bench.gpu import publish
 from pipelinerl_jax.bench.gpu import section as section_lib
@@ -50,6 +51,10 @@ SECTIONS: dict[str, SectionSpec] = {spec.name: spec for spec in (
     SectionSpec('vllm', vllm.run, vllm.describe, weight=8.0, default=False),
     # NCCL needs vLLM's communicator: after tools/gpu_stage.py, as vllm.
     SectionSpec('collective', collective.run, collective.describe, weight=3.0, default=False),
+    # A one-GPU preset's short run on random weights of its shapes (one_gpu.PRESET_MODELS), each
+    # in its own process, so that the device's peak is that preset's.
+    SectionSpec('qwen3_1xgpu', one_gpu.runner_for('qwen3_1p7b_1xgpu'), one_gpu.describe,
+                weight=6.0, default=False),
 )}
 DEFAULT_SECTIONS = tuple(name for name, spec in SECTIONS.items() if spec.default)
 OPTIONAL_SECTIONS = tuple(name for name, spec in SECTIONS.items() if not spec.default)
