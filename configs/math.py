@@ -8,6 +8,8 @@
                    learns to call (tasks/calculator.py); a few minutes on CPU
   qwen1p5b_8xh100  Qwen2.5-Math-1.5B on one 8xH100 host, vLLM generation
   paper_7b         the paper's Qwen2.5-7B run (B=1024, G=8, lr 1e-6, 8192 new tokens)
+  qwen3_1p7b_1xgpu Qwen3-1.7B, full fine-tuning on one GPU of 80 GB or more: the trainer and
+                   the JAX engine in one process
   qwen3_8b_lora_1xgpu  Qwen3-8B with LoRA on one 80 GB GPU: trainer and JAX engine share the
                    frozen bf16 base (one copy)
 
@@ -32,7 +34,7 @@ def get_config(arg=None):
 
 
 def tiny():
-  """A ~100k-param Qwen2-format model built and SFT-warmed locally on 2-digit addition, then
+  """A 145k-param Qwen2-format model built and SFT-warmed locally on 2-digit addition, then
   PipelineRL on unseen problems, all on 2 CPU cores (docs/results.md: the CPU demo)."""
   c = config_lib.base_config()
   c.task.name = 'arithmetic'
@@ -151,10 +153,13 @@ def qwen1p5b_8xh100():
   # Qwen2.5-Math's context is 4096 tokens: prompt + completion must fit in it.
   c.generation.max_prompt_len = 512
   c.generation.max_new_tokens = 3072
-  c.generation.num_slots = 768      # H: ~192 sequences per generation GPU keeps decode busy
+  # H = 192 sequences per generation GPU (keeps decode busy) x num_generators: 768 on 4 GPUs;
+  # validation derives num_slots, so it follows a --config.generation.num_generators override.
+  c.generation.slots_per_generator = 192
+  c.generation.num_slots = 0
   c.rl.batch_size = 512             # 64 prompts x 8 samples per step (half the paper's B:
   c.rl.group_size = 8               # one host generates ~16x fewer tokens/s than 48 GPUs)
-  # Appendix A: g_max ~ H * L / (mean length * B) = 768 * 3072 / (~700 * 512) ~ 7.
+  # Appendix A: g_max ~ H * L / (mean length * B) = 768 * 3072 / (~700 * 512) ~ 7 on 4 GPUs.
   c.rl.max_lag = 8
   c.rl.total_steps = 1000
   c.optimizer.lr = 1e-6             # the paper's Adam lr, constant
@@ -172,9 +177,8 @@ def qwen1p5b_8xh100():
 
 def paper_7b():
   """Section 5: Qwen2.5-7B base on Open-Reasoner-Zero problems, 128 H100 (48 generate at H = 64
-  each, 80 train). Our runs are single-host: the RL settings are the paper's, the placement is
-  one 8-GPU host's, 4 train and 4 generate (set train.mesh and generation.num_generators for
-  yours)."""
+  each, 80 train). The RL settings are the paper's, the placement one 8-GPU host's, 4 train and
+  4 generate (set train.mesh and generation.num_generators for yours: H follows the latter)."""
   c = config_lib.base_config()
   _math_task(c)
   _gpu_model(c)
@@ -182,12 +186,14 @@ def paper_7b():
   c.generation.max_prompt_len = 1024
   c.generation.max_new_tokens = 8192
   c.generation.temperature = 1.0
-  # The paper's H = 64 per generation GPU. (Its 3072 in flight over 48 GPUs would be 768 per
-  # GPU here: at ~3k tokens each, 126 GiB of KV cache, more than an 80 GB GPU holds.)
-  c.generation.num_slots = 64 * c.generation.num_generators
+  # The paper's H = 64 per generation GPU, x num_generators (validation derives num_slots). (Its
+  # 3072 in flight over 48 GPUs would be 768 per GPU here: at ~3k tokens each, 126 GiB of KV
+  # cache, more than an 80 GB GPU holds.)
+  c.generation.slots_per_generator = 64
+  c.generation.num_slots = 0
   c.rl.batch_size = 1024
   c.rl.group_size = 8
-  # Not stated as a setting in our notes; Appendix A's bound g_max ~ H*I*L / (mean len * B)
+  # Not stated as a setting in the paper; Appendix A's bound g_max ~ H*I*L / (mean len * B)
   # is 3072 * 8192 / (~3000 * 1024) ~ 8 on the paper's 48 generation GPUs (256 * 8192 /
   # (~3000 * 1024) ~ 1 on this host's 4): 8 never binds here and keeps the paper's setting.
   c.rl.max_lag = 8
@@ -203,6 +209,43 @@ def paper_7b():
   c.train.micro_batch_rows = 1
   c.task.reward.overlong_max_len = 8192  # "a soft penalty near max length"
   c.task.reward.overlong_buffer = 1024
+  return c
+
+
+def qwen3_1p7b_1xgpu():
+  """Qwen3-1.7B (or -1.7B-Base), full fine-tuning on one GPU: the trainer and the JAX engine in
+  one process on the same device, the engine decoding between the trainer's steps and taking
+  each new policy between two token steps. Placed by the memory plan on an 80 GB and a 141 GB
+  card (docs/scaling.md: one GPU)."""
+  c = config_lib.base_config()
+  _math_task(c)
+  _gpu_model(c)
+  c.train.mesh = '1,1,1'
+  c.generation.backend = 'jax'      # placement 'inline' (the default): this process, device 0
+  # The paged cache read by cuDNN: the fastest decode measured on an H100 (docs/results.md).
+  c.generation.decode_attention = 'cudnn'
+  # Qwen3's thinking traces run to many thousands of tokens, far past this budget: its template
+  # is asked for a direct answer (an empty think block). A template without the switch is
+  # refused; set --config.task.chat_template_kwargs="{}" for such a model.
+  c.task.chat_template_kwargs = {'enable_thinking': False}
+  c.generation.max_prompt_len = 512
+  c.generation.max_new_tokens = 3072
+  c.generation.num_slots = 128      # H
+  # 12 GiB of pages: 112k positions, 31 sequences at full length, all 128 at ~880 tokens; a
+  # sequence that finds no page waits (or is preempted) rather than the device running out.
+  # The memory plan puts the device at 64 GiB in all, room for its estimate to run ~15 % low
+  # on an 80 GB card; a 141 GB card takes a larger pool (docs/scaling.md: one GPU).
+  c.generation.kv_pool_mb = 12 * 1024
+  c.rl.batch_size = 128             # 16 prompts x 8 samples per step
+  c.rl.group_size = 8
+  c.rl.max_lag = 4
+  c.rl.total_steps = 1000
+  c.optimizer.lr = 1e-6
+  c.train.seq_len = 8192            # packed rows: 2+ full-length samples each
+  c.train.micro_batch_rows = 1      # one 8k row at a time bounds the activations
+  c.model.remat_policy = 'dots'     # only elementwise work recomputed
+  c.task.reward.overlong_max_len = 3072
+  c.task.reward.overlong_buffer = 512
   return c
 
 
@@ -223,6 +266,7 @@ def qwen3_8b_lora_1xgpu():
   # (LoRA Without Regret, Thinking Machines 2025; TRL's reproduction: 1e-5 against 1e-6).
   c.optimizer.lr = 1e-5
   c.train.mesh = '1,1,1'           # the one GPU
+  c.task.chat_template_kwargs = {'enable_thinking': False}  # as qwen3_1p7b_1xgpu's
   c.generation.backend = 'jax'
   c.generation.placement = 'inline'
   c.generation.decode_attention = 'xla'
@@ -270,13 +314,18 @@ def _gpu_placement(c):
   attention (for 7B every matrix) would sit whole, with their Adam state, on every trainer GPU;
   6 fails the same way for 7B. 4:4 is the nearest split that shards everything; it leans towards
   generation, which Appendix A's model favours when decoding long completions dominates a step.
-  `python -m pipelinerl_jax.memory_plan` checks a layout (docs/scaling.md: memory plan).
+  `python -m pipelinerl_jax.memory_plan` checks a layout (docs/scaling.md: memory plan). This
+  placement (vLLM on CUDA, Ray actors on GPUs, NCCL) has not run on GPUs yet: README, status on
+  GPUs.
   """
   c.train.mesh = '1,4,1'
   c.generation.backend = 'vllm'
   c.generation.placement = 'ray'
   c.generation.num_generators = 4   # GPUs 4, 5, 6, 7
   # Updates in bf16 (vLLM's serving dtype) from the trainer's GPU 0, one staging buffer each.
+  # Unproven: NCCL updates have not run on GPUs yet (the CPU tests run their protocol over gloo);
+  # --config.generation.remote.weight_transport=object_store is the transport that has run end
+  # to end (on CPU).
   c.generation.remote.weight_transport = 'nccl'
   # Each generator GPU 90% used once vLLM started: CUDA context, staging buffer, weights,
   # activations, CUDA graphs (on), and the KV cache from what is left (generation/budget.py).
@@ -288,13 +337,14 @@ def _gpu_model(c):
   lm_head with fp32 accumulation (log pi moves by 3-7e-3 nats on average against an fp32 head,
   inside the 1e-2 budget: docs/attention-2026-11-26.md), rematerialized layers for
   long sequences. The run refuses to start where JAX has no GPU (--config.allow_cpu=True to
-  debug on a CPU)."""
+  debug on a CPU, with --config.model.attention=blockwise)."""
   c.platform = 'gpu'
   c.model.param_dtype = 'float32'
   c.model.dtype = 'bfloat16'
   c.model.lm_head_fp32 = False
-  # cuDNN's fused attention over the packed rows (Hopper): the fastest measured on an H100
-  # (docs/results.md).
+  # cuDNN's fused attention over the packed rows (Hopper or later; grouped-query heads need JAX
+  # >= 0.11, the GPU stack's): the fastest train step measured on an H100 (docs/results.md).
+  # The config check refuses it where the installed stack cannot run it (stack.py).
   c.model.attention = 'cudnn'
   c.model.remat = True
   c.log.progress = True
@@ -302,4 +352,4 @@ def _gpu_model(c):
 
 PRESETS = {'tiny': tiny, 'tiny_lora': tiny_lora, 'reasoning': reasoning, 'tools': tools,
            'qwen1p5b_8xh100': qwen1p5b_8xh100, 'paper_7b': paper_7b,
-           'qwen3_8b_lora_1xgpu': qwen3_8b_lora_1xgpu}
+           'qwen3_1p7b_1xgpu': qwen3_1p7b_1xgpu, 'qwen3_8b_lora_1xgpu': qwen3_8b_lora_1xgpu}

@@ -47,6 +47,14 @@ def _check(ok: bool, field: str, message: str) -> None:
     raise ValueError(f'{field}: {message}')
 
 
+def _check_ipv4(value: str, field: str, empty: str) -> None:
+  """`value` is '' or a dotted IPv4 address (whether this host has it is checked where it is
+  used: cluster.check_local_address)."""
+  parts = value.split('.')
+  ok = value == '' or (len(parts) == 4 and all(p.isdigit() and int(p) < 256 for p in parts))
+  _check(ok, field, f"must be an IPv4 address like '10.0.0.5' ({empty}), got {value!r}")
+
+
 @functools.cache
 def _hints(cls) -> dict[str, Any]:
   return typing.get_type_hints(cls)
@@ -58,6 +66,11 @@ def _type_error(kind: Any, value: Any) -> str | None:
   if origin is Literal:
     return None if value in args else (
         f"must be one of {', '.join(repr(a) for a in args)}, got {value!r}")
+  if origin is dict:  # str keys, scalar values (a ConfigDict from an experiment file or flag)
+    ok = isinstance(value, (dict, ml_collections.ConfigDict)) and all(
+        isinstance(k, str) and isinstance(v, (bool, int, float, str)) for k, v in value.items())
+    shown = value.to_dict() if isinstance(value, ml_collections.ConfigDict) else value
+    return None if ok else f'must be a dict of names to numbers, strings or booleans, got {shown!r}'
   if origin is tuple:
     item = args[0]
     ok = isinstance(value, (tuple, list)) and all(_type_error(item, v) is None for v in value)
@@ -90,6 +103,8 @@ class _Section:
         raise ValueError(f'{name}: {problem}')
       if typing.get_origin(kind) is tuple:
         object.__setattr__(self, name, tuple(value))
+      if typing.get_origin(kind) is dict:
+        object.__setattr__(self, name, dict(value.items()))
     self._check_values()
 
   def _check_values(self):
@@ -101,8 +116,12 @@ class _Section:
 
 @dataclasses.dataclass(frozen=True)
 class DemoModelConfig(_Section):
-  """The demo model built when `model.path` is '' (demo/warmstart.py): a small Qwen2 over a
-  character tokenizer, SFT-warmed on a fixed set of the task's SFT-pool problems."""
+  """The demo model built when `model.path` is '' (demo/warmstart.py): a small Qwen2 (or Qwen3)
+  over a character tokenizer, SFT-warmed on a fixed set of the task's SFT-pool problems."""
+  # The HF format it is saved in: 'qwen2' (q/k/v biases) or 'qwen3' (per-head q/k norms, no
+  # biases).
+  architecture: Literal['qwen2', 'qwen3'] = 'qwen2'
+  tie_embeddings: bool = False    # the lm_head is the embedding table (Qwen3 up to 4B)
   hidden_size: int = 64
   intermediate_size: int = 256
   num_layers: int = 2
@@ -209,7 +228,8 @@ class RewardConfig(_Section):
   # | 'mask' (not trained on) | 'none' (judged as usual: pays a policy that never stops).
   truncated: Literal['none', 'mask', 'penalize'] = 'penalize'
   truncated_reward: float = 0.0
-  overlong_max_len: int = 0       # L, in tokens, for DAPO's soft overlong penalty; 0 = off
+  overlong_max_len: int = 0       # L, in tokens, for DAPO's soft overlong penalty; 0 = off, else
+                                  # generation.max_new_tokens
   overlong_buffer: int = 0        # Lc
 
   def _check_values(self):
@@ -246,6 +266,9 @@ class TaskConfig(_Section):
   test_files: tuple[str, ...] = ()    # held-out sets for evaluation, one dataset each
   test_fraction: float = 0.0      # without test_files: this fraction of each train file is held
                                   # out (split by problem text, seed 0) as its test set
+  # math: keyword arguments of the tokenizer's chat template, e.g. {'enable_thinking': False}
+  # for Qwen3's (a name the template never mentions is an error, not ignored).
+  chat_template_kwargs: dict[str, Any] = dataclasses.field(default_factory=dict)
   problem_field: str = ''         # '' = first present of problem / question / prompt
   answer_field: str = ''          # '' = first present of answer / final_answer / solution
   reward: RewardConfig = RewardConfig()
@@ -283,6 +306,8 @@ class TaskConfig(_Section):
     _check(self.verify_timeout_s > 0, 'verify_timeout_s',
            f'must be > 0, got {self.verify_timeout_s}')
     _check(self.verify_workers >= 1, 'verify_workers', f'must be >= 1, got {self.verify_workers}')
+    _check(not self.chat_template_kwargs or self.name == 'math', 'chat_template_kwargs',
+           f"apply to task 'math' only (task {self.name!r} prompts are plain text)")
 
 
 # --- generation ------------------------------------------------------------------------------
@@ -333,6 +358,13 @@ class RemoteConfig(_Section):
   # nccl protocol).
   weight_transport: Literal['object_store', 'nccl', 'gloo'] = 'object_store'
   transport_timeout_s: float = 120.0  # nccl/gloo: joining the group, one weight update
+  # Every generator actor on the Ray node with this address (a host kept for generation, as
+  # `ray start --node-ip-address` gave it); '' = wherever Ray finds room.
+  node_ip: str = ''
+  # A generator actor that hears nothing from the run for this long stops itself: its host was
+  # cut off from the driver's, and Ray leaves such an actor running (holding its devices; seen
+  # for over a minute).
+  heartbeat_timeout_s: float = 60.0
 
   def _check_values(self):
     _check(self.max_restarts >= 0, 'max_restarts', f'must be >= 0, got {self.max_restarts}')
@@ -346,6 +378,9 @@ class RemoteConfig(_Section):
            f"must be distinct GPU ids like '4,5,6,7' ('' = automatic), got {self.devices!r}")
     _check(self.transport_timeout_s > 0, 'transport_timeout_s',
            f'must be > 0, got {self.transport_timeout_s}')
+    _check_ipv4(self.node_ip, 'node_ip', "'' = wherever Ray finds room")
+    _check(self.heartbeat_timeout_s >= 1, 'heartbeat_timeout_s',
+           f'must be >= 1, got {self.heartbeat_timeout_s}')
 
   @property
   def device_ids(self) -> list[str]:
@@ -359,9 +394,12 @@ class GenerationConfig(_Section):
   # (Ray actors, each on its own GPU or CPU cores, restarted when they die; see `remote` and
   # `config.cluster`).
   placement: Literal['inline', 'ray'] = 'inline'
-  num_generators: int = 1         # generators (placement 'ray': one actor each); each holds
-                                  # ceil(num_slots / num_generators) sequences
-  num_slots: int = 64             # H: sequences in flight
+  num_generators: int = 1         # generators (placement 'ray': one actor each)
+  num_slots: int = 64             # H: sequences in flight; 0 = slots_per_generator x generators
+  # Sequences each generator holds (`generator_slots`); 0 = ceil(num_slots / num_generators). A
+  # preset whose H is per generator sets this and num_slots=0, so that H follows num_generators:
+  # validation derives num_slots, and refuses the two set apart.
+  slots_per_generator: int = 0
   max_prompt_len: int = 32
   max_new_tokens: int = 16
   temperature: float = 1.0
@@ -387,8 +425,20 @@ class GenerationConfig(_Section):
   def _check_values(self):
     _check(self.backend == 'jax' or not self.recompute_kv, 'recompute_kv',
            'is only implemented by the JAX engine')
-    _check(self.num_slots >= 1, 'num_slots', f'H must be >= 1, got {self.num_slots}')
     _check(self.num_generators >= 1, 'num_generators', f'must be >= 1, got {self.num_generators}')
+    _check(self.slots_per_generator >= 0, 'slots_per_generator',
+           f'must be >= 0 (0 = from num_slots), got {self.slots_per_generator}')
+    _check(self.num_slots >= 1 or (self.num_slots == 0 and self.slots_per_generator >= 1),
+           'num_slots', f'H must be >= 1 (0 = slots_per_generator x num_generators), got '
+           f'{self.num_slots}')
+    each = -(-self.num_slots // self.num_generators)
+    _check(not (self.num_slots and self.slots_per_generator)
+           or each == self.slots_per_generator, 'num_slots',
+           f'{self.num_slots} over num_generators={self.num_generators} is {each} per generator, '
+           f'not slots_per_generator={self.slots_per_generator}: set one of them (0 derives it '
+           'from the other)')
+    if not self.num_slots:  # H follows the generators (frozen: set as the tuples are)
+      object.__setattr__(self, 'num_slots', self.slots_per_generator * self.num_generators)
     _check(self.num_generators == 1 or self.placement != 'inline', 'num_generators',
            f"{self.num_generators} generators need placement 'ray', not 'inline'")
     _check(self.placement != 'inline' or self.remote == RemoteConfig(), 'remote',
@@ -412,7 +462,8 @@ class GenerationConfig(_Section):
     return self.max_prompt_len + self.max_new_tokens
 
   @property
-  def slots_per_generator(self) -> int:
+  def generator_slots(self) -> int:
+    """Sequences each generator holds."""
     return -(-self.num_slots // self.num_generators)
 
 
@@ -421,7 +472,8 @@ class GenerationConfig(_Section):
 
 @dataclasses.dataclass(frozen=True)
 class ClusterConfig(_Section):
-  """The Ray cluster that actors run on (generation.placement 'ray'); see cluster.py."""
+  """Where the run's processes meet: the Ray cluster that actors run on (generation.placement
+  'ray'; see cluster.py), and the network between hosts (docs/scaling.md: two hosts)."""
   # '' = start a local Ray for this run (quietly; stopped with it, even when the run is
   # killed) | 'auto' = the cluster `ray start` runs on this host | 'HOST:PORT' = that head.
   address: str = ''
@@ -429,6 +481,17 @@ class ClusterConfig(_Section):
   num_gpus: int = -1              # local start: GPUs Ray hands out (-1 = those free of the
                                   # train mesh, see generation.remote.devices)
   object_store_mb: int = 0        # local start: object store size (0 = Ray's default)
+  # This host's address as the other hosts reach it (what `ray start --node-ip-address` gave
+  # its node): the driver joins Ray as that node, and jax.distributed's coordinator and the
+  # weights' rendezvous listen there. '' = Ray's guess (a route to a public address, else what
+  # the host name resolves to: 127.0.1.1 where /etc/hosts maps it there, as Debian's does).
+  node_ip: str = ''
+  # The network interface the hosts talk over, by the same name on every host (e.g. 'ib0'):
+  # JAX's gloo collectives between trainer processes and the weights' gloo transport listen on
+  # its address, and each step's record counts its bytes (net/rx_bytes, net/tx_bytes). '' =
+  # the Ray node's address (Ray actors), else what the host name resolves to (JAX's default).
+  # Applies to any run of several processes, with or without Ray.
+  interface: str = ''
 
   def _check_values(self):
     a = self.address
@@ -443,6 +506,10 @@ class ClusterConfig(_Section):
     _check(not a or local, 'address',
            f'{a!r} joins a running cluster: num_cpus, num_gpus and object_store_mb size a local '
            'start only (leave them at 0, -1, 0; `ray start` sizes a cluster)')
+    _check_ipv4(self.node_ip, 'node_ip', "'' = Ray's guess")
+    i = self.interface
+    _check(i == '' or (len(i) <= 15 and '/' not in i and not any(c.isspace() for c in i)),
+           'interface', f"must be a network interface name like 'eth1' ('' = none), got {i!r}")
 
 
 # --- RL --------------------------------------------------------------------------------------
@@ -542,10 +609,15 @@ class DistributedConfig(_Section):
   process_id: int = -1            # this process's index, 0 = the one that runs the pipeline;
                                   # -1 = the scheduler's
   initialization_timeout_s: int = 300  # every process must have joined by then
-  # A process that sends no heartbeat for this long is dead, and every other one stops. A peer
-  # lost during a collective is reported at once; this bounds the wait for one lost between
-  # collectives (or with its host).
+  # A process silent for this long is lost (killed, hung, or its host cut off): process 0 then
+  # stops the run with one line naming it and its host, and a process that cannot reach
+  # process 0 for this long stops itself. A peer lost during a collective is reported at once;
+  # this bounds the wait for one lost inside a collective, between collectives or with its
+  # host. JAX's own heartbeat, which aborts every process, is the backstop: 2x this + 10 s.
   heartbeat_timeout_s: int = 30
+  # Trainer processes the run starts as Ray actors: the port of jax.distributed's coordinator on
+  # process 0's host (cluster.node_ip); 0 = a free one.
+  coordinator_port: int = 0
   # Trainer processes the run starts as Ray actors (generation.placement 'ray'; see
   # pipeline/trainer_actors.py), each on a node of its own while the cluster has them:
   cpus_per_process: int = 1       # CPUs each reserves; on a node without GPUs it is pinned
@@ -563,6 +635,8 @@ class DistributedConfig(_Section):
       _check(getattr(self, name) >= 1, name, f'must be >= 1, got {getattr(self, name)}')
     _check(self.gpus_per_process >= -1, 'gpus_per_process',
            f'must be >= 0 (-1 = as many as process 0 has), got {self.gpus_per_process}')
+    _check(0 <= self.coordinator_port < 65536, 'coordinator_port',
+           f'must be a port number (0 = a free one), got {self.coordinator_port}')
 
 
 @dataclasses.dataclass(frozen=True)
@@ -684,8 +758,10 @@ class Config(_Section):
   def _check_values(self):
     """Checks that span sections (each names the key to change)."""
     g, rl, t = self.generation, self.rl, self.task
-    _check(g.placement == 'ray' or self.cluster == ClusterConfig(), 'cluster',
-           "is where Ray actors run: it applies to generation.placement='ray' only")
+    ray_only = dataclasses.replace(self.cluster, interface='')  # interface: any processes
+    _check(g.placement == 'ray' or ray_only == ClusterConfig(), 'cluster',
+           "is where Ray actors run: it applies to generation.placement='ray' only (but for "
+           'cluster.interface)')
     _check(self.train.cores == 'all' or g.placement == 'ray', 'train.cores',
            "'free' means the cores that generators as Ray actors left: set "
            "generation.placement='ray'")
@@ -694,7 +770,7 @@ class Config(_Section):
            'cluster whose GPUs `ray start` gave it (CUDA_VISIBLE_DEVICES=... ray start ...)')
     _check(g.num_slots >= rl.group_size, 'generation.num_slots',
            f'H={g.num_slots} must hold at least one group (rl.group_size={rl.group_size})')
-    _check(g.slots_per_generator >= rl.group_size, 'generation.num_generators',
+    _check(g.generator_slots >= rl.group_size, 'generation.num_generators',
            f'{g.num_generators} generators leave each fewer than rl.group_size={rl.group_size} '
            f'of num_slots={g.num_slots}: a group must fit in one generator')
     longest = g.max_seq_len - 1
@@ -722,6 +798,15 @@ class Config(_Section):
            'start a Ray cluster in the allocation: tools/slurm_multihost.sh)')
     _check(not self.model.lora.enabled or tr.num_processes == 1, 'model.lora',
            f'LoRA trains in one trainer process (train.num_processes={tr.num_processes})')
+    _check(d.coordinator_port == 0 or (tr.num_processes > 1 and g.placement == 'ray'),
+           'train.distributed.coordinator_port',
+           "is the port of the coordinator the run starts itself (trainer processes as Ray "
+           "actors: generation.placement='ray'); otherwise it is coordinator_address's")
+    r = t.reward
+    _check(r.overlong_max_len in (0, g.max_new_tokens), 'task.reward.overlong_max_len',
+           f'{r.overlong_max_len} is not generation.max_new_tokens={g.max_new_tokens}: the soft '
+           'overlong penalty is measured against the length limit; set it to max_new_tokens '
+           '(or 0 = off)')
     _check(self.eval.num_problems >= 1 or t.name == 'math', 'eval.num_problems',
            'must be >= 1 for an endless problem stream (0 = whole test sets is for math)')
 

@@ -2,7 +2,10 @@
 layout cannot fit.
 
   python -m pipelinerl_jax.memory_plan --config=configs/math.py:paper_7b \\
-      --model_config=configs/models/Qwen2.5-7B --devices=8 --device_gib=80
+      --model_config=configs/models/Qwen2.5-7B --devices=8 --device=h100
+
+`--device` names the card (h100, h200: what a process has on one, accelerators.py);
+`--device_gib` gives any other size.
 
 The parameter layout is the project's own: `train.state_shardings` (params by
 `sharding.param_shardings`, Adam's moments like their params) on `jax.eval_shape` of the train
@@ -57,13 +60,21 @@ adapters and its KV cache, and vLLM adds its LoRA slot, the adapters at its padd
                       CPU setting); `kv='auto'` (default) follows the config: 'free' unless the
                       share is 0
 
+generator device (the JAX engine, backend 'jax': the first device the mesh leaves free, or
+device 0 beside the trainer, whose terms it then adds to)
+  weights             its params, in the compute dtype
+  update              the next published copy, held beside them until the engine swaps it in
+                      between two token steps
+  kv                  the paged KV pool: generation.kv_pool_mb, or every slot at full length
+                      (the largest pool the engine makes without it)
+
 A plan refuses (`Plan.problems`, one line each, `Plan.refusal` joins them) when a device holds
 more than it has, when a large parameter stays whole on every fsdp device, when the KV cache
 cannot hold one full-length request, or when the mesh and the generators need more devices than
 there are. Everything here is an estimate from shapes (XLA's buffer assignment on the device
 decides the truth); `tests/memory_plan_test.py` checks the trainer terms against XLA's own
 numbers for small models compiled on CPU. Not modelled: the copies an in-process vLLM engine
-keeps of published params (placement 'inline' is not a GPU preset).
+keeps of published params (no GPU preset runs vLLM in the trainer's process).
 """
 
 from __future__ import annotations
@@ -80,6 +91,7 @@ import ml_collections
 import numpy as np
 from jax.sharding import AbstractMesh
 
+from pipelinerl_jax import accelerators
 from pipelinerl_jax import config as config_lib
 from pipelinerl_jax import packing
 from pipelinerl_jax import sharding as sharding_lib
@@ -169,6 +181,9 @@ def _layer_bytes_per_token(m: transformer.ModelConfig) -> int:
   h, k = m.num_heads, m.num_kv_heads
   in_dtype = 2 * d + (h + 2 * k) * dh + h * dh + 3 * d + 4 * f  # norms, qkv, attn, o, residuals, mlp
   in_fp32 = 2 * d + (h + k) * dh                                # norm x32, rotated q and k
+  if m.qk_norm:  # Qwen3: q and k normalized per head (fp32 inside the norm)
+    in_dtype += (h + k) * dh
+    in_fp32 += (h + k) * dh
   return dt * in_dtype + 4 * in_fp32
 
 
@@ -412,24 +427,31 @@ def plan(config: ml_collections.ConfigDict | config_lib.Config, hf_config: dict,
 
   generator = {}
   if g.backend == 'jax':
-    # The JAX engine's params (held in the compute dtype) and its KV pool (generation.
-    # kv_pool_mb, or every slot at full length: the pool's largest size), on the first device
-    # the mesh leaves free (or on device 0, beside the trainer).
+    # The JAX engine (the module doc's terms), on the first device the mesh leaves free (or on
+    # device 0, beside the trainer).
     page_bytes = budget.kv_page_bytes(m.num_layers, m.num_kv_heads, m.head_dim, g.kv_page_size,
                                       m.dtype)
     pages = budget.kv_pool_pages(num_slots=g.num_slots, max_seq_len=g.max_seq_len,
                                  page_size=g.kv_page_size, page_bytes=page_bytes,
                                  pool_mb=g.kv_pool_mb)
     facts['generator_devices'] = 1 if mesh.size < num_devices else 0
-    weights = m.num_params * _bytes(m.dtype)
+    # Served weights, the next published copy (it lands while they serve) and the KV pool.
+    weights = update = m.num_params * _bytes(m.dtype)
     if lora is not None:
-      # The adapters; the base too unless the engine reads the trainer's (inline on device 0,
-      # the whole mesh one device: placements.base_on).
+      # Adapters alone, served in the compute dtype and published in the param dtype; the base
+      # too unless the engine reads the trainer's (inline on device 0, the whole mesh one
+      # device: placements.base_on).
       shares = (not facts['generator_devices'] and g.placement == 'inline' and mesh.size == 1)
-      weights = (0 if shares else weights) + lora_lib.num_params(m, lora) * _bytes(m.param_dtype)
+      n = lora_lib.num_params(m, lora)
+      weights = (0 if shares else weights) + n * _bytes(m.dtype)
+      update = n * _bytes(m.param_dtype)
       facts['engine_shares_base'] = shares
-    engine = weights + pages * page_bytes
-    generator = dict(engine=engine)
+    generator = dict(weights=weights, update=update, kv=pages * page_bytes)
+    engine = sum(generator.values())
+    # The trash page holds no sequence; a full-length sequence takes whole pages.
+    facts.update(kv_pool_tokens=(pages - 1) * g.kv_page_size,
+                 kv_pool_full_sequences=(pages - 1) // -(-g.max_seq_len // g.kv_page_size),
+                 slots_per_generator=g.num_slots)
     if mesh.size > num_devices:
       problems.append(f'train.mesh={config.train.mesh} needs {mesh.size} devices, the host has '
                       f'{num_devices}')
@@ -498,9 +520,17 @@ def format_plan(p: Plan) -> str:
     lines += [f'    {k.ljust(width)} {v / GIB:8.2f} GiB' for k, v in terms.items()]
     lines.append(f"    {'total'.ljust(width)} {total / GIB:8.2f} GiB of "
                  f"{f['device_bytes'] / GIB:g}")
+  if 'kv_pool_tokens' in f:
+    shared = ' beside the trainer on device 0' if not f['generator_devices'] else ''
+    lines.append(f"JAX engine{shared}: {f['slots_per_generator']} slots; its KV pool holds "
+                 f"{f['kv_pool_tokens']:,} positions, {f['kv_pool_full_sequences']} full-length "
+                 'sequences (a sequence that finds no free page waits, or is preempted)')
+    if not f['generator_devices']:
+      lines.append(f'device 0 in all: {(p.trainer_total + p.generator_total) / GIB:.2f} GiB of '
+                   f"{f['device_bytes'] / GIB:g}")
   if f.get('engine_shares_base'):
-    lines.append('the JAX engine reads the trainer\'s base (one copy): it adds the adapters and '
-                 'its KV pool')
+    lines.append('the JAX engine reads the trainer\'s base (one copy): it adds the adapters, the '
+                 'next update of them and its KV pool')
   if 'kv_full_requests' in f:
     lines.append(f"generators: {f['generator_devices']}, {f['slots_per_generator']} slots each; "
                  f"KV {f['kv_bytes_per_token'] / 1024:.0f} KiB/token, a full request "
@@ -528,7 +558,8 @@ def main(argv):
   f = flags.FLAGS
   try:
     hf_config, source = read_hf_config(f.model_config or f.config.model.path)
-    p = plan(f.config, hf_config, num_devices=f.devices, device_gib=f.device_gib, kv=f.kv,
+    device_gib = f.device_gib or accelerators.card_named(f.device).usable_gib
+    p = plan(f.config, hf_config, num_devices=f.devices, device_gib=device_gib, kv=f.kv,
              source=source)
   except (ValueError, FileNotFoundError) as e:
     raise SystemExit(f'error: {e}') from None
@@ -548,7 +579,11 @@ def _define_flags():
   flags.DEFINE_string('model_config', '', 'Model directory or config.json (default: '
                       'config.model.path), e.g. configs/models/Qwen2.5-7B.')
   flags.DEFINE_integer('devices', 8, 'Accelerators on the host.')
-  flags.DEFINE_float('device_gib', 80.0, 'Memory per accelerator, GiB.')
+  flags.DEFINE_enum('device', 'h100', list(accelerators.PLANNED),
+                    'The card, for the memory a process has on each device: ' + ', '.join(
+                        f'{c.name} {c.usable_gib:g} GiB' for c in accelerators.CARDS
+                        if c.usable_gib) + '.')
+  flags.DEFINE_float('device_gib', 0.0, 'Memory per accelerator, GiB (default: --device\'s).')
   flags.DEFINE_enum('kv', 'auto', list(KV_MODES), "vLLM KV cache: 'auto' = as the generators "
                     "size it on GPUs (the config's generation.vllm.gpu_memory_utilization, or "
                     "kv_cache_mb when it is 0); 'free' = from the share; 'config' = "

@@ -1,5 +1,6 @@
-"""The README and docs/ pages: every relative link resolves (file and heading), and the README
-stays an entry page."""
+"""The README and docs/ pages: every relative link resolves (file and heading), the README stays an
+entry page, and the docs and code comments speak of the project and its users, not of how it was
+made (no session or issue numbers, leases or borrowed machines)."""
 
 import pathlib
 import re
@@ -60,3 +61,31 @@ def test_a_broken_file_or_heading_is_found(tmp_path):
 def test_readme_is_an_entry_page():
   lines = (ROOT / 'README.md').read_text().count('\n')
   assert lines <= README_MAX_LINES, f'README.md has {lines} lines; move detail to docs/'
+
+
+# How the project was made, not what a user reads: session / issue numbers, machines lent to it.
+WORKING_NOTES = re.compile(r'\b(session \d+|issue[ #]*\d+|leases?|lent|borrowed|device tool)\b',
+                           re.I)
+
+
+def working_notes(paths) -> list[str]:
+  found = []
+  for path in paths:
+    name = path.relative_to(ROOT) if path.is_relative_to(ROOT) else path.name
+    for n, line in enumerate(path.read_text().splitlines(), 1):
+      found += [f'{name}:{n}: {m[0]!r}' for m in WORKING_NOTES.finditer(line)]
+  return found
+
+
+def test_docs_and_code_comments_hold_no_working_notes():
+  code = [*(ROOT / 'pipelinerl_jax').rglob('*.py'), *(ROOT / 'configs').glob('*.py'),
+          *(ROOT / 'tools').glob('*.py'), *(ROOT / 'tools').glob('*.sh')]
+  assert working_notes(PAGES + code) == []
+
+
+def test_a_working_note_is_found(tmp_path):
+  page = tmp_path / 'p.md'
+  page.write_text('Measured in Session 10 on the lent GPU (issue #25; a second lease).\n'
+                  'It was released; a pleasant, relentless problem.\n')
+  assert working_notes([page]) == ["p.md:1: 'Session 10'", "p.md:1: 'lent'",
+                                   "p.md:1: 'issue #25'", "p.md:1: 'lease'"]

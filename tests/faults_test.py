@@ -1,4 +1,4 @@
-"""A hostile user's probes (issue 15), each a test: a run never hangs, never loses a signal,
+"""A hostile user's probes, each a test: a run never hangs, never loses a signal,
 never leaves a process or /dev/shm entry behind, never saves or resumes a non-finite state, and
 never mixes two runs; what goes wrong is one line naming the cause, or is recovered from.
 

@@ -127,28 +127,20 @@ def test_in_process_vllm_shares_device_zero_with_the_trainer():
   shared = preset_plan('qwen1p5b_8xh100', config=config)
   alone = preset_plan('qwen1p5b_8xh100')
   assert shared.fits and shared.facts['generator_devices'] == 0
-  # The KV cache gets what the trainer leaves on device 0 (the sampler's logits differ with its
-  # 768 slots instead of 192, and in-process updates stage one fp32 tensor, not a bf16 update).
+  # The KV cache gets what the trainer leaves on device 0 (its H follows the one generator, 192
+  # slots as each of the 4 has; in-process updates stage one fp32 tensor, not a bf16 update).
   delta = ((shared.generator['activations'] - alone.generator['activations'])
            + (shared.generator['staging'] - alone.generator['staging']))
   assert shared.generator['kv'] == pytest.approx(
       alone.generator['kv'] - shared.trainer_total - delta, abs=2)
 
 
-# Qwen3-8B's shapes (huggingface.co/Qwen/Qwen3-8B's config.json) in Llama's format: the same
-# matrices, without Qwen3's q/k norms (2 x 128 params a layer).
-QWEN3_8B_SHAPES = dict(
-    architectures=['LlamaForCausalLM'], model_type='llama', hidden_size=4096, head_dim=128,
-    intermediate_size=12288, num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8,
-    vocab_size=151936, max_position_embeddings=40960, rope_theta=1000000, rms_norm_eps=1e-6,
-    tie_word_embeddings=False, torch_dtype='bfloat16')
-
-
 def test_lora_on_one_gpu_shares_the_base_where_full_fine_tuning_does_not_fit():
   """LoRA: the trainer holds the frozen bf16 base and the adapters with their gradient and fp32
   Adam; the inline JAX engine reads that base and adds only the adapters and its KV pool."""
   config = config_lib.load_preset('qwen3_8b_lora_1xgpu')
-  p = memory_plan.plan(config, QWEN3_8B_SHAPES, num_devices=1, device_gib=80)
+  qwen3_8b, _ = memory_plan.read_hf_config(ROOT / 'configs/models/Qwen3-8B')
+  p = memory_plan.plan(config, qwen3_8b, num_devices=1, device_gib=80)
   assert p.fits, p.refusal
   f = p.facts
   assert f['engine_shares_base'] and f['generator_devices'] == 0 and 'params' not in p.trainer
@@ -159,10 +151,12 @@ def test_lora_on_one_gpu_shares_the_base_where_full_fine_tuning_does_not_fit():
   adapters = 4 * rank * per_rank  # fp32, ~2.7M params per unit of rank (the issue's arithmetic)
   assert p.trainer['adapters'] == adapters and 0 <= p.trainer['adam'] - 2 * adapters < 64
   pool = config.generation.kv_pool_mb << 20
-  assert adapters + 0.99 * pool <= p.generator['engine'] <= adapters + pool
+  # The engine: the adapters as served (bf16), the next update of them (fp32), its pool.
+  assert p.generator['weights'] == adapters // 2 and p.generator['update'] == adapters
+  assert 0.99 * pool <= p.generator['kv'] <= pool
   assert p.trainer_total + p.generator_total <= 80 * memory_plan.GIB
   config.model.lora.rank = 0  # full fine-tuning: fp32 weights, gradients and Adam
-  full = memory_plan.plan(config, QWEN3_8B_SHAPES, num_devices=1, device_gib=80)
+  full = memory_plan.plan(config, qwen3_8b, num_devices=1, device_gib=80)
   assert not full.fits and 'a trainer device needs' in full.refusal
 
 
@@ -252,6 +246,19 @@ def test_cli_prints_the_plan_and_exits_nonzero_on_refusal(tmp_path):
       missing.stderr
 
 
+def test_cli_plans_for_the_card_named():
+  """The 7B preset's trainer on 2 fsdp devices needs ~103 GiB a device: more than an H100 offers
+  a process, less than an H200 does."""
+  flags = ('--config=configs/math.py:paper_7b', '--model_config=configs/models/Qwen2.5-7B',
+           '--config.train.mesh=1,2,1')
+  h100 = run_cli(*flags)  # the default card
+  assert h100.returncode == 1, h100.stderr[-2000:]
+  assert 'REFUSED: a trainer device needs 103.3 GiB > 78 GiB' in h100.stdout
+  h200 = run_cli(*flags, '--device=h200')
+  assert h200.returncode == 0, h200.stdout[-2000:] + h200.stderr[-2000:]
+  assert 'GiB of 139' in h200.stdout and h200.stdout.strip().endswith('FITS')
+
+
 def test_several_trainer_processes_keep_a_whole_copy_over_each_process_devices():
   """Over nccl from 2 trainer processes of 4 devices each, the pool's copy is whole on each
   process's devices (distributed.whole_per_process): a quarter of the bf16 model per device,
@@ -304,3 +311,29 @@ def test_the_remat_policy_and_cudnn_statistics_change_the_saved_activations():
   m = plan.facts
   stats = 28 * m['rows_per_micro_batch'] * c.train.max_segments_per_row * 12 * 8192 * 4
   assert plan.trainer['saved'] > saved['attention'] + stats * 0.5
+
+
+def test_the_one_gpu_qwen3_preset_fits_an_80_and_a_141_gb_card():
+  """Trainer and JAX engine share the one device: fp32 master weights, Adam and gradients whole
+  (the q/k norms counted), the engine's bf16 params twice (served and the next published copy)
+  and its 12 GiB KV pool; a pool too large for 80 GB is refused in one line."""
+  config = config_lib.load_preset('qwen3_1p7b_1xgpu')
+  hf_config, source = memory_plan.read_hf_config(ROOT / 'configs/models/Qwen3-1.7B')
+  plans = {gib: memory_plan.plan(config, hf_config, num_devices=1, device_gib=gib, source=source)
+           for gib in (80, 141)}
+  for gib, p in plans.items():
+    assert p.fits, (gib, p.refusal)
+    f = p.facts
+    assert (f['mesh'], f['train_devices'], f['generator_devices']) == ('1,1,1', 1, 0)
+    assert p.trainer['params'] == f['params'] * 4 == 1_720_574_976 * 4
+    assert p.trainer['adam'] - 2 * p.trainer['params'] < 64 and p.trainer['gathered'] == 0
+    assert p.generator['weights'] == p.generator['update'] == f['params'] * 2
+    assert p.generator['kv'] == pytest.approx(12 * memory_plan.GIB, rel=1e-3)
+    assert f['kv_pool_full_sequences'] == 31
+    # Headroom on 80 GB for the plan's estimate to run low (cuDNN's peaks ran ~10-15 % above).
+    assert p.trainer_total + p.generator_total < 0.82 * 80 * memory_plan.GIB
+  assert plans[80].trainer == plans[141].trainer
+  assert 'device 0 in all: 64.15 GiB of 80' in memory_plan.format_plan(plans[80])
+  config.generation.kv_pool_mb = 40 * 1024
+  p = memory_plan.plan(config, hf_config, num_devices=1, device_gib=80, source=source)
+  assert p.refusal == 'device 0 holds the trainer and the JAX engine: 92.1 GiB > 80 GiB'

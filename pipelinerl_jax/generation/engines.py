@@ -56,7 +56,7 @@ def spec_from_config(config, eos_token_ids, **overrides) -> EngineSpec:
   `overrides`: EngineSpec fields that differ (an evaluation's backend and slots)."""
   g = config.generation
   spec = EngineSpec(
-      backend=g.backend, num_slots=g.slots_per_generator, max_seq_len=g.max_seq_len,
+      backend=g.backend, num_slots=g.generator_slots, max_seq_len=g.max_seq_len,
       eos_token_ids=tuple(eos_token_ids), jax_options=jax_options(g),
       kv_cache_mb=g.vllm.kv_cache_mb, gpu_memory_utilization=g.vllm.gpu_memory_utilization,
       cuda_graphs=g.vllm.cuda_graphs, lm_head_fp32=config.model.lm_head_fp32,

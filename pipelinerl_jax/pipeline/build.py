@@ -98,6 +98,9 @@ def build_learner(config: config_lib.Config, workdir: str, model_dir: str,
       attention_block_kv=config.model.attention_block_kv)
   mesh = sharding_lib.make_mesh(*config.train.mesh_sizes)
   optimizer = train.make_optimizer(config.optimizer)
+  # Opening the checkpoints is the processes' first collective (orbax syncs them), where gloo
+  # waits only 30 s for a peer; a trainer process on another host may start much later.
+  distributed.barrier('checkpoints')
   checkpoints = checkpoint_lib.Checkpointer(checkpoint_lib.directory(config, workdir),
                                             config.checkpoint.keep, config.checkpoint.every_steps)
   if started is not None:
@@ -162,6 +165,7 @@ def _build(config: config_lib.Config, workdir: str, model_dir: str,
            started: contextlib.ExitStack, check_interrupt: Callable[[], None],
            trainers=None) -> Parts:
   tokenizer = hf_io.load_tokenizer(model_dir)
+  stop_ids = hf_io.stop_token_ids(model_dir, tokenizer)
   task = registry.make_task(config.task, tokenizer)
   started.callback(_quietly, task.close)
   check_interrupt()
@@ -176,7 +180,7 @@ def _build(config: config_lib.Config, workdir: str, model_dir: str,
   else:
     params = trainers.publication(state.params, version, wire_dtype)  # with every process
   engine = placements.ENGINE_PLACEMENTS[config.generation.placement](
-      config, model_config, model_dir, mesh=mesh, eos_token_id=tokenizer.eos_token_id,
+      config, model_config, model_dir, mesh=mesh, eos_token_ids=stop_ids,
       params=params, version=version, cores=trainers and trainers.cores)
   del params
   started.callback(_quietly, engine.close)
@@ -186,7 +190,7 @@ def _build(config: config_lib.Config, workdir: str, model_dir: str,
   g = config.generation
   if learner.resumed and g.backend != 'jax' and g.placement == 'inline':
     publish(state.params, version)  # inline vLLM loaded model_dir's weights
-  evaluate = (evaluator(config, workdir, learner, tokenizer, task)
+  evaluate = (evaluator(config, workdir, learner, tokenizer, task, stop_ids)
               if config.eval.every_steps else None)
   return Parts(model_dir=model_dir, learner=learner, tokenizer=tokenizer, task=task,
                engine=engine, put_batch=batch_placer(config.train, mesh), publish=publish,
@@ -270,8 +274,8 @@ def batch_placer(config: config_lib.TrainConfig, mesh) -> Callable:
   return put_batch
 
 
-def evaluator(config: config_lib.Config, workdir: str, learner: Learner, tokenizer, task
-              ) -> Callable[[Any, int], dict]:
+def evaluator(config: config_lib.Config, workdir: str, learner: Learner, tokenizer, task,
+              stop_ids: tuple[int, ...]) -> Callable[[Any, int], dict]:
   """(params, step) -> eval metrics: the CLI's evaluation on a copy of the current params (the
   train step donates them; with LoRA, of the adapters, on the base), its samples written to
   workdir/eval/samples-<step>.jsonl."""
@@ -285,7 +289,7 @@ def evaluator(config: config_lib.Config, workdir: str, learner: Learner, tokeniz
 
   def evaluate(params, step: int) -> dict:
     result = evaluation.evaluate_params(config, learner.model_config, copy(params), tokenizer,
-                                        task, problems, device=device)
+                                        task, problems, device=device, stop_ids=stop_ids)
     evaluation.write_samples(os.path.join(workdir, 'eval', f'samples-{step}.jsonl'),
                              result['samples'])
     return {**evaluation.metrics_record(result), 'eval/seconds': result['seconds']}

@@ -117,11 +117,12 @@ def transport_dtype(config: config_lib.Config, model_config, model_dir: str) -> 
 
 
 def _inline_engine(config: config_lib.Config, model_config, model_dir: str, *, mesh,
-                   eos_token_id: int, params, version: int, cores=None) -> api.Engine:
+                   eos_token_ids: tuple[int, ...], params, version: int, cores=None
+                   ) -> api.Engine:
   """The engine in the trainer's process: the JAX engine on a device the mesh leaves free, or
   vLLM (which starts from the checkpoint on disk, what `params` were loaded from)."""
   del cores
-  spec = engines.spec_from_config(config, (eos_token_id,))
+  spec = engines.spec_from_config(config, eos_token_ids)
   if spec.backend == 'jax':
     device = generation_device(mesh)
     if isinstance(params, lora_lib.Adapted):  # one base for trainer and engine where it can be
@@ -134,7 +135,8 @@ def _inline_engine(config: config_lib.Config, model_config, model_dir: str, *, m
 
 
 def _ray_engine(config: config_lib.Config, model_config, model_dir: str, *, mesh,
-                eos_token_id: int, params, version: int, cores=None) -> api.Engine:
+                eos_token_ids: tuple[int, ...], params, version: int, cores=None
+                ) -> api.Engine:
   """Generator actors on a Ray cluster (joined, or started here), each on its own devices.
   `cores`: the placement.CoreAllocator that trainer actors took their cores from."""
   from pipelinerl_jax import cluster as cluster_lib  # imports Ray
@@ -161,16 +163,17 @@ def _ray_engine(config: config_lib.Config, model_config, model_dir: str, *, mesh
                        "GPUs (the cluster has none, or gpus_per_generator=0); use 'gloo' or "
                        "'object_store'")
     spec = generator.GeneratorSpec(
-        engine=engines.spec_from_config(config, (eos_token_id,)),
+        engine=engines.spec_from_config(config, eos_token_ids),
         model_dir=os.path.abspath(model_dir),
         model_overrides=dict(param_dtype=model_config.param_dtype, dtype=model_config.dtype,
                              lm_head_fp32=model_config.lm_head_fp32),
         transport=remote.weight_transport, transport_timeout_s=remote.transport_timeout_s,
-        wire_dtype=transport_dtype(config, model_config, model_dir))
+        wire_dtype=transport_dtype(config, model_config, model_dir),
+        interface=config.cluster.interface, heartbeat_timeout_s=remote.heartbeat_timeout_s)
     return pool.RayGenerators(
         spec, model_config, num_generators=g.num_generators, params=params, version=version,
         cpus_per_generator=remote.cpus_per_generator, gpus_per_generator=gpus_each,
-        max_restarts=remote.max_restarts, session=session, cores=cores)
+        max_restarts=remote.max_restarts, session=session, cores=cores, node_ip=remote.node_ip)
   except BaseException:
     session.close()
     raise

@@ -418,7 +418,7 @@ class VllmEngine(api.QueuedEngine):
       return
     if self._merge is not None:
       tensors = list(self._merge.tensors(tensors))
-    self._worker.reload_weights(weights_iterator=iter(tensors))
+    self._reload(weights_iterator=iter(tensors))
     if self._head is not None and self.lora is None:
       self._head.set(dict(tensors)['lm_head.weight'])
 
@@ -520,6 +520,12 @@ class VllmEngine(api.QueuedEngine):
     self._update_seconds += time.perf_counter() - start
     return version
 
+  def _reload(self, **kwargs):
+    """The worker's `reload_weights`, then a tied lm_head repacked on CPU (`_repack_tied_head`)."""
+    self._worker.reload_weights(**kwargs)
+    if self.model_config.tie_embeddings:
+      _repack_tied_head(self._worker)
+
   def _roll_back(self, cause: Exception):
     """Reloads the weights served before a load that raised part-way."""
     try:
@@ -531,7 +537,7 @@ class VllmEngine(api.QueuedEngine):
       if self.lora is not None:  # the adapters served before (None: the zero adapter)
         self._load(self._loaded() if self._loaded is not None else self._zero_adapters())
       elif self._loaded is None:
-        self._worker.reload_weights()  # the checkpoint vLLM started from
+        self._reload()  # the checkpoint vLLM started from
         if self._head is not None:
           self._head.set(_checkpoint_tensor(self.model_dir, 'lm_head.weight'))
       else:
@@ -555,6 +561,22 @@ def _label_weights(core, version: int) -> None:
   set_version = getattr(core, 'set_weight_version', None)
   if set_version is not None:
     set_version(str(version))
+
+
+def _repack_tied_head(worker) -> None:
+  """A tied model's lm_head shares the embedding's weight, which vLLM's reload updates in place;
+  but on CPU the head multiplies through a kernel packed from the weight at start-up
+  (`dispatch_cpu_unquantized_gemm`, oneDNN), and the reload repacks only the layers it loaded,
+  never the head: without this, logits would keep coming from the first weights."""
+  from vllm.platforms import current_platform
+  model = worker.model_runner.get_model()
+  head = getattr(model, 'lm_head', None)
+  embed = getattr(getattr(model, 'model', None), 'embed_tokens', None)
+  if not current_platform.is_cpu() or head is None or not hasattr(head, 'cpu_linear'):
+    return
+  if embed is not None and head.weight is not embed.weight:  # re-tie a replaced table
+    head.weight = embed.weight
+  head.quant_method.process_weights_after_loading(head)
 
 
 def _abort_layerwise_reload(worker):
