@@ -41,8 +41,11 @@ def test_adapters_give_the_trainers_logprobs_mid_sequence_and_without_drift(mode
   base = hf_io.load_params(model_dir, config)
   a1, a2 = random_adapters(config, LORA, 1), random_adapters(config, LORA, 2)
   p1, p2 = (lora_lib.Adapted(base, a, LORA.scale) for a in (a1, a2))
+  # A small prefill budget (max_num_batched_tokens): vLLM's CPU LoRA ops take longer with a
+  # larger one, at every token step.
   engine = vllm_engine.VllmEngine(model_dir, vllm_engine.VllmEngineConfig(
-      max_num_seqs=4, max_model_len=64, kv_cache_bytes=16 << 20, lora_update=way), lora=LORA)
+      max_num_seqs=4, max_model_len=64, kv_cache_bytes=16 << 20, lora_update=way,
+      max_num_batched_tokens=64), lora=LORA)
   with engine:
     zero = run(engine, requests('z'))  # B = 0 from the first token: the base
     for c in zero:
