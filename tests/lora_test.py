@@ -238,8 +238,8 @@ def test_lora_run_publishes_adapters_only_and_its_checkpoint_restores_exactly(
 def test_peft_export_loads_in_peft_with_the_merged_exports_logits(model_dir, tmp_path):
   """A LoRA checkpoint exported both ways: PEFT's PeftModel on the base and transformers on the
   merged export (merged in fp32) give the same logits, and equal the trainer's."""
-  torch = pytest.importorskip('torch')
-  peft = pytest.importorskip('peft')
+  import peft  # (the test extra's: pyproject.toml)
+  import torch
   import transformers
   model_config = hf_io.load_config(model_dir)
   lora = lora_lib.LoraConfig(rank=4, alpha=8.0, targets=config_lib.LORA_TARGETS)
