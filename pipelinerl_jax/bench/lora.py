@@ -4,9 +4,9 @@
       [--repeats 5] [--requests 8] [--new_tokens 32] [--max_num_batched_tokens N]
       [--out PATH.json] [--quick]
 
-Per size (Qwen2.5-0.5B and -1.5B shapes; '8b' is Qwen3-8B's matrices in Llama's format, for a
-GPU; random weights, bf16 as on a GPU; each size and each vLLM mode in its own process, so memory
-returns between them; on a GPU host JAX and vLLM run there):
+Per size (Qwen2.5-0.5B and -1.5B shapes; '8b' is Qwen3-8B's, for a GPU; random weights, bf16
+as on a GPU; each size and each vLLM mode in its own process, so memory returns between them;
+on a GPU host JAX and vLLM run there):
 
   jax    the in-process JAX engine as a run uses it: `update_ms` is the publisher's work plus
          the engine's (`placements.copy_params_fn` onto the engine's device, `update_params`,
@@ -19,10 +19,11 @@ returns between them; on a GPU host JAX and vLLM run there):
          (W + s A B merged in fp32 from a kept base copy and reloaded; plain decode).
 
 Decode is measured on a GPU at every size, on a CPU below 1B params (--decode_all for every
-size: tens of minutes on 2 shared cores). Bytes per update are the floor a publish moves: the params in their serving dtype against the
-adapters (rank --rank on all seven projections). Decode: --requests sampled requests (8),
-16-token prompts, --new_tokens new tokens (32), after a warm-up run. Medians of --repeats. Nothing here asserts timing; a shared host
-is noisy: the JSON records the load average before and after each size.
+size: tens of minutes on 2 shared cores). Bytes per update are the floor a publish moves: the
+params in their serving dtype against the adapters (rank --rank on all seven projections).
+Decode: --requests sampled requests (8), 16-token prompts, --new_tokens new tokens (32), after
+a warm-up run. Medians of --repeats. Nothing here asserts timing; a shared host is noisy: the
+JSON records the load average before and after each size.
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ SIZES = {
     'quick': (512, 128, 2, 2, 1, 64, 256),
     '0.5b': (151936, 896, 24, 14, 2, 64, 4864),
     '1.5b': (151936, 1536, 28, 12, 2, 128, 8960),
-    '8b': (151936, 4096, 36, 32, 8, 128, 12288),  # Qwen3-8B's matrices (untied)
+    '8b': (151936, 4096, 36, 32, 8, 128, 12288),  # Qwen3-8B (untied, q/k norms, no biases)
 }
 WAYS = ('full', 'slot', 'merge')  # the vLLM processes of one size
 PROMPT = 16
@@ -52,13 +53,13 @@ DECODE_MAX_PARAMS_CPU = 10**9  # decode tok/s on a CPU only below this (see the 
 def model_config(size: str):
   from pipelinerl_jax.models import transformer
   v, d, l, h, k, dh, f = SIZES[size]
+  qwen3 = size == '8b'
   return transformer.ModelConfig(vocab_size=v, hidden_size=d, intermediate_size=f, num_layers=l,
-                                 num_heads=h, num_kv_heads=k, head_dim=dh,
-                                 qkv_bias=size != '8b', tie_embeddings=size != '8b',
+                                 num_heads=h, num_kv_heads=k, head_dim=dh, qkv_bias=not qwen3,
+                                 qk_norm=qwen3, tie_embeddings=not qwen3,
                                  rope_theta=1e6, max_position_embeddings=4096,
                                  param_dtype='bfloat16', dtype='bfloat16',
-                                 architecture='Qwen2ForCausalLM' if size != '8b'
-                                 else 'LlamaForCausalLM')
+                                 architecture='Qwen3ForCausalLM' if qwen3 else 'Qwen2ForCausalLM')
 
 
 def random_params(config, seed: int):
