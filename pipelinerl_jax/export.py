@@ -1,10 +1,17 @@
 """Exports a checkpoint's params as a Hugging Face model directory.
 
   python -m pipelinerl_jax.export --checkpoint=WORKDIR/checkpoints --out=DIR [--step=N]
+      [--format=hf|peft]
 
 writes config.json + model.safetensors (hf_io.save_params) and the tokenizer files of the run's
 model dir, so transformers, vLLM and `hf_io.load_params` all load DIR. The model dir is the one
 the run recorded in the checkpoint (override with --model_dir when it has moved).
+
+A LoRA run's checkpoint (config.model.lora) holds adapters: `--format=hf` (the default) writes
+the merged model, W + (alpha / r) A B computed in fp32 from the base and saved in the base's
+dtype (its config.json's, unless --dtype); `--format=peft` writes the adapters alone as a PEFT
+adapter dir (adapter_config.json + adapter_model.safetensors), which
+`peft.PeftModel.from_pretrained(<the base model>, DIR)` and vLLM's LoRA loader read.
 """
 
 from __future__ import annotations
@@ -20,7 +27,11 @@ from absl import flags
 from absl import logging
 
 from pipelinerl_jax import checkpoint as checkpoint_lib
+from pipelinerl_jax.generation import budget
 from pipelinerl_jax.models import hf_io
+from pipelinerl_jax.models import lora as lora_lib
+
+FORMATS = ('hf', 'peft')
 
 # Files of a model dir that are not carried over: the weights (written anew), config.json
 # (likewise), and the warm-start stamp (its accuracies describe the untrained-by-RL model).
@@ -31,27 +42,46 @@ _NOT_COPIED = (hf_io.CONFIG_FILE, hf_io.INDEX_FILE, 'pytorch_model.bin.index.jso
 
 def export_hf(checkpoint_dir: str | os.PathLike, model_dir: str | os.PathLike | None,
               out_dir: str | os.PathLike, step: int | None = None,
-              dtype: str | None = None) -> list[Path]:
-  """Writes the params of `checkpoint_dir` (latest step, or `step`) to `out_dir` as an HF model.
+              dtype: str | None = None, format: str = 'hf') -> list[Path]:
+  """Writes the params of `checkpoint_dir` (latest step, or `step`) to `out_dir` as an HF model
+  (`format` 'hf'), or a LoRA run's adapters as a PEFT adapter dir ('peft').
 
   `model_dir`: the run's model dir, for its config.json and tokenizer (None: the one recorded
   in the checkpoint). `dtype`: of the saved tensors (None: the run's param dtype, so the export
-  holds exactly the trained values). Returns the files written.
+  holds exactly the trained values; a LoRA run's merged model: the base's dtype). Returns the
+  files written.
   """
+  if format not in FORMATS:
+    raise ValueError(f'format={format!r}: expected one of {", ".join(FORMATS)}')
   meta = checkpoint_lib.read_meta(checkpoint_dir, step)
   model_dir = Path(model_dir or meta['model_dir'])
   if not (model_dir / hf_io.CONFIG_FILE).is_file():
     raise FileNotFoundError(f'{model_dir}: no {hf_io.CONFIG_FILE} (the run\'s model dir; '
                             'pass model_dir / --model_dir where it is now)')
+  lora = checkpoint_lib.saved_lora(meta)
+  if format == 'peft' and lora is None:
+    raise ValueError(f'{checkpoint_dir}: format peft needs a LoRA run\'s checkpoint; this run '
+                     'trained every weight (export it with format hf)')
   param_dtype = meta['config']['model']['param_dtype']
-  model_config = hf_io.load_config(model_dir, param_dtype=param_dtype)
-  params = checkpoint_lib.load_params(checkpoint_dir, model_config, step=step)
+  original = json.loads((model_dir / hf_io.CONFIG_FILE).read_text())
   out_dir = Path(out_dir)
   if out_dir.resolve() == model_dir.resolve():
     raise ValueError(f'{out_dir}: is the run\'s model dir; export elsewhere')
-  original = json.loads((model_dir / hf_io.CONFIG_FILE).read_text())
-  written = hf_io.save_params(params, model_config, out_dir, dtype=dtype or param_dtype,
-                              extra_config=original)
+  if lora is None:
+    model_config = hf_io.load_config(model_dir, param_dtype=param_dtype)
+    params = checkpoint_lib.load_params(checkpoint_dir, model_config, step=step)
+    dtype = dtype or param_dtype
+  else:
+    # The base in fp32 (compute dtype float32): the merge is made in fp32 from it.
+    model_config = hf_io.load_config(model_dir, param_dtype=param_dtype, dtype='float32')
+    adapted = checkpoint_lib.load_params(checkpoint_dir, model_config, step=step,
+                                         model_dir=str(model_dir))
+    if format == 'peft':
+      return lora_lib.save_peft(adapted.adapters, model_config, lora, out_dir,
+                                base_model=str(model_dir.resolve()), dtype=dtype)
+    params = lora_lib.merge(adapted.base, adapted.adapters, scale=adapted.scale)
+    dtype = dtype or budget.serving_dtype(original) or param_dtype
+  written = hf_io.save_params(params, model_config, out_dir, dtype=dtype, extra_config=original)
   for f in sorted(model_dir.iterdir()):
     if f.is_file() and f.name not in _NOT_COPIED and not f.name.endswith(_WEIGHT_SUFFIXES):
       shutil.copy2(f, out_dir / f.name)
@@ -65,7 +95,8 @@ def main(argv):
   f = flags.FLAGS
   try:
     written = export_hf(f.checkpoint, f.model_dir or None, f.out,
-                        step=None if f.step < 0 else f.step, dtype=f.dtype or None)
+                        step=None if f.step < 0 else f.step, dtype=f.dtype or None,
+                        format=f.format)
   except (ValueError, FileNotFoundError) as e:
     sys.exit(f'error: {e}')
   print(f'exported {len(written)} files to {f.out}')
@@ -78,7 +109,10 @@ def cli():
   flags.DEFINE_string('out', None, 'Output HF model directory.')
   flags.DEFINE_string('model_dir', '', "The run's model dir ('' = as recorded in the checkpoint).")
   flags.DEFINE_integer('step', -1, 'Step to export (-1 = the latest).')
-  flags.DEFINE_string('dtype', '', "bfloat16 | float32 | float16 ('' = the run's param dtype).")
+  flags.DEFINE_string('dtype', '', "bfloat16 | float32 | float16 ('' = the run's param dtype; a "
+                      "LoRA run's merged model: the base's).")
+  flags.DEFINE_enum('format', 'hf', list(FORMATS), "hf: an HF model dir (a LoRA run's merged "
+                    'model); peft: a LoRA run\'s adapters as a PEFT adapter dir.')
   flags.mark_flags_as_required(['checkpoint', 'out'])
   app.run(main)
 

@@ -29,6 +29,9 @@ trainer device (one of the train mesh; tensor-parallel devices hold the same row
   logits              `token_logprobs` makes fp32 logits 1024 positions at a time: the logits
                       and their softmax (or gradient), [rows, 1024, V] each
   batch               the step's packed batch, every micro-batch (7 arrays of 4 bytes a token)
+  base, adapters      LoRA (model.lora): the frozen base in the compute dtype (model.dtype),
+                      sharded like params, and the adapters (param_dtype, replicated); `adam`
+                      and `grads` are then the adapters' alone, and `gathered` is the base's
   published           placement 'ray' over nccl/gloo: the copy of the params the pool keeps to
                       send (and re-send after a restart), in the wire dtype, sharded like the
                       params (several trainer processes: whole on each process's devices);
@@ -39,7 +42,9 @@ trainer device (one of the train mesh; tensor-parallel devices hold the same row
 rows per micro-batch are the worst case: every sample at max_prompt_len + max_new_tokens.
 
 generator device (vLLM: one GPU per actor with placement 'ray'; 'inline' shares device 0
-with the trainer; the JAX engine's params and KV cache go on the first free device, or device 0)
+with the trainer; the JAX engine's params and KV cache go on the first free device, or device 0;
+with LoRA an inline JAX engine on device 0 reads the trainer's base, so it adds only the
+adapters and its KV cache, and vLLM adds its LoRA slot, the adapters at its padded rank)
   context             the process's CUDA context, outside vLLM's budget
   staging             nccl/gloo: the receiver's one staging buffer, a whole update in the wire
                       dtype (`budget.STAGING_BUFFERS`, allocated before vLLM starts);
@@ -93,6 +98,7 @@ from pipelinerl_jax import sharding as sharding_lib
 from pipelinerl_jax import train
 from pipelinerl_jax.generation import budget
 from pipelinerl_jax.models import hf_io
+from pipelinerl_jax.models import lora as lora_lib
 from pipelinerl_jax.models import transformer
 from pipelinerl_jax.pipeline import trainer as trainer_lib
 
@@ -205,7 +211,8 @@ def trainer_memory(m: transformer.ModelConfig, config: config_lib.Config,
   rows, rows_per_micro = worst_case_rows(config, data_parallel)
   memory, facts = train_step_memory(m, config.optimizer, mesh, rows // data_parallel,
                                     rows_per_micro, config.train.seq_len,
-                                    config.train.max_segments_per_row)
+                                    config.train.max_segments_per_row,
+                                    lora=lora_lib.LoraConfig.from_settings(config.model.lora))
   facts.update(rows_per_step=rows,
                micro_batches=rows // (rows_per_micro * data_parallel))
   return memory, facts
@@ -213,7 +220,8 @@ def trainer_memory(m: transformer.ModelConfig, config: config_lib.Config,
 
 def train_step_memory(m: transformer.ModelConfig, optimizer_config: config_lib.OptimizerConfig,
                       mesh: AbstractMesh, rows_per_shard: int, rows_per_micro: int, t: int,
-                      max_segments_per_row: int = config_lib.TrainConfig.max_segments_per_row
+                      max_segments_per_row: int = config_lib.TrainConfig.max_segments_per_row,
+                      lora: lora_lib.LoraConfig | None = None
                       ) -> tuple[dict[str, int], dict[str, Any]]:
   """One trainer device's terms for a step over `rows_per_shard` packed rows of `t` tokens, run
   `rows_per_micro` rows at a time (what the GPU kit compares with measured peaks).
@@ -225,12 +233,22 @@ def train_step_memory(m: transformer.ModelConfig, optimizer_config: config_lib.O
   intermediates are live during its backward pass."""
   optimizer = train.make_optimizer(optimizer_config)
   params = jax.eval_shape(functools.partial(transformer.init_params, m), jax.random.PRNGKey(0))
-  state = jax.eval_shape(functools.partial(train.init_train_state, optimizer=optimizer), params)
+  trainable = params if lora is None else jax.eval_shape(
+      functools.partial(lora_lib.init_adapters, m, lora, dtype=m.param_dtype),
+      jax.random.PRNGKey(0))
+  state = jax.eval_shape(functools.partial(train.init_train_state, optimizer=optimizer),
+                         trainable)
   shardings = train.state_shardings(state, mesh)
   param_bytes = _sharded_bytes(state.params, shardings.params)
   opt_bytes = _sharded_bytes(state.opt_state, shardings.opt_state)
   tokens = rows_per_micro * t
   pb, dt = _bytes(m.param_dtype), _bytes(m.dtype)
+  base_bytes = 0
+  if lora is not None:  # the frozen base, in the compute dtype, sharded as params are
+    base = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, jax.numpy.dtype(m.dtype)),
+                        params)
+    base_bytes = _sharded_bytes(base, sharding_lib.param_shardings(base, mesh))
+    pb = dt  # what fsdp gathers is the base
   d, v, l = m.hidden_size, m.vocab_size, m.num_layers
 
   per_layer_params = (m.num_params - v * d * (1 if m.tie_embeddings else 2) - d) // l
@@ -255,6 +273,10 @@ def train_step_memory(m: transformer.ModelConfig, optimizer_config: config_lib.O
   memory = dict(params=param_bytes, adam=opt_bytes, grads=2 * param_bytes, gathered=gathered,
                 saved=saved, layer=layer, attention=attn_work, logits=logits,
                 batch=rows_per_shard * (t * BATCH_BYTES_PER_TOKEN + 8 * max_segments_per_row))
+  if lora is not None:
+    # The adapters' x A of every projection, saved for the backward pass: [tokens, U] each.
+    memory['saved'] += l * len(lora.targets) * tokens * lora.rank * dt
+    memory = dict(base=base_bytes, adapters=memory.pop('params'), **memory)
   facts = dict(rows_per_micro_batch=rows_per_micro, tokens_per_micro_batch=tokens,
                replicated_on_fsdp=sharding_lib.replicated_on_fsdp(
                    params, mesh, LARGE_PARAM_FRACTION))
@@ -273,6 +295,11 @@ def publishing_memory(m: transformer.ModelConfig, config: config_lib.Config, par
   g = config.generation
   if g.placement != 'ray' or g.remote.weight_transport == 'object_store':
     return {}
+  lora = lora_lib.LoraConfig.from_settings(config.model.lora)
+  if lora is not None:  # the adapters, replicated, in their dtype (transport_dtype)
+    largest = budget.largest_tensor_bytes(lora_lib.peft_shapes(m, lora).values(), wire)
+    return dict(published=2 * param_bytes, sending=max(largest, param_bytes) + largest
+                + CUDA_CONTEXT_BYTES)
   largest = budget.largest_tensor_bytes(_hf_shapes(m), wire)
   bucket = max(256 << 20, largest)  # GeneratorSpec.bucket_mb's default
   if config.train.num_processes > 1:
@@ -285,7 +312,8 @@ def publishing_memory(m: transformer.ModelConfig, config: config_lib.Config, par
 
 def generator_memory(m: transformer.ModelConfig, config: config_lib.Config,
                      serving_dtype: str, device_bytes: int, kv: str, wire: str,
-                     used_by_trainer: int = 0) -> tuple[dict[str, int], dict[str, Any]]:
+                     used_by_trainer: int = 0, lora: lora_lib.LoraConfig | None = None
+                     ) -> tuple[dict[str, int], dict[str, Any]]:
   """The terms of one vLLM generator device; `used_by_trainer`: what the trainer holds on the
   same device (in-process vLLM shares device 0 with it). Raises ValueError (one line) when the
   configured share leaves vLLM nothing."""
@@ -293,7 +321,7 @@ def generator_memory(m: transformer.ModelConfig, config: config_lib.Config,
   sb = _bytes(serving_dtype)
   slots = -(-g.num_slots // g.num_generators)
   max_len = g.max_prompt_len + g.max_new_tokens
-  shapes = _hf_shapes(m)
+  shapes = _hf_shapes(m) if lora is None else list(lora_lib.peft_shapes(m, lora).values())
   collective = g.remote.weight_transport != 'object_store' and g.placement == 'ray'
   if collective:
     staging = budget.STAGING_BUFFERS * budget.staged_bytes(shapes, wire)
@@ -306,7 +334,18 @@ def generator_memory(m: transformer.ModelConfig, config: config_lib.Config,
                  + (CUDA_GRAPHS_BYTES if g.vllm.cuda_graphs else 0))
   kv_per_token = 2 * m.num_layers * m.num_kv_heads * m.head_dim * sb
   request = -(-max_len // VLLM_BLOCK_TOKENS) * VLLM_BLOCK_TOKENS * kv_per_token
-  memory = dict(context=CUDA_CONTEXT_BYTES, staging=staging, weights=m.num_params * sb,
+  weights = m.num_params * sb
+  host_base = 0
+  if lora is not None and g.vllm.lora_update == 'merge':
+    # The base's kernels of every module an adapter touches, kept on the host to merge from.
+    kept = lora_lib.LoraConfig(1, 1.0, lora_lib.merged_targets(lora))
+    host_base = m.num_layers * sum(s.in_features * s.out_features
+                                   for s in lora_lib.specs(m, kept)) * sb
+  if lora is not None and g.vllm.lora_update == 'slot':
+    # vLLM's one LoRA slot: every targeted projection's A and B at its padded rank.
+    padded = lora_lib.LoraConfig(budget.vllm_lora_rank(lora.rank), lora.alpha, lora.targets)
+    weights += lora_lib.num_params(m, padded) * sb
+  memory = dict(context=CUDA_CONTEXT_BYTES, staging=staging, weights=weights,
                 activations=activations)
   share = g.vllm.gpu_memory_utilization
   fraction = None
@@ -320,12 +359,13 @@ def generator_memory(m: transformer.ModelConfig, config: config_lib.Config,
   else:
     kv_bytes = g.vllm.kv_cache_mb << 20
   memory['kv'] = max(kv_bytes, 0)
-  update_bytes = m.num_params * _bytes(m.param_dtype)
+  update_bytes = (m.num_params if lora is None else lora_lib.num_params(m, lora)) * _bytes(
+      m.param_dtype)
   facts = dict(slots_per_generator=slots, kv_bytes_per_token=kv_per_token,
                full_request_bytes=request, kv_full_requests=kv_bytes / request,
                wire_dtype=wire if collective else m.param_dtype,
                staging_buffers=budget.STAGING_BUFFERS if collective else 0,
-               vllm_gpu_memory_utilization=fraction,
+               vllm_gpu_memory_utilization=fraction, host_lora_base_bytes=host_base,
                # Ray's object store: one host copy per node of each update in flight (two while
                # a new version replaces the one the actors still read).
                host_object_store_bytes=update_bytes
@@ -364,7 +404,11 @@ def plan(config: ml_collections.ConfigDict | config_lib.Config, hf_config: dict,
   trainer, facts = trainer_memory(m, config, mesh)
   serving = budget.serving_dtype(hf_config) or 'bfloat16'
   wire = budget.wire_dtype(g.remote.weight_transport, g.backend, serving, m.param_dtype)
-  trainer.update(publishing_memory(m, config, trainer['params'], wire, mesh.size))
+  lora = lora_lib.LoraConfig.from_settings(config.model.lora)
+  if lora is not None:  # adapters travel in their own dtype (placements.transport_dtype)
+    wire = m.param_dtype
+  trainer.update(publishing_memory(m, config, trainer['adapters' if lora else 'params'], wire,
+                                   mesh.size))
   facts.update(mesh=','.join(map(str, sizes)), train_devices=mesh.size, device_bytes=device_bytes,
                params=m.num_params)
 
@@ -390,14 +434,24 @@ def plan(config: ml_collections.ConfigDict | config_lib.Config, hf_config: dict,
     pages = budget.kv_pool_pages(num_slots=g.num_slots, max_seq_len=g.max_seq_len,
                                  page_size=g.kv_page_size, page_bytes=page_bytes,
                                  pool_mb=g.kv_pool_mb)
-    weights = m.num_params * _bytes(m.dtype)
-    generator = dict(weights=weights, update=weights, kv=pages * page_bytes)
+    facts['generator_devices'] = 1 if mesh.size < num_devices else 0
+    # Served weights, the next published copy (it lands while they serve) and the KV pool.
+    weights = update = m.num_params * _bytes(m.dtype)
+    if lora is not None:
+      # Adapters alone, served in the compute dtype and published in the param dtype; the base
+      # too unless the engine reads the trainer's (inline on device 0, the whole mesh one
+      # device: placements.base_on).
+      shares = (not facts['generator_devices'] and g.placement == 'inline' and mesh.size == 1)
+      n = lora_lib.num_params(m, lora)
+      weights = (0 if shares else weights) + n * _bytes(m.dtype)
+      update = n * _bytes(m.param_dtype)
+      facts['engine_shares_base'] = shares
+    generator = dict(weights=weights, update=update, kv=pages * page_bytes)
     engine = sum(generator.values())
     # The trash page holds no sequence; a full-length sequence takes whole pages.
     facts.update(kv_pool_tokens=(pages - 1) * g.kv_page_size,
                  kv_pool_full_sequences=(pages - 1) // -(-g.max_seq_len // g.kv_page_size),
                  slots_per_generator=g.num_slots)
-    facts['generator_devices'] = 1 if mesh.size < num_devices else 0
     if mesh.size > num_devices:
       problems.append(f'train.mesh={config.train.mesh} needs {mesh.size} devices, the host has '
                       f'{num_devices}')
@@ -416,7 +470,7 @@ def plan(config: ml_collections.ConfigDict | config_lib.Config, hf_config: dict,
     shared = sum(trainer.values()) if in_process else 0
     try:
       generator, gen_facts = generator_memory(m, config, serving, device_bytes, kv, wire,
-                                              used_by_trainer=shared)
+                                              used_by_trainer=shared, lora=lora)
     except ValueError as e:  # the share leaves vLLM nothing
       return Plan(trainer=trainer, generator={}, facts=facts, problems=(*problems, str(e)))
     facts.update(gen_facts)
@@ -474,6 +528,9 @@ def format_plan(p: Plan) -> str:
     if not f['generator_devices']:
       lines.append(f'device 0 in all: {(p.trainer_total + p.generator_total) / GIB:.2f} GiB of '
                    f"{f['device_bytes'] / GIB:g}")
+  if f.get('engine_shares_base'):
+    lines.append('the JAX engine reads the trainer\'s base (one copy): it adds the adapters, the '
+                 'next update of them and its KV pool')
   if 'kv_full_requests' in f:
     lines.append(f"generators: {f['generator_devices']}, {f['slots_per_generator']} slots each; "
                  f"KV {f['kv_bytes_per_token'] / 1024:.0f} KiB/token, a full request "
@@ -485,6 +542,9 @@ def format_plan(p: Plan) -> str:
     if f['vllm_gpu_memory_utilization'] is not None:
       lines.append(f"vLLM is given gpu_memory_utilization "
                    f"{f['vllm_gpu_memory_utilization']:.3f}")
+    if f.get('host_lora_base_bytes'):
+      lines.append(f"host memory, the base kernels LoRA merges from: "
+                   f"{f['host_lora_base_bytes'] / GIB:.1f} GiB per generator")
     if f['host_object_store_bytes']:
       lines.append(f"host memory, Ray's object store: {f['host_object_store_bytes'] / GIB:.1f} "
                    'GiB per node per update in flight (two while a new one replaces it)')

@@ -8,6 +8,10 @@ full-batch gradient. A non-finite loss, gradient, updated param or optimizer mom
 update (params, optimizer state and step unchanged) and is reported in `metrics['skipped']`: so
 a non-finite state is never published, saved or resumed. (Finite loss and gradients can still
 give non-finite params: an lr of 1e30, an Adam moment that overflows.)
+
+LoRA (models/lora.py): the state's params are the adapters, and the frozen base is a third,
+non-donated argument, `train_step(state, batch, base)`: gradients and Adam moments exist for the
+adapters only, and the base's buffers stay valid for whoever else reads them (an inline engine).
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ import optax
 from pipelinerl_jax import config as config_lib
 from pipelinerl_jax import losses
 from pipelinerl_jax import sharding as sharding_lib
+from pipelinerl_jax.models import lora as lora_lib
 from pipelinerl_jax.models import transformer
 
 # Per-token arrays [M, R, T], then the packer's spans of each row's samples [M, R, G] (which
@@ -36,7 +41,7 @@ BATCH_KEYS = TOKEN_KEYS + SPAN_KEYS
 @flax.struct.dataclass
 class TrainState:
   step: jax.Array             # optimizer updates applied so far = the policy version
-  params: Any
+  params: Any                 # what is trained: every weight, or the adapters with LoRA
   opt_state: Any
 
 
@@ -50,9 +55,11 @@ def lr_schedule(config: config_lib.OptimizerConfig) -> optax.Schedule:
 
 
 def make_optimizer(config: config_lib.OptimizerConfig) -> optax.GradientTransformation:
-  # Decay only matrices: norm scales and biases are stacked over layers, so ndim can't tell.
+  # Decay only matrices (LoRA's A and B too): norm scales and biases are stacked over layers,
+  # so ndim can't tell.
   decay_mask = lambda params: jax.tree_util.tree_map_with_path(
-      lambda path, _: sharding_lib.path_str(path).endswith(('kernel', 'embedding')), params)
+      lambda path, _: sharding_lib.path_str(path).endswith(('kernel', 'embedding', '/a', '/b')),
+      params)
   adamw = optax.adamw(lr_schedule(config), b1=config.b1, b2=config.b2, eps=config.eps,
                       weight_decay=config.weight_decay, mask=decay_mask)
   if config.max_grad_norm:
@@ -81,10 +88,12 @@ def batch_totals(batch) -> tuple[jax.Array, jax.Array]:
 
 def make_train_step(model_config: transformer.ModelConfig, loss_config: config_lib.LossConfig,
                     optimizer: optax.GradientTransformation, schedule: optax.Schedule,
-                    temperature: float = 1.0) -> Callable:
-  """Returns the pure `train_step(state, batch) -> (state, metrics)`."""
+                    temperature: float = 1.0, lora_scale: float | None = None) -> Callable:
+  """Returns the pure `train_step(state, batch) -> (state, metrics)`; with `lora_scale` (alpha /
+  rank) `train_step(state, batch, base)`, whose state's params are the adapters."""
 
-  def micro_loss(params, micro, num_samples, num_tokens):
+  def micro_loss(trainable, micro, num_samples, num_tokens, base):
+    params = trainable if base is None else lora_lib.Adapted(base, trainable, lora_scale)
     spans = tuple(micro[k] for k in SPAN_KEYS) if SPAN_KEYS[0] in micro else None
     logp_RxT, entropy_RxT = transformer.token_logprobs(
         params, model_config, micro['tokens'], micro['targets'], micro['positions'],
@@ -92,12 +101,15 @@ def make_train_step(model_config: transformer.ModelConfig, loss_config: config_l
     return losses.policy_loss(logp_RxT, entropy_RxT, micro, loss_config,
                               num_samples=num_samples, num_tokens=num_tokens)
 
-  grad_fn = jax.value_and_grad(micro_loss, has_aux=True)
+  grad_fn = jax.value_and_grad(micro_loss, has_aux=True)  # gradients of the trainable only
 
-  def train_step(state: TrainState, batch):
+  def train_step(state: TrainState, batch, base=None):
+    if (base is None) != (lora_scale is None):
+      raise ValueError('train_step: the base is passed with LoRA (lora_scale), and only then')
     num_samples, num_tokens = batch_totals(batch)
     first = jax.tree.map(lambda x: x[0], batch)
-    _, stats_shape = jax.eval_shape(micro_loss, state.params, first, num_samples, num_tokens)
+    _, stats_shape = jax.eval_shape(micro_loss, state.params, first, num_samples, num_tokens,
+                                    base)
     # Zeros are neutral for sums; -inf for maxima (combine_stats takes the max of '_max' keys).
     stats0 = {k: jnp.full(v.shape, -jnp.inf if k.endswith('_max') else 0, v.dtype)
               for k, v in stats_shape.items()}
@@ -105,7 +117,7 @@ def make_train_step(model_config: transformer.ModelConfig, loss_config: config_l
 
     def accumulate(carry, micro):
       grads_acc, loss_acc, stats_acc = carry
-      (loss, stats), grads = grad_fn(state.params, micro, num_samples, num_tokens)
+      (loss, stats), grads = grad_fn(state.params, micro, num_samples, num_tokens, base)
       return (jax.tree.map(jnp.add, grads_acc, grads), loss_acc + loss,
               losses.combine_stats(stats_acc, stats)), None
 
@@ -152,13 +164,24 @@ def state_shardings(state: TrainState, mesh):
                     opt_state=jax.tree_util.tree_map_with_path(for_opt_leaf, state.opt_state))
 
 
-def jit_train_step(train_step: Callable, state_sharding: TrainState, mesh):
+def jit_train_step(train_step: Callable, state_sharding: TrainState, mesh, base=None):
   """`jax.jit` with explicit shardings: state donated, batch rows split over (data, fsdp) (one
-  sharding for every array of the batch dict, whichever keys it has)."""
+  sharding for every array of the batch dict, whichever keys it has). With LoRA, `base` (the
+  frozen params, placed) is bound as the step's third argument, in its own shardings and never
+  donated: the result is still `step(state, batch)`."""
   batch_sh = sharding_lib.batch_sharding(mesh, leading_dims=1)
-  return jax.jit(train_step, in_shardings=(state_sharding, batch_sh),
-                 out_shardings=(state_sharding, sharding_lib.replicated(mesh)),
-                 donate_argnums=(0,))
+  out_sh = (state_sharding, sharding_lib.replicated(mesh))
+  if base is None:
+    return jax.jit(train_step, in_shardings=(state_sharding, batch_sh), out_shardings=out_sh,
+                   donate_argnums=(0,))
+  base_sh = jax.tree.map(lambda x: x.sharding, base)
+  jitted = jax.jit(train_step, in_shardings=(state_sharding, batch_sh, base_sh),
+                   out_shardings=out_sh, donate_argnums=(0,))
+  return functools.partial(_with_base, jitted, base)
+
+
+def _with_base(jitted: Callable, base, state: TrainState, batch):
+  return jitted(state, batch, base)
 
 
 def create_sharded_state(params, optimizer, mesh) -> tuple[TrainState, TrainState]:

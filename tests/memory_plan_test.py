@@ -135,6 +135,31 @@ def test_in_process_vllm_shares_device_zero_with_the_trainer():
       alone.generator['kv'] - shared.trainer_total - delta, abs=2)
 
 
+def test_lora_on_one_gpu_shares_the_base_where_full_fine_tuning_does_not_fit():
+  """LoRA: the trainer holds the frozen bf16 base and the adapters with their gradient and fp32
+  Adam; the inline JAX engine reads that base and adds only the adapters and its KV pool."""
+  config = config_lib.load_preset('qwen3_8b_lora_1xgpu')
+  qwen3_8b, _ = memory_plan.read_hf_config(ROOT / 'configs/models/Qwen3-8B')
+  p = memory_plan.plan(config, qwen3_8b, num_devices=1, device_gib=80)
+  assert p.fits, p.refusal
+  f = p.facts
+  assert f['engine_shares_base'] and f['generator_devices'] == 0 and 'params' not in p.trainer
+  assert p.trainer['base'] == pytest.approx(2 * f['params'], rel=1e-3)
+  # Per layer and unit of rank: the 7 inputs (6 of D, down's F) and outputs (q, k, v, o, gate,
+  # up, down).
+  rank, per_rank = 32, 36 * ((6 * 4096 + 12288) + (4096 + 2 * 1024 + 4096 + 2 * 12288 + 4096))
+  adapters = 4 * rank * per_rank  # fp32, ~2.7M params per unit of rank (the issue's arithmetic)
+  assert p.trainer['adapters'] == adapters and 0 <= p.trainer['adam'] - 2 * adapters < 64
+  pool = config.generation.kv_pool_mb << 20
+  # The engine: the adapters as served (bf16), the next update of them (fp32), its pool.
+  assert p.generator['weights'] == adapters // 2 and p.generator['update'] == adapters
+  assert 0.99 * pool <= p.generator['kv'] <= pool
+  assert p.trainer_total + p.generator_total <= 80 * memory_plan.GIB
+  config.model.lora.rank = 0  # full fine-tuning: fp32 weights, gradients and Adam
+  full = memory_plan.plan(config, qwen3_8b, num_devices=1, device_gib=80)
+  assert not full.fits and 'a trainer device needs' in full.refusal
+
+
 def test_unknown_kv_mode_is_a_clear_error():
   with pytest.raises(ValueError, match="kv='all'"):
     preset_plan('paper_7b', kv='all')

@@ -6,6 +6,7 @@ memory plan (`memory_plan.py`) computes ahead of a run:
   STAGING_BUFFERS       how many whole updates a generator holds staged at once
   vllm_memory_fraction  the `gpu_memory_utilization` vLLM is given on a CUDA device
   kv_pool_pages         the pages of the JAX engine's paged KV cache
+  vllm_lora_rank        the rank vLLM's LoRA slot is allocated at (LoRA runs)
 
 vLLM's share. vLLM asks for `gpu_memory_utilization x total` bytes for its own weights,
 activations, CUDA graphs and KV cache (what is left of its budget after a profile run), on top
@@ -37,6 +38,16 @@ MIN_VLLM_BYTES = GIB // 2  # below this vLLM cannot even hold a small model's ac
 # update in flight and, on a shared device, the trainer).
 KV_FREE_SHARE = 0.5
 ITEMSIZE = {'float32': 4, 'bfloat16': 2, 'float16': 2}
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # vLLM's max_lora_rank choices
+
+
+def vllm_lora_rank(rank: int) -> int:
+  """vLLM's max_lora_rank for an adapter of `rank`: the smallest it allows (its slot is padded
+  with zeros past `rank`)."""
+  for r in VLLM_LORA_RANKS:
+    if r >= rank:
+      return r
+  raise ValueError(f'lora rank {rank} is above vLLM\'s largest, {VLLM_LORA_RANKS[-1]}')
 
 
 def serving_dtype(hf_config: dict) -> str | None:

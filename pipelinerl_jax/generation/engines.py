@@ -32,6 +32,10 @@ class EngineSpec:
   gpu_memory_utilization: float = 0.9  # vLLM on CUDA: generation/budget.py
   cuda_graphs: bool = True         # vLLM on CUDA
   lm_head_fp32: bool = False       # vLLM: logits in fp32, as the trainer's
+  # LoRA (config.model.lora): (rank, alpha, targets), () = none. The engine serves the model
+  # dir's weights as the frozen base, and takes adapters as its params and updates.
+  lora: tuple = ()
+  lora_update: str = 'merge'       # vLLM: how adapter updates land (vllm/lora_updates.py)
 
   def __post_init__(self):
     if self.backend not in ('jax', 'vllm'):
@@ -55,8 +59,23 @@ def spec_from_config(config, eos_token_ids, **overrides) -> EngineSpec:
       backend=g.backend, num_slots=g.generator_slots, max_seq_len=g.max_seq_len,
       eos_token_ids=tuple(eos_token_ids), jax_options=jax_options(g),
       kv_cache_mb=g.vllm.kv_cache_mb, gpu_memory_utilization=g.vllm.gpu_memory_utilization,
-      cuda_graphs=g.vllm.cuda_graphs, lm_head_fp32=config.model.lm_head_fp32)
+      cuda_graphs=g.vllm.cuda_graphs, lm_head_fp32=config.model.lm_head_fp32,
+      lora=lora_tuple(config.model.lora), lora_update=g.vllm.lora_update)
   return dataclasses.replace(spec, **overrides)
+
+
+def lora_tuple(settings) -> tuple:
+  """`EngineSpec.lora` of config.model.lora: (rank, alpha, targets), or () when off."""
+  return (settings.rank, settings.alpha, tuple(settings.targets)) if settings.rank else ()
+
+
+def lora_config(spec: EngineSpec):
+  """The spec's `lora.LoraConfig`, or None (imports JAX)."""
+  if not spec.lora:
+    return None
+  from pipelinerl_jax.models import lora as lora_lib
+  rank, alpha, targets = spec.lora
+  return lora_lib.LoraConfig(rank=rank, alpha=alpha, targets=tuple(targets))
 
 
 def slots_for(num_requests: int, most: int) -> int:
@@ -93,7 +112,7 @@ def vllm_config(spec: EngineSpec, model_config, staged_updates: bool = False):
       eos_token_ids=spec.eos_token_ids, kv_cache_bytes=spec.kv_cache_mb << 20,
       gpu_memory_utilization=spec.gpu_memory_utilization,
       reserve_bytes=reserve_bytes(model_config, staged_updates), cuda_graphs=spec.cuda_graphs,
-      lm_head_fp32=spec.lm_head_fp32)
+      lm_head_fp32=spec.lm_head_fp32, lora_update=spec.lora_update)
 
 
 def make_engine(spec: EngineSpec, model_config, *, params=None, version: int = 0,
@@ -103,20 +122,33 @@ def make_engine(spec: EngineSpec, model_config, *, params=None, version: int = 0
   JAX: on `device` (None: JAX's default), `params` required. vLLM: starts from the checkpoint in
   `model_dir`; with `params` it loads them before its first token, else it serves the
   checkpoint as `version`. `staged_updates`: later updates arrive in a staging buffer
-  (`reserve_bytes`)."""
+  (`reserve_bytes`). With `spec.lora`, `params` may be the adapters alone: the JAX engine then
+  loads its base from `model_dir` (in the compute dtype), vLLM serves that checkpoint as it."""
+  lora = lora_config(spec)
   if spec.backend == 'jax':
     if params is None:
       raise ValueError('make_engine: the JAX engine needs params')
     from pipelinerl_jax.generation import jax_engine
+    from pipelinerl_jax.models import lora as lora_lib
+    if lora is not None and not isinstance(params, lora_lib.Adapted):
+      if model_dir is None:
+        raise ValueError('make_engine: a JAX engine given adapters alone needs model_dir (the '
+                         'base)')
+      import dataclasses
+      from pipelinerl_jax.models import hf_io
+      base_config = dataclasses.replace(model_config, param_dtype=model_config.dtype)
+      base = hf_io.load_params(model_dir, base_config)  # (the engine places it on `device`)
+      params = lora_lib.Adapted(base, params, lora.scale)
     return jax_engine.JaxEngine(model_config, params, jax_config(spec), version=version,
                                 device=device)
   if model_dir is None:
     raise ValueError('make_engine: the vLLM engine needs model_dir (its checkpoint)')
   from pipelinerl_jax.generation.vllm import engine as vllm_engine
   config = vllm_config(spec, model_config, staged_updates)
+  adapters = {} if lora is None else dict(lora=lora)
   if params is None:
-    return vllm_engine.VllmEngine(model_dir, config, version=version)
-  engine = vllm_engine.VllmEngine(model_dir, config, version=-1)
+    return vllm_engine.VllmEngine(model_dir, config, version=version, **adapters)
+  engine = vllm_engine.VllmEngine(model_dir, config, version=-1, **adapters)
   try:
     engine.update_params(params, version)
     engine.apply_update()  # serves `version`, not the checkpoint, from its first token
@@ -124,3 +156,4 @@ def make_engine(spec: EngineSpec, model_config, *, params=None, version: int = 0
     engine.close()
     raise
   return engine
+

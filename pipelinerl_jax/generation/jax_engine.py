@@ -53,6 +53,13 @@ config, H, read width W, filtering on/off) and prefill one per (row bucket, leng
 width), powers of two. W, the block-table entries a step reads, is a power-of-two bucket of the
 longest sequence's pages for the 'xla' read and the whole table for the kernels (which read each
 row's own length). `TRACES` counts traces, for tests and the benchmark.
+
+LoRA: params given as `lora.Adapted(base, adapters, scale)` are served unmerged (every step
+computes x W + s (x A) B, as the trainer does), so the base can be the trainer's own buffers.
+Such an engine's updates are adapters alone: `update_params(adapters, version)` swaps them in
+between two token steps and keeps the base. It holds them as a step uses them, A and s B in the
+compute dtype, made once per update (`serve_adapters`): the bits the trainer's layer makes
+from the same adapters at every step, without their casts in every token step.
 """
 
 from __future__ import annotations
@@ -71,6 +78,7 @@ import numpy as np
 from pipelinerl_jax.generation import api
 from pipelinerl_jax.generation import budget
 from pipelinerl_jax.generation import sampling
+from pipelinerl_jax.models import lora as lora_lib
 from pipelinerl_jax.models import paged_attention
 from pipelinerl_jax.models import transformer
 
@@ -253,10 +261,32 @@ def unpack_drawn(drawn_2xH: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
   return drawn_2xH[0], drawn_2xH[1].view(np.float32)
 
 
+@functools.partial(jax.jit, static_argnames=('scale', 'dtype'))
+def serve_adapters(adapters, *, scale: float, dtype):
+  """A and s B in `dtype`: what `lora.variables` and `lora.Dense` make of the adapters at every
+  step (s B in the adapters' dtype, then both cast), made once; served with scale 1."""
+  return jax.tree_util.tree_map_with_path(
+      lambda p, x: (x * scale if p[-1].key == 'b' else x).astype(dtype), adapters)
+
+
 @jax.jit
 def _cast_floats(params, dtype_like):
   return jax.tree.map(lambda x: x.astype(dtype_like.dtype)
                       if jnp.issubdtype(x.dtype, jnp.floating) else x, params)
+
+
+def _layout_mismatch(new, old) -> str | None:
+  """Why pytree `new` cannot replace `old` (other leaves, shapes or dtypes), or None."""
+  new_paths = {jax.tree_util.keystr(p): x for p, x in jax.tree_util.tree_leaves_with_path(new)}
+  old_paths = {jax.tree_util.keystr(p): x for p, x in jax.tree_util.tree_leaves_with_path(old)}
+  if new_paths.keys() != old_paths.keys():
+    missing, extra = sorted(old_paths.keys() - new_paths), sorted(new_paths.keys() - old_paths)
+    return f'leaves missing {missing[:3]}, unexpected {extra[:3]}'
+  for path, x in new_paths.items():
+    want = old_paths[path]
+    if x.shape != want.shape or x.dtype != want.dtype:
+      return f'{path} is {x.dtype}{list(x.shape)}, expected {want.dtype}{list(want.shape)}'
+  return None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -384,6 +414,10 @@ class JaxEngine(api.QueuedEngine):
     # Decode steps that may be dispatched before the next collection, the current one
     # included: pages for them are reserved at each collection.
     self._lookahead = max(1, self._sync_every) + 1
+    # LoRA: the scale, and the adapters' layout as updates bring them (served, they are cast).
+    self._lora_scale = params.scale if isinstance(params, lora_lib.Adapted) else None
+    self._adapter_layout = (jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype),
+                                         params.adapters) if self._lora_scale else None)
     self._params = self._serving(self._place(params))
     self._pages = PagePool(self._pool_size())
     h = config.num_slots
@@ -437,6 +471,10 @@ class JaxEngine(api.QueuedEngine):
 
   def _serving(self, params):
     dtype = jnp.dtype(self.model_config.dtype)
+    if isinstance(params, lora_lib.Adapted):
+      return lora_lib.Adapted(self._serving(params.base),
+                              serve_adapters(params.adapters, scale=params.scale, dtype=dtype),
+                              1.0)
     if all(x.dtype == dtype for x in jax.tree.leaves(params)
            if jnp.issubdtype(x.dtype, jnp.floating)):
       return params
@@ -479,8 +517,17 @@ class JaxEngine(api.QueuedEngine):
     self._requests.submit(request)
 
   def update_params(self, params: Any, version: int) -> None:
+    """New params; an engine serving adapters (`lora.Adapted`) takes new adapters alone, checked
+    against the ones it serves, and keeps its base."""
     self._check_open()
-    placed = self._place(params)
+    served = self._params
+    if self._lora_scale is not None and not isinstance(params, lora_lib.Adapted):
+      problem = _layout_mismatch(params, self._adapter_layout)
+      if problem:
+        raise ValueError(f'adapter update to version {version} rejected: {problem}')
+      placed = lora_lib.Adapted(served.base, self._place(params), self._lora_scale)
+    else:
+      placed = self._place(params)
     with self._lock:
       self._next_params = (placed, version)
 

@@ -469,6 +469,12 @@ def _write_safetensors(path: Path, tensors: list[tuple[str, tuple[int, ...], np.
   os.replace(tmp, path)  # readers never see a half-written file
 
 
+def write_safetensors(path: str | os.PathLike, arrays: list[tuple[str, np.ndarray]]) -> None:
+  """Writes (name, host array) pairs, in that order, as one safetensors file (atomically)."""
+  arrays = [(name, np.ascontiguousarray(x)) for name, x in arrays]
+  _write_safetensors(Path(path), [(name, x.shape, x.dtype) for name, x in arrays], iter(arrays))
+
+
 # ---------------------------------------------------------------------------------------------
 # Loading and saving.
 

@@ -17,6 +17,9 @@ Shape letters (the README's table): R rows, T query tokens, S key/cache position
 width, N query heads, K key/value heads, Q = N // K, Dh head dim, E rotary frequencies (Dh / 2),
 F MLP width, V vocab, L layers; J chunks of Tb positions (logits are made a chunk at a time).
 
+Every function that takes `params` also takes `lora.Adapted(base, adapters, scale)`: the same
+model with a low-rank delta on its projections (models/lora.py), computed unmerged.
+
 Two entry points share one module:
   * training rows: `token_logprobs` -- packed rows with segment ids; attention never crosses a
     segment (models/attention.py: dense, or blockwise with memory linear in the row length);
@@ -39,6 +42,7 @@ from jax.ad_checkpoint import checkpoint_name
 import jax.numpy as jnp
 
 from pipelinerl_jax.models import attention as attention_lib
+from pipelinerl_jax.models import lora as lora_lib
 from pipelinerl_jax.models import paged_attention
 
 
@@ -215,8 +219,10 @@ class RMSNorm(nn.Module):
 
 
 def _dense(features, use_bias, config, name):
-  return nn.Dense(features, use_bias=use_bias, dtype=config.dtype, param_dtype=config.param_dtype,
-                  kernel_init=nn.initializers.normal(0.02), name=name)
+  # nn.Dense, plus a LoRA delta when the variables carry adapters for it (models/lora.py).
+  return lora_lib.Dense(features, use_bias=use_bias, dtype=config.dtype,
+                        param_dtype=config.param_dtype,
+                        kernel_init=nn.initializers.normal(0.02), name=name)
 
 
 class Attention(nn.Module):
@@ -332,7 +338,8 @@ class Transformer(nn.Module):
     x_RxTxD = embed(tokens_RxT)
     layer_cls = (nn.remat(DecoderLayer, prevent_cse=False, policy=remat_policy(c.remat_policy))
                  if c.remat else DecoderLayer)
-    layers = nn.scan(layer_cls, variable_axes={'params': 0}, split_rngs={'params': True},
+    layers = nn.scan(layer_cls, variable_axes={'params': 0, lora_lib.COLLECTION: 0},
+                     split_rngs={'params': True},
                      in_axes=(nn.broadcast,) * 4, length=c.num_layers)(c, name='layers')
     carry = None if cache is None else _CacheCarry(cache.k, cache.v, jnp.zeros((), jnp.int32),
                                                    table_RxW)
@@ -366,7 +373,7 @@ def init_params(config: ModelConfig, rng: jax.Array) -> dict:
 
 def hidden_states(params, config: ModelConfig, tokens_RxT, positions_RxT, segment_ids_RxT,
                   spans=None):
-  h, _ = Transformer(config).apply({'params': params}, tokens_RxT, positions_RxT,
+  h, _ = Transformer(config).apply(lora_lib.variables(params), tokens_RxT, positions_RxT,
                                    segment_ids_RxT, spans=spans)
   return h
 
@@ -400,6 +407,7 @@ def logits(params, config: ModelConfig, h_RxTxD: jax.Array, *, fp32_head: bool |
            ) -> jax.Array:
   """Logits [R, T, V] in fp32. The head multiplies in fp32 when `fp32_head` (default:
   config.lm_head_fp32), else in config.dtype with fp32 accumulation."""
+  params = lora_lib.base_of(params)  # (the head has no adapter)
   if config.tie_embeddings:
     w_DxV = params['embed']['embedding'].T
   else:
@@ -464,8 +472,8 @@ def decode(params, config: ModelConfig, tokens_RxT, positions_RxT, cache: KVCach
   Prefill is T = prompt length (pad with positions >= cache length); a decode step is T = 1.
   """
   mask = cache_mask(positions_RxT, cache.k.shape[2])
-  h, new_cache = Transformer(config).apply({'params': params}, tokens_RxT, positions_RxT,
-                                           mask_RxTxS=mask, cache=cache)
+  h, new_cache = Transformer(config).apply(lora_lib.variables(params), tokens_RxT,
+                                           positions_RxT, mask_RxTxS=mask, cache=cache)
   return logits(params, config, h), new_cache
 
 
@@ -475,5 +483,5 @@ def decode_paged(params, config: ModelConfig, tokens_RxT, positions_RxT,
   cache). Row r's tokens go to the pages of `table_RxW[r]`; a position past the table (padding)
   writes to the trash page. The table's width W bounds what a query reads: W * Z positions.
   The caller makes the logits it needs (`logits`)."""
-  return Transformer(config).apply({'params': params}, tokens_RxT, positions_RxT, cache=cache,
-                                   table_RxW=table_RxW)
+  return Transformer(config).apply(lora_lib.variables(params), tokens_RxT, positions_RxT,
+                                   cache=cache, table_RxW=table_RxW)

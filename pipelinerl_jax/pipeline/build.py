@@ -26,6 +26,7 @@ from pipelinerl_jax import sharding as sharding_lib
 from pipelinerl_jax import train
 from pipelinerl_jax.generation import api
 from pipelinerl_jax.models import hf_io
+from pipelinerl_jax.models import lora as lora_lib
 from pipelinerl_jax.models import transformer
 from pipelinerl_jax.pipeline import actor as actor_lib
 from pipelinerl_jax.pipeline import placements
@@ -61,6 +62,13 @@ class Learner:
   train_step: Callable                 # jitted (state, batch) -> (state, metrics), state donated
   checkpoints: checkpoint_lib.Checkpointer
   resumed: dict[str, Any] | None       # the restored checkpoint's meta; None for a fresh start
+  lora: lora_lib.LoraConfig | None = None  # config.model.lora: state.params are the adapters
+  base: Any = None                     # LoRA: the frozen base, in the trainer's shardings
+
+  def served(self, params):
+    """What an engine or an evaluation runs for the trained `params` (`state.params`): those
+    params, or with LoRA the base with these adapters."""
+    return params if self.lora is None else lora_lib.Adapted(self.base, params, self.lora.scale)
 
 
 @dataclasses.dataclass
@@ -72,7 +80,8 @@ class Parts:
   task: tasks_base.Task
   engine: api.Engine
   put_batch: Callable                  # packed host batch -> micro-batches on the mesh
-  publish: Callable[[Any, int], None]  # (params, version) -> the engine, as a fresh copy
+  publish: Callable[[Any, int], int]   # (params, version) -> the engine, as a fresh copy;
+                                       # returns the bytes handed over
   evaluate: Callable[[Any, int], dict] | None  # (params, step) -> eval metrics
   trainer_cores: tuple[int, ...] | None = None  # train.cores='free': this process's cores
 
@@ -97,22 +106,32 @@ def build_learner(config: config_lib.Config, workdir: str, model_dir: str,
   if started is not None:
     started.callback(_quietly, checkpoints.close)
   restored = checkpoint_lib.restore_latest(config, checkpoints, model_config, optimizer, mesh)
+  lora = lora_lib.LoraConfig.from_settings(config.model.lora)
+  base = None
+  if lora is not None or not restored:
+    # The model dir's weights: trained (full fine-tuning), or the frozen base of LoRA.
+    load_config = model_config if lora is None else checkpoint_lib.frozen_base_config(model_config)
+    shapes = jax.eval_shape(lambda k: transformer.init_params(load_config, k),
+                            jax.random.PRNGKey(0))
+    base = hf_io.load_params(model_dir, load_config,
+                             shardings=sharding_lib.param_shardings(shapes, mesh))
   if restored:
     state, state_sh, resumed = restored
   else:
-    shapes = jax.eval_shape(lambda k: transformer.init_params(model_config, k),
-                            jax.random.PRNGKey(0))
-    params = hf_io.load_params(model_dir, model_config,
-                               shardings=sharding_lib.param_shardings(shapes, mesh))
+    params = base if lora is None else checkpoint_lib.trainable_params(
+        model_config, jax.random.PRNGKey(config.model.lora.init_seed), lora)
     state, state_sh = train.create_sharded_state(params, optimizer, mesh)
     resumed = None
+  if lora is None:
+    base = None  # (the trainable params now: the train state owns them)
   train_step = train.jit_train_step(
       train.make_train_step(model_config, config.loss, optimizer,
                             train.lr_schedule(config.optimizer),
-                            temperature=config.generation.temperature or 1.0),
-      state_sh, mesh)
+                            temperature=config.generation.temperature or 1.0,
+                            lora_scale=None if lora is None else lora.scale),
+      state_sh, mesh, base=base)
   return Learner(model_config=model_config, mesh=mesh, state=state, train_step=train_step,
-                 checkpoints=checkpoints, resumed=resumed)
+                 checkpoints=checkpoints, resumed=resumed, lora=lora, base=base)
 
 
 def build(config: config_lib.Config, workdir: str, model_dir: str,
@@ -156,7 +175,8 @@ def _build(config: config_lib.Config, workdir: str, model_dir: str,
   version = int(state.step)
   wire_dtype = placements.transport_dtype(config, model_config, model_dir)
   if trainers is None:
-    params = distributed.whole(state.params)  # collective, see whole(); one process: the params
+    # collective, see whole(); one process: the params
+    params = learner.served(distributed.whole(state.params))
   else:
     params = trainers.publication(state.params, version, wire_dtype)  # with every process
   engine = placements.ENGINE_PLACEMENTS[config.generation.placement](
@@ -170,7 +190,7 @@ def _build(config: config_lib.Config, workdir: str, model_dir: str,
   g = config.generation
   if learner.resumed and g.backend != 'jax' and g.placement == 'inline':
     publish(state.params, version)  # inline vLLM loaded model_dir's weights
-  evaluate = (evaluator(config, workdir, model_config, tokenizer, task, mesh, stop_ids)
+  evaluate = (evaluator(config, workdir, learner, tokenizer, task, stop_ids)
               if config.eval.every_steps else None)
   return Parts(model_dir=model_dir, learner=learner, tokenizer=tokenizer, task=task,
                engine=engine, put_batch=batch_placer(config.train, mesh), publish=publish,
@@ -254,17 +274,22 @@ def batch_placer(config: config_lib.TrainConfig, mesh) -> Callable:
   return put_batch
 
 
-def evaluator(config: config_lib.Config, workdir: str, model_config, tokenizer, task, mesh,
+def evaluator(config: config_lib.Config, workdir: str, learner: Learner, tokenizer, task,
               stop_ids: tuple[int, ...]) -> Callable[[Any, int], dict]:
   """(params, step) -> eval metrics: the CLI's evaluation on a copy of the current params (the
-  train step donates them), its samples written to workdir/eval/samples-<step>.jsonl."""
+  train step donates them; with LoRA, of the adapters, on the base), its samples written to
+  workdir/eval/samples-<step>.jsonl."""
   problems = task.held_out(config.eval.num_problems, config.eval.seed)
-  device = placements.generation_device(mesh)
+  device = placements.generation_device(learner.mesh)
   copy = placements.copy_params_fn(device)
+  if learner.lora is not None:
+    base = placements.base_on(learner.base, device)
+    copy_adapters = copy
+    copy = lambda adapters: lora_lib.Adapted(base, copy_adapters(adapters), learner.lora.scale)
 
   def evaluate(params, step: int) -> dict:
-    result = evaluation.evaluate_params(config, model_config, copy(params), tokenizer, task,
-                                        problems, device=device, stop_ids=stop_ids)
+    result = evaluation.evaluate_params(config, learner.model_config, copy(params), tokenizer,
+                                        task, problems, device=device, stop_ids=stop_ids)
     evaluation.write_samples(os.path.join(workdir, 'eval', f'samples-{step}.jsonl'),
                              result['samples'])
     return {**evaluation.metrics_record(result), 'eval/seconds': result['seconds']}

@@ -34,6 +34,7 @@ from pipelinerl_jax import stack as stack_lib
 from pipelinerl_jax import train
 from pipelinerl_jax.demo import warmstart
 from pipelinerl_jax.models import hf_io
+from pipelinerl_jax.models import lora as lora_lib
 from pipelinerl_jax.pipeline import build as build_lib
 from pipelinerl_jax.pipeline import multiprocess
 from pipelinerl_jax.pipeline import run as run_lib
@@ -172,7 +173,8 @@ def claim_outputs(config: config_lib.Config, workdir: str, model_dir: str
               flush=True)
     m = config.model
     model_config = hf_io.load_config(model_dir, param_dtype=m.param_dtype, dtype=m.dtype)
-    one = checkpoint_lib.state_bytes(model_config, train.make_optimizer(config.optimizer))
+    one = checkpoint_lib.state_bytes(model_config, train.make_optimizer(config.optimizer),
+                                     lora_lib.LoraConfig.from_settings(m.lora))
     keep = config.checkpoint.keep
     have = min(keep, sum(name.isdigit() for name in os.listdir(ckpt_dir)))
     workdir_lib.check_free_space([  # orbax writes a new checkpoint before pruning the oldest

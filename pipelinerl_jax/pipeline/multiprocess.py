@@ -200,9 +200,9 @@ def lead(parts: build_lib.Parts, commands: Commands, sharded: bool = False) -> b
     commands.send('train', arrays={k: batch[k] for k in train.BATCH_KEYS})
     return put_batch(batch)
 
-  def publish_announced(params, version: int) -> None:
+  def publish_announced(params, version: int) -> int:
     commands.send('publish', version=version)
-    publish(params if sharded else distributed.whole(params), version)
+    return publish(params if sharded else distributed.whole(params), version)
 
   def evaluate_whole(params, step: int) -> dict:
     commands.send('evaluate', step=step)

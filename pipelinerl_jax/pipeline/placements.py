@@ -11,6 +11,11 @@ policy to it; both follow from where the engine runs and how weights travel ther
   generation_device(mesh), copy_params_fn(device, dtype)
                                      the in-process engine's device, and the copy onto it (the
                                      in-run evaluation uses both too)
+  base_on(base, device)              LoRA: the frozen base for an engine on `device`, the
+                                     trainer's own buffers when they are there (one copy)
+
+With LoRA (config.model.lora) the trained params are the adapters: the publisher sends only
+them, and the engines keep the frozen base they were built with.
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ from pipelinerl_jax import config as config_lib
 from pipelinerl_jax.generation import api
 from pipelinerl_jax.generation import engines
 from pipelinerl_jax.models import hf_io
+from pipelinerl_jax.models import lora as lora_lib
 
 
 def generation_device(mesh) -> jax.Device:
@@ -47,29 +53,54 @@ def copy_params_fn(device=None, dtype: str | None = None) -> Callable:
   return copy if device is None else lambda params: jax.device_put(copy(params), device)
 
 
+def base_on(base, device: jax.Device):
+  """The frozen base of a LoRA run for an engine on `device`: the trainer's own arrays when each
+  lives on that device alone (the train step never donates or changes them, so both read one
+  copy), else a copy there, made once."""
+  if all(x.sharding.device_set == {device} for x in jax.tree.leaves(base)):
+    return base
+  return copy_params_fn(device)(base)
+
+
+def tree_nbytes(tree) -> int:
+  return sum(x.nbytes for x in jax.tree.leaves(tree))
+
+
 def publisher(config: config_lib.Config, mesh, engine: api.Engine, wire_dtype: str,
-              trainers=None) -> Callable[[Any, int], None]:
+              trainers=None) -> Callable[[Any, int], int]:
   """What the trainer calls after a step: a fresh copy of the params to the engine (for the
   in-process JAX engine, on its device; vLLM copies into its own tensors). Generator actors
   over the object store copy to host before `update_params` returns: no copy needed here. Over a
   collective the pool keeps the params to re-send after a restart: a copy in the wire dtype
   (`wire_dtype`, bf16 to vLLM on GPUs), sharded as the params are, from which the sender gathers
   one tensor at a time. With trainer actors (`trainers`), every process puts its own pieces into
-  the object store."""
+  the object store. With LoRA the params are the adapters, published in their own dtype.
+
+  Returns the publisher, which returns the bytes of the update it handed over (the record's
+  `publish_bytes`: the params, or with LoRA only the adapters, as they leave the trainer)."""
   g = config.generation
+  lora = config.model.lora.enabled
   if trainers is not None:
-    return lambda params, version: engine.update_params(
-        trainers.publication(params, version, wire_dtype), version)
+    def publish(params, version):
+      engine.update_params(trainers.publication(params, version, wire_dtype), version)
+      return tree_nbytes(params) * jnp.dtype(wire_dtype).itemsize // jnp.dtype(
+          config.model.param_dtype).itemsize
+    return publish
   if g.placement == 'ray' and g.remote.weight_transport == 'object_store':
-    return engine.update_params
-  if g.placement == 'ray':
-    dtype = jnp.dtype(wire_dtype)
+    copy = lambda params: params  # the pool copies to host before update_params returns
+  elif g.placement == 'ray':
+    dtype = jnp.dtype(wire_dtype)  # (with LoRA the param dtype: transport_dtype)
     copy = jax.jit(lambda p: jax.tree.map(lambda x: jnp.copy(x).astype(dtype), p))
   elif g.backend == 'jax':  # in the engine's compute dtype: the copy is its cast too
-    copy = copy_params_fn(generation_device(mesh), config.model.dtype)
+    copy = copy_params_fn(generation_device(mesh), None if lora else config.model.dtype)
   else:
     copy = copy_params_fn()
-  return lambda params, version: engine.update_params(copy(params), version)
+
+  def publish(params, version):
+    update = copy(params)
+    engine.update_params(update, version)
+    return tree_nbytes(update)
+  return publish
 
 
 def transport_dtype(config: config_lib.Config, model_config, model_dir: str) -> str:
@@ -79,6 +110,8 @@ def transport_dtype(config: config_lib.Config, model_config, model_dir: str) -> 
   with open(os.path.join(model_dir, hf_io.CONFIG_FILE)) as f:
     serving = budget.serving_dtype(json.load(f))
   g = config.generation
+  if config.model.lora.enabled:  # adapters: small, sent as trained (no rounding on the way)
+    return model_config.param_dtype
   return budget.wire_dtype(g.remote.weight_transport, g.backend, serving,
                            model_config.param_dtype)
 
@@ -92,9 +125,12 @@ def _inline_engine(config: config_lib.Config, model_config, model_dir: str, *, m
   spec = engines.spec_from_config(config, eos_token_ids)
   if spec.backend == 'jax':
     device = generation_device(mesh)
-    return engines.make_engine(spec, model_config,
-                               params=copy_params_fn(device, model_config.dtype)(params),
-                               version=version, device=device)
+    if isinstance(params, lora_lib.Adapted):  # one base for trainer and engine where it can be
+      served = lora_lib.Adapted(base_on(params.base, device),
+                                copy_params_fn(device)(params.adapters), params.scale)
+    else:
+      served = copy_params_fn(device, model_config.dtype)(params)
+    return engines.make_engine(spec, model_config, params=served, version=version, device=device)
   return engines.make_engine(spec, model_config, model_dir=model_dir)
 
 
@@ -109,6 +145,8 @@ def _ray_engine(config: config_lib.Config, model_config, model_dir: str, *, mesh
   from pipelinerl_jax.generation.actors import pool
   import ray
   g, remote = config.generation, config.generation.remote
+  if isinstance(params, lora_lib.Adapted):  # generators load the base from model_dir
+    params = params.adapters
   gpus = None
   visible = placement.visible_gpus()
   if not config.cluster.address and visible:  # a local Ray gets the GPUs the mesh leaves free

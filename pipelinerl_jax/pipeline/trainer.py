@@ -255,8 +255,10 @@ class Trainer:
         record = self._one_step(groups)
         if 'step' in record:  # (a skipped update left the engine's weights current)
           start = time.perf_counter()
-          self.publish(self.state.params, self.step)
+          sent = self.publish(self.state.params, self.step)
           record['publish_s'] = time.perf_counter() - start  # the trainer waits this long
+          if sent is not None:  # bytes handed over: the params, or with LoRA the adapters
+            record['publish_bytes'] = float(sent)
         # Every sample taken, not b: groups whose masked samples were dropped make the count vary.
         self.stream.release(sum(len(g.samples) for g in groups))
         self.log(self._complete(record))

@@ -139,7 +139,8 @@ class Generator:
     pinned it) is ignored: None tells the pool."""
     if incarnation != self.incarnation:
       return None
-    got, want = layout.tree_digest(tree), layout.expected_digest(self._model())
+    got = layout.tree_digest(tree)
+    want = layout.expected_digest(self._model(), engines.lora_config(self.spec.engine))
     if digest != got or got != want:
       raise ValueError(f'{self.name}: weight update {version} refused: layout digest {got} '
                        f'(sent as {digest}) is not this model\'s {want}')
@@ -170,8 +171,9 @@ class Generator:
     comm = collective.join(endpoint, 1, self.spec.transport_timeout_s, device, address=address)
     try:
       model = self._model()
-      plan = collective.make_plan(hf_tensors.expected_shapes(model), self.spec.wire_dtype,
-                                  self.spec.bucket_mb << 20)
+      plan = collective.make_plan(
+          hf_tensors.update_shapes(model, engines.lora_config(self.spec.engine)),
+          self.spec.wire_dtype, self.spec.bucket_mb << 20)
       self._receiver = collective.Receiver(comm, plan, device)
     except BaseException:
       collective.destroy(comm)

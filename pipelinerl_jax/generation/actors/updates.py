@@ -10,9 +10,11 @@
 Newest update wins: an actor has at most one update in flight; when it finishes, the actor is
 sent the latest version published since, never the ones in between. Every update carries its
 version and the digest of its layout (transport/layout.py), and the actor applies it whole or
-refuses it. A collective transfer that fails or misses its deadline is reported in one line, its
-communicator destroyed, and the actor killed, so that Ray restarts it into a new group
-(restarts.py), which then gets the latest version.
+refuses it. With LoRA (the engine spec's `lora`) an update is the adapters alone, on every
+transport: over a collective as PEFT-named tensors in the param dtype. A collective transfer
+that fails or misses its deadline is reported in one line, its communicator destroyed, and the
+actor killed, so that Ray restarts it into a new group (restarts.py), which then gets the
+latest version.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ import numpy as np
 import ray
 
 from pipelinerl_jax import cluster
+from pipelinerl_jax.generation import engines
 from pipelinerl_jax.generation.actors import generator as generator_lib
 from pipelinerl_jax.generation.actors import members as members_lib
 from pipelinerl_jax.generation.transport import layout
@@ -42,11 +45,12 @@ class Updates:
     self.latest: tuple[Any, int, str] | None = None  # (object ref or params, version, digest)
     self.transport_errors: list[str] = []
     self.sender = self._plan = None
+    self.lora = engines.lora_config(spec.engine)
     if spec.transport != 'object_store':
       from pipelinerl_jax.generation.transport import collective
       from pipelinerl_jax.generation.transport import hf_tensors
-      self._plan = collective.make_plan(hf_tensors.expected_shapes(model_config), spec.wire_dtype,
-                                        spec.bucket_mb << 20)
+      self._plan = collective.make_plan(hf_tensors.update_shapes(model_config, self.lora),
+                                        spec.wire_dtype, spec.bucket_mb << 20)
       # torch's cuda:0 and JAX's first device are the first visible GPU.
       self.sender = collective.Sender('cuda:0' if spec.transport == 'nccl' else 'cpu')
       self._gather_device = jax.local_devices()[0]
@@ -140,8 +144,8 @@ class Updates:
         return
       received = m.handle.receive.remote(version, m.incarnation)
       try:
-        self.sender.send(comm, self._plan, lambda: hf_tensors.gathered_torch_tensors(
-            params, self.model_config, self._gather_device, spec.wire_dtype), version,
+        self.sender.send(comm, self._plan, lambda: hf_tensors.gathered_update_tensors(
+            params, self.model_config, self._gather_device, spec.wire_dtype, self.lora), version,
             timeout_s=spec.transport_timeout_s)
       except Exception as error:  # the sender has destroyed the communicator
         m.comm = None

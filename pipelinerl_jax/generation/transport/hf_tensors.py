@@ -18,6 +18,10 @@ The tensors alias buffers JAX treats as immutable: receivers must only read them
 must not be donated or deleted until the receiver is done (the `api.Engine.update_params`
 ownership contract).
 
+LoRA (models/lora.py): an update is the adapters alone, named and laid out as PEFT saves them
+(A [U, I] and B [O, U] per layer: `lora.peft_shapes`); the `update_*` functions take a
+`lora.LoraConfig` (None: a full update) and pick the one layout or the other.
+
 Atomic units: vLLM fuses q/k/v into one `qkv_proj` module (weights and biases) and gate/up into
 `gate_up_proj`, and re-packs a module only once all of its parts have arrived; a unit sent
 without its siblings is loaded half-old, half-garbage. `fusion_units` groups consecutive
@@ -39,6 +43,7 @@ import numpy as np
 import torch
 
 from pipelinerl_jax.models import hf_io
+from pipelinerl_jax.models import lora as lora_lib
 from pipelinerl_jax.models import transformer
 
 # HF names of the parts that vLLM loads into one fused module, -> that module's name.
@@ -129,6 +134,42 @@ def params_from_hf(tensors: Iterable[tuple[str, torch.Tensor]], config: transfor
       node = node.setdefault(key, {})
     node[spec.path[-1]] = leaf if dtype is None else leaf.astype(dtype)
   return params
+
+
+def update_shapes(config: transformer.ModelConfig, lora: lora_lib.LoraConfig | None = None
+                  ) -> dict[str, tuple[int, ...]]:
+  """{name: shape} of every tensor of an update, in wire order: a full one's HF tensors, or the
+  adapters' PEFT tensors."""
+  return expected_shapes(config) if lora is None else lora_lib.peft_shapes(config, lora)
+
+
+def gathered_update_tensors(params, config: transformer.ModelConfig, device: jax.Device,
+                            dtype: str | None = None, lora: lora_lib.LoraConfig | None = None
+                            ) -> Iterator[tuple[str, torch.Tensor]]:
+  """`gathered_torch_tensors`, or with `lora` the adapters' PEFT tensors (`params` are the
+  adapters), each on `device` in `dtype`, in `update_shapes` order."""
+  if lora is None:
+    yield from gathered_torch_tensors(params, config, device, dtype)
+    return
+  for name, x in lora_lib.peft_tensors(params, config, lora, dtype):
+    yield name, torch.from_numpy(x) if device.platform == 'cpu' else torch.from_dlpack(
+        jax.device_put(x, device))
+
+
+def update_from_hf(tensors: Iterable[tuple[str, torch.Tensor]], config: transformer.ModelConfig,
+                   lora: lora_lib.LoraConfig | None = None, dtype=None) -> dict:
+  """The pytree (host numpy) of an update received in wire layout: `params_from_hf`, or with
+  `lora` the adapters from their PEFT tensors (one copy)."""
+  if lora is None:
+    return params_from_hf(tensors, config, dtype)
+  got = dict(tensors)
+  check_complete([(n, tuple(t.shape)) for n, t in got.items()], lora_lib.peft_shapes(config, lora))
+  flat = {}
+  for s in lora_lib.specs(config, lora):
+    for which in ('a', 'b'):
+      leaf = np.stack([got[s.peft_name(i, which)].numpy().T for i in range(config.num_layers)])
+      flat[s.path + (which,)] = leaf if dtype is None else leaf.astype(dtype)
+  return lora_lib.nest(flat)
 
 
 def is_zero_copy(tensor: torch.Tensor, leaf: Any) -> bool:

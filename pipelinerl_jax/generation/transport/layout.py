@@ -25,16 +25,20 @@ def tree_digest(tree) -> str:
   return hashlib.sha256(json.dumps(leaves).encode()).hexdigest()[:16]
 
 
-def expected_digest(model_config) -> str:
-  """`tree_digest` of the params this model's engine takes, from its config alone."""
+def expected_digest(model_config, lora=None) -> str:
+  """`tree_digest` of the params this model's engine takes, from its config alone; with `lora`
+  (a `lora.LoraConfig`) of the adapters, which are then its updates."""
   import numpy as np
   from pipelinerl_jax.models import hf_io
+  from pipelinerl_jax.models import lora as lora_lib
   tree: dict = {}
   dtype = np.dtype(model_config.param_dtype)
-  for spec in hf_io.name_map(model_config):
+  shapes = ({spec.path: spec.shape for spec in hf_io.name_map(model_config)} if lora is None
+            else lora_lib.shapes(model_config, lora))
+  for path, shape in shapes.items():
     node = tree
-    for key in spec.path[:-1]:
+    for key in path[:-1]:
       node = node.setdefault(key, {})
-    node[spec.path[-1]] = np.lib.stride_tricks.as_strided(np.zeros((), dtype), spec.shape,
-                                                         (0,) * len(spec.shape))
+    node[path[-1]] = np.lib.stride_tricks.as_strided(np.zeros((), dtype), shape,
+                                                    (0,) * len(shape))
   return tree_digest(tree)

