@@ -16,6 +16,7 @@ import jax
 import pytest
 import torch
 
+from pipelinerl_jax import config as config_lib
 from pipelinerl_jax.bench import train_step as train_bench
 from pipelinerl_jax.bench.gpu import collective as kit_collective
 from pipelinerl_jax.bench.gpu import e2e as kit_e2e
@@ -29,6 +30,8 @@ from pipelinerl_jax.bench.gpu import train as kit_train
 from pipelinerl_jax.bench.gpu import vllm
 from pipelinerl_jax.bench.gpu import vllm_items
 from pipelinerl_jax.generation.transport import hf_tensors
+from pipelinerl_jax.models import hf_io
+from pipelinerl_jax.models import lora as lora_lib
 from pipelinerl_jax.models import transformer
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -389,28 +392,59 @@ def test_quick_collective_section_sends_whole_updates_between_two_processes(tmp_
   assert positive(update['gb_per_s'])
 
 
-def test_quick_one_gpu_section_runs_the_preset_on_a_tiny_qwen3(tmp_path):
-  """`--sections=qwen3_1xgpu --quick`: the one-GPU preset's path (a random Qwen3 saved as an HF
-  dir, the preset run whole) on CPU, the image's absent packages hidden; the plan's terms and the
-  run's figures recorded."""
+@pytest.mark.parametrize('section,preset', [('qwen3_1xgpu', 'qwen3_1p7b_1xgpu'),
+                                            ('lora_1xgpu', 'qwen3_8b_lora_1xgpu')])
+def test_quick_one_gpu_section_runs_the_preset_on_a_tiny_qwen3(tmp_path, section, preset):
+  """`--sections=qwen3_1xgpu --quick` (and the LoRA preset's): the one-GPU preset's path (a
+  random Qwen3 saved as an HF dir, the preset run whole) on CPU, the image's absent packages
+  hidden; the plan's terms and the run's figures recorded."""
   out = tmp_path / 'gpu.json'
-  proc = run_kit(['--quick', '--sections=qwen3_1xgpu', f'--out={out}',
+  proc = run_kit(['--quick', f'--sections={section}', f'--out={out}',
                   f'--workdir={tmp_path / "w"}'], image_like_env(tmp_path / 'hider'), timeout=600)
   assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
   report = json.loads(out.read_text())
-  section = report['sections']['qwen3_1xgpu']
-  assert section['status'] == 'ok' and section['imported_absent_on_image'] == []
-  (item,) = items(report, 'qwen3_1xgpu').values()
-  assert item['name'] == 'qwen3_1p7b_1xgpu preset' and item['preset'] == 'qwen3_1p7b_1xgpu'
+  assert report['sections'][section]['status'] == 'ok'
+  assert report['sections'][section]['imported_absent_on_image'] == []
+  (item,) = items(report, section).values()
+  assert item['name'] == f'{preset} preset' and item['preset'] == preset
   assert item['steps'] == presets.QUICK.one_gpu_steps
   assert item['max_new_tokens'] == presets.QUICK.one_gpu_new_tokens
   # Random weights: every sample runs to the length limit, the plan's worst case.
   assert item['frac_hit_length_limit'] > 0.5
   assert positive(item['train_step_s_median']) and positive(item['gen_tokens_per_s_median'])
   assert item['plan_refusal'] == '' and positive(item['plan_total_bytes'])
-  model = tmp_path / 'w' / 'one_gpu' / 'qwen3_1p7b_1xgpu-quick'
-  assert json.loads((model / 'config.json').read_text())['model_type'] == 'qwen3'
-  assert 'qwen3_1p7b_1xgpu preset' in proc.stdout
+  model = tmp_path / 'w' / 'one_gpu' / f'{preset}-quick'
+  config = json.loads((model / 'config.json').read_text())
+  assert config['model_type'] == 'qwen3'
+  # Each step published the whole params, or with LoRA the adapters alone, in fp32.
+  model_config = hf_io.config_from_hf(config)
+  lora = config_lib.load_preset(preset).model.lora
+  if lora.rank:
+    sent = lora_lib.num_params(model_config, lora_lib.LoraConfig(
+        lora.rank, lora.alpha, tuple(lora.targets)))
+  else:
+    sent = sum(x.size for x in jax.tree.leaves(
+        transformer.init_params(model_config, jax.random.PRNGKey(0))))
+  assert item['publish_bytes_median'] == 4 * sent
+  assert f'{preset} preset' in proc.stdout
+
+
+def test_quick_lora_section_times_adapter_and_full_updates(tmp_path):
+  """`--sections=lora --quick`: bench/lora.py's JAX measurement, one process per size, each size
+  an item with its ratios."""
+  out = tmp_path / 'gpu.json'
+  proc = run_kit(['--quick', '--sections=lora', f'--out={out}', f'--workdir={tmp_path / "w"}'],
+                 image_like_env(tmp_path / 'hider'), timeout=600)
+  assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+  report = json.loads(out.read_text())
+  assert report['sections']['lora']['imported_absent_on_image'] == []
+  (item,) = items(report, 'lora').values()
+  assert item['name'] == 'quick jax' and item['rank'] == presets.QUICK.lora_rank
+  assert item['byte_ratio'] == item['full_bytes'] / item['lora_bytes'] > 1
+  assert len(item['full_update_runs']) == len(item['lora_update_runs']) == (
+      presets.QUICK.lora_repeats + 1)
+  assert positive(item['update_ratio']) and positive(item['decode_ratio'])
+  assert 'quick jax' in proc.stdout
 
 
 # ---------------------------------------------------------------------------------------------

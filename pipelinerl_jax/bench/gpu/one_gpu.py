@@ -24,7 +24,8 @@ from pipelinerl_jax.bench.gpu import section as section_lib
 
 ROOT = pathlib.Path(__file__).resolve().parents[3]
 # The one-GPU presets, each with the model whose shapes its run takes.
-PRESET_MODELS = {'qwen3_1p7b_1xgpu': 'configs/models/Qwen3-1.7B'}
+PRESET_MODELS = {'qwen3_1p7b_1xgpu': 'configs/models/Qwen3-1.7B',
+                 'qwen3_8b_lora_1xgpu': 'configs/models/Qwen3-8B'}
 # --quick: Qwen3 in miniature (head_dim != hidden / heads, GQA 2, tied), runnable on a CPU.
 QUICK_HF = dict(architectures=['Qwen3ForCausalLM'], model_type='qwen3', vocab_size=512,
                 hidden_size=64, intermediate_size=128, num_hidden_layers=2,
@@ -138,7 +139,8 @@ def run_preset(s: section_lib.Section, preset: str) -> None:
                 memory=section_lib.device_memory(device),
                 train_step_s_median=median('train_step_s'),
                 gen_tokens_per_s_median=median('gen_tokens_per_s'),
-                frac_hit_length_limit=median('frac_hit_length_limit'), workdir=str(run_dir))
+                frac_hit_length_limit=median('frac_hit_length_limit'),
+                publish_bytes_median=median('publish_bytes'), workdir=str(run_dir))
   if error or not records:
     s.record['items'].append(dict(name=name, status='error',
                                   error=error or 'the run logged no step', **fields))

@@ -63,6 +63,12 @@ class Sizes:
   collective_models: tuple[str, ...] = ('qwen2.5-0.5b', 'qwen2.5-1.5b')  # updates sent whole
   one_gpu_steps: int = 3          # the one-GPU preset sections' step cap,
   one_gpu_new_tokens: int = 1024  # and their generation.max_new_tokens (0: the preset's)
+  # The lora section: sizes (bench/lora.py's), rank, and its decode workload and repeats.
+  lora_sizes: tuple[str, ...] = ('1.5b', '8b')
+  lora_rank: int = 32             # qwen3_8b_lora_1xgpu's
+  lora_requests: int = 256
+  lora_new_tokens: int = 128
+  lora_repeats: int = 3
 
 
 FULL = Sizes(train_grid=TRAIN_GRID, train_rows=8, train_seq_len=8192, train_steps=3,
@@ -77,7 +83,9 @@ QUICK = Sizes(train_grid=QUICK_TRAIN_GRID, train_rows=4, train_seq_len=64,
               train_steps=2, engine_model='tiny', engine_slots=(2, 4), prompt_len=8,
               new_tokens=8, publish_models=('tiny',), repeats=3, matmul_n=256, copy_mib=4,
               e2e_rl_s=0.0, e2e_steps=3, budget_s=300.0, e2e_presets=('tiny',),
-              collective_models=('tiny',), one_gpu_steps=2, one_gpu_new_tokens=16)
+              collective_models=('tiny',), one_gpu_steps=2, one_gpu_new_tokens=16,
+              lora_sizes=('quick',), lora_rank=8, lora_requests=4, lora_new_tokens=8,
+              lora_repeats=2)
 PRESETS = dict(full=FULL, short=SHORT, quick=QUICK)
 
 

@@ -17,6 +17,7 @@ from typing import Any, Callable, NamedTuple
 from pipelinerl_jax.bench.gpu import collective
 from pipelinerl_jax.bench.gpu import e2e
 from pipelinerl_jax.bench.gpu import engine
+from pipelinerl_jax.bench.gpu import lora
 from pipelinerl_jax.bench.gpu import one_gpu
 from pipelinerl_jax.bench.gpu import env
 from pipelinerl_jax.bench.gpu import publish
@@ -55,6 +56,10 @@ SECTIONS: dict[str, SectionSpec] = {spec.name: spec for spec in (
     # in its own process, so that the device's peak is that preset's.
     SectionSpec('qwen3_1xgpu', one_gpu.runner_for('qwen3_1p7b_1xgpu'), one_gpu.describe,
                 weight=6.0, default=False),
+    SectionSpec('lora_1xgpu', one_gpu.runner_for('qwen3_8b_lora_1xgpu'), one_gpu.describe,
+                weight=6.0, default=False),
+    # Adapter updates against full ones, and decode with adapters (bench/lora.py's processes).
+    SectionSpec('lora', lora.run, lora.describe, weight=4.0, default=False),
 )}
 DEFAULT_SECTIONS = tuple(name for name, spec in SECTIONS.items() if spec.default)
 OPTIONAL_SECTIONS = tuple(name for name, spec in SECTIONS.items() if not spec.default)
