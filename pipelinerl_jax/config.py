@@ -58,6 +58,11 @@ def _type_error(kind: Any, value: Any) -> str | None:
   if origin is Literal:
     return None if value in args else (
         f"must be one of {', '.join(repr(a) for a in args)}, got {value!r}")
+  if origin is dict:  # str keys, scalar values (a ConfigDict from an experiment file or flag)
+    ok = isinstance(value, (dict, ml_collections.ConfigDict)) and all(
+        isinstance(k, str) and isinstance(v, (bool, int, float, str)) for k, v in value.items())
+    shown = value.to_dict() if isinstance(value, ml_collections.ConfigDict) else value
+    return None if ok else f'must be a dict of names to numbers, strings or booleans, got {shown!r}'
   if origin is tuple:
     item = args[0]
     ok = isinstance(value, (tuple, list)) and all(_type_error(item, v) is None for v in value)
@@ -90,6 +95,8 @@ class _Section:
         raise ValueError(f'{name}: {problem}')
       if typing.get_origin(kind) is tuple:
         object.__setattr__(self, name, tuple(value))
+      if typing.get_origin(kind) is dict:
+        object.__setattr__(self, name, dict(value.items()))
     self._check_values()
 
   def _check_values(self):
@@ -101,8 +108,12 @@ class _Section:
 
 @dataclasses.dataclass(frozen=True)
 class DemoModelConfig(_Section):
-  """The demo model built when `model.path` is '' (demo/warmstart.py): a small Qwen2 over a
-  character tokenizer, SFT-warmed on a fixed set of the task's SFT-pool problems."""
+  """The demo model built when `model.path` is '' (demo/warmstart.py): a small Qwen2 (or Qwen3)
+  over a character tokenizer, SFT-warmed on a fixed set of the task's SFT-pool problems."""
+  # The HF format it is saved in: 'qwen2' (q/k/v biases) or 'qwen3' (per-head q/k norms, no
+  # biases).
+  architecture: Literal['qwen2', 'qwen3'] = 'qwen2'
+  tie_embeddings: bool = False    # the lm_head is the embedding table (Qwen3 up to 4B)
   hidden_size: int = 64
   intermediate_size: int = 256
   num_layers: int = 2
@@ -219,6 +230,9 @@ class TaskConfig(_Section):
   test_files: tuple[str, ...] = ()    # held-out sets for evaluation, one dataset each
   test_fraction: float = 0.0      # without test_files: this fraction of each train file is held
                                   # out (split by problem text, seed 0) as its test set
+  # math: keyword arguments of the tokenizer's chat template, e.g. {'enable_thinking': False}
+  # for Qwen3's (a name the template never mentions is an error, not ignored).
+  chat_template_kwargs: dict[str, Any] = dataclasses.field(default_factory=dict)
   problem_field: str = ''         # '' = first present of problem / question / prompt
   answer_field: str = ''          # '' = first present of answer / final_answer / solution
   reward: RewardConfig = RewardConfig()
@@ -256,6 +270,8 @@ class TaskConfig(_Section):
     _check(self.verify_timeout_s > 0, 'verify_timeout_s',
            f'must be > 0, got {self.verify_timeout_s}')
     _check(self.verify_workers >= 1, 'verify_workers', f'must be >= 1, got {self.verify_workers}')
+    _check(not self.chat_template_kwargs or self.name == 'math', 'chat_template_kwargs',
+           f"apply to task 'math' only (task {self.name!r} prompts are plain text)")
 
 
 # --- generation ------------------------------------------------------------------------------

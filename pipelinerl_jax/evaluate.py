@@ -51,7 +51,8 @@ def evaluate_checkpoint(config, checkpoint: str, *, k: int | None = None, n: int
   try:
     result = evaluation.evaluate_params(
         config, model_config, params, tokenizer, task,
-        task.held_out(config.eval.num_problems, config.eval.seed), k=k, n=n)
+        task.held_out(config.eval.num_problems, config.eval.seed), k=k, n=n,
+        stop_ids=hf_io.stop_token_ids(model_dir, tokenizer))
   finally:
     task.close()
   if out_dir:

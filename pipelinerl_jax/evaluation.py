@@ -146,12 +146,14 @@ def evaluate(engine: api.Engine, datasets: Mapping[str, Sequence[tasks_base.Prob
 
 def evaluate_params(config: config_lib.Config, model_config, params, tokenizer, task,
                     datasets: Mapping[str, Sequence[tasks_base.Problem]], *,
-                    k: int | None = None, n: int | None = None, device=None) -> dict[str, Any]:
+                    k: int | None = None, n: int | None = None, device=None,
+                    stop_ids: tuple[int, ...] | None = None) -> dict[str, Any]:
   """`evaluate` with a JAX engine built on `params`, sized from the config and problem count.
 
   What both the CLI and the in-training eval call. Problems whose prompt is longer than
   generation.max_prompt_len are skipped and counted ('skipped'), not fatal: a long test problem
-  must not end a run at its first evaluation.
+  must not end a run at its first evaluation. `stop_ids`: what ends a completion (the model dir's
+  `hf_io.stop_token_ids`; None: the tokenizer's EOS).
   """
   g, ev = config.generation, config.eval
   k = k or ev.k
@@ -168,7 +170,7 @@ def evaluate_params(config: config_lib.Config, model_config, params, tokenizer, 
         skipped += 1
   num_requests = sum(map(len, kept.values())) * (n or k)
   spec = engines.spec_from_config(
-      config, (tokenizer.eos_token_id,), backend='jax',
+      config, stop_ids or (tokenizer.eos_token_id,), backend='jax',
       num_slots=engines.slots_for(num_requests, g.num_slots),
       jax_options=dict(engines.jax_options(g), recompute_kv=False))
   engine = engines.make_engine(spec, model_config, params=params, device=device)

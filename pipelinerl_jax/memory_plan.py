@@ -163,6 +163,9 @@ def _layer_bytes_per_token(m: transformer.ModelConfig) -> int:
   h, k = m.num_heads, m.num_kv_heads
   in_dtype = 2 * d + (h + 2 * k) * dh + h * dh + 3 * d + 4 * f  # norms, qkv, attn, o, residuals, mlp
   in_fp32 = 2 * d + (h + k) * dh                                # norm x32, rotated q and k
+  if m.qk_norm:  # Qwen3: q and k normalized per head (fp32 inside the norm)
+    in_dtype += (h + k) * dh
+    in_fp32 += (h + k) * dh
   return dt * in_dtype + 4 * in_fp32
 
 

@@ -32,6 +32,8 @@ PARAM_RULES: Sequence[tuple[str, tuple]] = (
     (r'attn/(q|k|v)_proj/kernel$', (None, 'fsdp', 'tensor')),     # [L, D, H*Dh]
     (r'attn/(q|k|v)_proj/bias$', (None, 'tensor')),               # [L, H*Dh]
     (r'attn/o_proj/kernel$', (None, 'tensor', 'fsdp')),           # [L, H*Dh, D]
+    # Qwen3's per-head q/k norms: 'tensor' splits heads, and every head needs all of Dh.
+    (r'attn/(q|k)_norm/scale$', ()),                              # [L, Dh]
     (r'mlp/(gate|up)_proj/kernel$', (None, 'fsdp', 'tensor')),    # [L, D, F]
     (r'mlp/down_proj/kernel$', (None, 'tensor', 'fsdp')),         # [L, F, D]
     (r'lm_head/kernel$', ('fsdp', 'tensor')),                     # [D, V]

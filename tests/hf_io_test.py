@@ -1,9 +1,11 @@
-"""HF checkpoint I/O, checked against transformers' own Qwen2 / Llama on tiny random models."""
+"""HF checkpoint I/O, checked against transformers' own Qwen2 / Qwen3 / Llama on tiny random
+models."""
 
 import copy
 import dataclasses
 import json
 import shutil
+import types
 
 import jax
 import jax.numpy as jnp
@@ -15,6 +17,7 @@ import torch
 import transformers
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+from pipelinerl_jax.generation.transport import hf_tensors
 from pipelinerl_jax.models import hf_io
 from pipelinerl_jax.models import transformer as tfm
 
@@ -36,6 +39,20 @@ CASES = {
                                         rope_parameters=dict(rope_type='linear', factor=2.0,
                                                              rope_theta=500000.0)),
                           dict(bf16=True)),
+    # Qwen3: q/k norms, no biases, head_dim != hidden / heads; GQA 2 untied, GQA 4 tied.
+    'qwen3_untied': ('qwen3', dict(num_key_value_heads=2, head_dim=24, tie_word_embeddings=False),
+                     {}),
+    'qwen3_tied': ('qwen3', dict(num_attention_heads=8, num_key_value_heads=2, head_dim=16,
+                                 tie_word_embeddings=True,
+                                 rope_parameters=dict(rope_type='default', rope_theta=1e6)), {}),
+    # Llama-3.2-style: tied, explicit head_dim, llama3 RoPE with factor 32.
+    'llama32_style': ('llama', dict(num_key_value_heads=2, head_dim=24, tie_word_embeddings=True,
+                                    max_position_embeddings=512,
+                                    rope_parameters=dict(rope_type='llama3', rope_theta=500000.0,
+                                                         factor=32.0, low_freq_factor=1.0,
+                                                         high_freq_factor=4.0,
+                                                         original_max_position_embeddings=16)),
+                      {}),
 }
 TOKENS_BxT = np.random.RandomState(0).randint(0, SMALL['vocab_size'], (2, 40))
 
@@ -51,9 +68,10 @@ def checkpoint(tmp_path_factory):
     if name not in made:
       arch, extra, save_kw = CASES[name]
       cls, cfg_cls = {'qwen2': (transformers.Qwen2ForCausalLM, transformers.Qwen2Config),
+                      'qwen3': (transformers.Qwen3ForCausalLM, transformers.Qwen3Config),
                       'llama': (transformers.LlamaForCausalLM, transformers.LlamaConfig)}[arch]
       torch.manual_seed(len(made))
-      model = cls(cfg_cls(**SMALL, **extra)).eval()
+      model = cls(cfg_cls(**{**SMALL, **extra})).eval()
       with torch.no_grad():  # HF inits biases to 0 and norms to 1: randomize so both matter
         for pname, p in model.named_parameters():
           p.copy_(1 + 0.1 * torch.randn_like(p) if 'norm' in pname else 0.1 * torch.randn_like(p))
@@ -107,11 +125,20 @@ def test_config_fields(checkpoint):
   assert llama.rope_scaling == tfm.RopeScaling('llama3', 8.0, 1.0, 4.0, 16)
   linear = hf_io.load_config(checkpoint('llama_tied_linear')[0])
   assert (linear.rope_theta, linear.rope_scaling) == (500000.0, tfm.RopeScaling('linear', 2.0))
+  qwen3 = hf_io.load_config(checkpoint('qwen3_tied')[0])
+  assert (qwen3.architecture, qwen3.qkv_bias, qwen3.qk_norm, qwen3.tie_embeddings) == (
+      'Qwen3ForCausalLM', False, True, True)
+  assert (qwen3.num_heads, qwen3.num_kv_heads, qwen3.head_dim, qwen3.rope_theta) == (
+      8, 2, 16, 1e6)  # head_dim 16, not 64 / 8
+  llama32 = hf_io.load_config(checkpoint('llama32_style')[0])
+  assert (llama32.head_dim, llama32.qk_norm, llama32.rope_scaling) == (
+      24, False, tfm.RopeScaling('llama3', 32.0, 1.0, 4.0, 16))
 
 
-def test_llama3_rope_scaling_matters(checkpoint):
+@pytest.mark.parametrize('name', ['llama3_rope', 'llama32_style'])
+def test_llama3_rope_scaling_matters(checkpoint, name):
   # Guards the parity test above: unscaled RoPE must give visibly different logits at T=40.
-  path, _ = checkpoint('llama3_rope')
+  path, _ = checkpoint(name)
   config = hf_io.load_config(path)
   params = hf_io.load_params(path, config)
   plain = dataclasses.replace(config, rope_scaling=None)
@@ -120,11 +147,13 @@ def test_llama3_rope_scaling_matters(checkpoint):
 
 
 def test_legacy_rope_fields_and_model_type_fallback(checkpoint, tmp_path):
-  for name in ('llama3_rope', 'llama_tied_linear', 'qwen2_tied'):
+  """The Hub's config.json files carry rope_theta / rope_scaling at the top level (Qwen3's with
+  rope_scaling null), where transformers 5 writes rope_parameters."""
+  for name in ('llama3_rope', 'llama_tied_linear', 'qwen2_tied', 'qwen3_tied', 'llama32_style'):
     src, _ = checkpoint(name)
     hf = json.loads((src / 'config.json').read_text())
     rope = hf.pop('rope_parameters')
-    legacy = dict(hf, rope_theta=rope.pop('rope_theta'))
+    legacy = dict(hf, rope_theta=rope.pop('rope_theta'), rope_scaling=None)
     if rope['rope_type'] != 'default':  # the pre-5.x spelling: rope_scaling with 'type'
       legacy['rope_scaling'] = dict(rope, type=rope.pop('rope_type'))
     del legacy['architectures']
@@ -258,8 +287,9 @@ def test_sharded_load_places_only_each_devices_slice(checkpoint, monkeypatch):
     hf_io.load_params(path, config, {'embed': shardings['embed']})
 
 
-@pytest.mark.parametrize('name', ['qwen2_sharded', 'llama_tied_linear'])
+@pytest.mark.parametrize('name', ['qwen2_sharded', 'llama_tied_linear', 'qwen3_untied'])
 def test_hf_tensors_cover_state_dict(checkpoint, name):
+  """Our HF names are transformers' own: what the loader, saver and every transport walk."""
   path, model = checkpoint(name)
   config = hf_io.load_config(path)
   state = {k: v.numpy() for k, v in model.state_dict().items()}
@@ -281,16 +311,54 @@ def test_hf_tensors_cover_state_dict(checkpoint, name):
       at = sorted(position[n] for n in group)
       assert at == list(range(at[0], at[0] + len(group))), group
     assert len(qkv) == (6 if config.qkv_bias else 3)
+  # vLLM loads each q/k norm into a module of its own: a fusion unit alone, whole.
+  norms = [n for n in names if n.endswith(('q_norm.weight', 'k_norm.weight'))]
+  assert len(norms) == (2 * config.num_layers if config.qk_norm else 0)
+  for n in norms:
+    assert hf_tensors.module_of(n) == n.rsplit('.', 1)[0]
 
 
 def test_name_map_matches_init_params():
-  for qkv_bias, tied in ((True, False), (False, True)):
+  for qkv_bias, tied, qk_norm in ((True, False, False), (False, True, False), (False, True, True)):
     config = tfm.ModelConfig(vocab_size=32, hidden_size=16, intermediate_size=24, num_layers=3,
-                             num_heads=4, num_kv_heads=2, head_dim=8, qkv_bias=qkv_bias,
-                             tie_embeddings=tied)
+                             num_heads=4, num_kv_heads=2, head_dim=6, qkv_bias=qkv_bias,
+                             qk_norm=qk_norm, tie_embeddings=tied)
     flat = {tuple(k.key for k in p): x.shape
             for p, x in jax.tree_util.tree_flatten_with_path(abstract_params(config))[0]}
     assert {s.path: s.shape for s in hf_io.name_map(config)} == flat
+
+
+def test_qwen3_config_is_written_as_transformers_reads_it(checkpoint):
+  config = hf_io.load_config(checkpoint('qwen3_tied')[0])
+  hub = {'layer_types': ['full_attention'] * 2, 'max_window_layers': 28, 'rope_theta': 5.0,
+         'rope_scaling': None, 'eos_token_id': [151645, 151643]}
+  written = hf_io.hf_config(config, extra=hub)
+  assert (written['model_type'], written['attention_bias'], written['use_sliding_window'],
+          written['head_dim']) == ('qwen3', False, False, 16)
+  assert written['eos_token_id'] == [151645, 151643]  # the original's own keys are kept
+  assert not {'layer_types', 'max_window_layers', 'rope_theta', 'rope_scaling'} & set(written)
+  assert hf_io.config_from_hf(written) == config
+  assert transformers.Qwen3Config(**written).head_dim == 16
+  for field in ('qk_norm', 'qkv_bias'):  # what Qwen3ForCausalLM cannot express
+    bad = dataclasses.replace(config, **{field: not getattr(config, field)})
+    with pytest.raises(ValueError, match=f'Qwen3ForCausalLM has qkv_bias=False, qk_norm=True; '
+                                         f'config has .*{field}={getattr(bad, field)}'):
+      hf_io.hf_config(bad)
+
+
+def test_stop_tokens_are_the_tokenizers_eos_and_generation_configs_list(tmp_path):
+  tokenizer = types.SimpleNamespace(eos_token_id=7)
+  assert hf_io.stop_token_ids(tmp_path, tokenizer) == (7,)  # no generation_config.json
+  generation = tmp_path / 'generation_config.json'
+  for eos, expected in (([128009, 128001, 7], (7, 128001, 128009)), (3, (3, 7)), (None, (7,))):
+    generation.write_text(json.dumps({'eos_token_id': eos, 'do_sample': True}))
+    assert hf_io.stop_token_ids(tmp_path, tokenizer) == expected
+  generation.write_text(json.dumps({'eos_token_id': ['</s>']}))
+  with pytest.raises(ValueError, match=r"generation_config.json: eos_token_id must be .*'</s>'"):
+    hf_io.stop_token_ids(tmp_path, tokenizer)
+  generation.write_text('{')
+  with pytest.raises(ValueError, match='generation_config.json: not valid JSON'):
+    hf_io.stop_token_ids(tmp_path, tokenizer)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -346,6 +414,24 @@ BAD = {
                        ['config.json', 'use_sliding_window']),
     'rope_type': ('qwen2_tied', _edit_config(rope_parameters={'rope_type': 'yarn', 'factor': 4.0}),
                   ValueError, ['config.json', 'rope_type', 'yarn']),
+    # Qwen3 fields the model would otherwise ignore, in the Hub's spelling where it has one.
+    'qwen3_sliding_window': ('qwen3_untied', _edit_config(use_sliding_window=True,
+                                                          sliding_window=4096),
+                             ValueError, ['config.json', 'use_sliding_window']),
+    'qwen3_sliding_layers': ('qwen3_untied', _edit_config(
+        layer_types=['full_attention', 'sliding_attention']), ValueError,
+                             ['config.json', 'layer_types', 'sliding_attention']),
+    'qwen3_attention_bias': ('qwen3_untied', _edit_config(attention_bias=True), ValueError,
+                             ['config.json', 'attention_bias', 'o_proj']),
+    'qwen3_yarn': ('qwen3_untied', _edit_config(rope_parameters=None, rope_theta=1e6,
+                                                rope_scaling={'rope_type': 'yarn', 'factor': 4.0,
+                                                              'original_max_position_embeddings':
+                                                              32768}),
+                   ValueError, ['config.json', 'rope_scaling.rope_type', 'yarn']),
+    'qwen3_moe_model_type': ('qwen3_untied', _edit_config(model_type='qwen3_moe'), ValueError,
+                             ['config.json', "model_type='qwen3_moe'", 'Qwen3ForCausalLM']),
+    'qwen3_attention_dropout': ('qwen3_untied', _edit_config(attention_dropout=0.1), ValueError,
+                                ['config.json', 'attention_dropout']),
     'missing_shard': ('qwen2_sharded', _drop_shard('model.layers.1.mlp.up_proj.weight'),
                       FileNotFoundError, ['model.safetensors.index.json']),
     'missing_tensor': ('qwen2_tied', _drop_tensor('model.layers.1.mlp.up_proj.weight'),

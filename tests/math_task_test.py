@@ -240,6 +240,38 @@ def test_format_prompt_plain_and_chat_template():
       f'<|system|>{math_task.SYSTEM_PROMPT}\n<|user|>What is 1+1?\n<|assistant|>')
 
 
+def test_chat_template_kwargs_reach_the_template_or_are_refused():
+  """Qwen3's template opens an empty think block when enable_thinking is false; the task's
+  stream, its held-out set and the registry all pass task.chat_template_kwargs on, and a name the
+  template never reads (Jinja would drop it silently) is refused naming the key."""
+  from pipelinerl_jax.tasks import registry
+  transformers = pytest.importorskip('transformers')
+  from pipelinerl_jax.demo import char_tokenizer
+  tok = transformers.PreTrainedTokenizerFast(
+      tokenizer_object=char_tokenizer.build_char_tokenizer(), eos_token='<eos>')
+  kwargs = {'enable_thinking': False}
+  with pytest.raises(ValueError, match='chat_template_kwargs.*no chat template'):
+    math_task.check_chat_template_kwargs(tok, kwargs)
+  tok.chat_template = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
+                       "<|assistant|>{% if enable_thinking is defined and enable_thinking is false"
+                       " %}<think>\n\n</think>\n\n{% endif %}")
+  thinking, plain = (math_task.format_prompt('1+1?', tok, k) for k in ({}, kwargs))
+  assert plain == thinking + '<think>\n\n</think>\n\n'
+  problems = math_task.load_problems(DATA / 'math_problems.jsonl')
+  task = math_task.MathTask([(problems, 1.0)], tok, test_sets={'t': problems[:2]},
+                            chat_template_kwargs=kwargs, num_workers=1)
+  try:
+    assert next(task.problems(seed=0)).prompt.endswith('</think>\n\n')
+    assert all(p.prompt.endswith('</think>\n\n') for p in task.held_out(0, 0)['t'])
+  finally:
+    task.close()
+  config = config_lib.TaskConfig(name='math', train_files=(str(DATA / 'math_problems.jsonl'),),
+                                 chat_template_kwargs={'reasoning_effort': 'low'})
+  with pytest.raises(ValueError, match=r"config.task.chat_template_kwargs: the chat template "
+                                       r"never mentions \['reasoning_effort'\]"):
+    registry.make_task(config, tok)
+
+
 # --- datasets --------------------------------------------------------------------------------
 
 def test_load_problems_both_field_conventions():

@@ -249,6 +249,9 @@ def test_stream_credits_order_and_stop():
     ('generation.decode_attention', 'flash', "must be one of 'xla', 'pallas', 'cudnn'"),
     ('generation.sync_every', -2, 'must be >= 0 or -1 (auto)'),
     ('generation.prefill_chunk', -8, 'must be >= 0'),
+    ('task.chat_template_kwargs', {'tools': [1]}, "must be a dict of names to numbers, strings"),
+    ('task.chat_template_kwargs', {'enable_thinking': False}, "apply to task 'math' only"),
+    ('model.demo.architecture', 'gemma', "must be one of 'qwen2', 'qwen3'"),
 ])
 def test_invalid_config_values_name_the_key(key, value, message):
   # Through a plain dict: ConfigDict's own type check only guards single-field writes.

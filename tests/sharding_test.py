@@ -1,4 +1,5 @@
-"""Partition rules against the real Qwen2.5 shapes, and the fsdp fallback to another dimension."""
+"""Partition rules against the real Qwen2.5 and Qwen3 shapes, and the fsdp fallback to another
+dimension."""
 
 import functools
 import pathlib
@@ -15,7 +16,7 @@ from pipelinerl_jax.models import transformer
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 QWEN = {name: hf_io.load_config(ROOT / 'configs/models' / name)
-        for name in ('Qwen2.5-Math-1.5B', 'Qwen2.5-7B')}
+        for name in ('Qwen2.5-Math-1.5B', 'Qwen2.5-7B', 'Qwen3-8B')}
 
 
 def shapes(config):
@@ -79,3 +80,12 @@ def test_fallback_placement_runs_and_matches_one_device():
   sharded = jax.jit(fn)(jax.device_put(params, shardings))
   np.testing.assert_allclose(sharded, jax.jit(fn)(params), atol=1e-5)
   assert isinstance(shardings['embed']['embedding'], NamedSharding)
+
+
+def test_qwen3_norms_stay_whole_on_every_device():
+  """The tensor axis splits heads and each head's q/k norm scales all of its Dh: the [L, Dh]
+  scales stay whole, beside projections split over fsdp and tensor."""
+  got = specs(QWEN['Qwen3-8B'], fsdp=4, tensor=2)
+  for name in ('q_norm', 'k_norm'):
+    assert got[f'layers/attn/{name}/scale'] == ((36, 128), P(None, None))
+  assert got['layers/attn/q_proj/kernel'] == ((36, 4096, 4096), P(None, 'fsdp', 'tensor'))

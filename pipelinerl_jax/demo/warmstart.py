@@ -1,12 +1,13 @@
 """The CPU demo's starting policy: a tiny Qwen2 model, SFT-warmed on its task, saved as an HF dir.
 
-`build_demo_model(out_dir, demo, task)` random-initializes a small Qwen2 `ModelConfig` over the
-character tokenizer, imitates a small fixed set of the task's SFT-pool problems until its sampled
-accuracy on unseen RL-pool problems reaches `demo.target_sampled_accuracy` (or the step budget
-ends), and saves config.json + model.safetensors + tokenizer files + warmstart.json. The build is
-cached: warmstart.json carries a hash of the settings, and a dir whose hash matches is returned at
-once. RL then starts from a policy that knows the answer format but gets only a minority of
-unseen problems right, and has to earn the rest.
+`build_demo_model(out_dir, demo, task)` random-initializes a small Qwen2 (or, with
+`demo.architecture='qwen3'`, Qwen3) `ModelConfig` over the character tokenizer, imitates a small
+fixed set of the task's SFT-pool problems until its sampled accuracy on unseen RL-pool problems
+reaches `demo.target_sampled_accuracy` (or the step budget ends), and saves config.json +
+model.safetensors + tokenizer files + warmstart.json. The build is cached: warmstart.json carries
+a hash of the settings, and a dir whose hash matches is returned at once. RL then starts from a
+policy that knows the answer format but gets only a minority of unseen problems right, and has to
+earn the rest.
 
 `model_dir_for(config)` is where a run finds its model: config.model.path, or this build.
 """
@@ -63,12 +64,14 @@ def model_dir_for(config: config_lib.Config) -> str:
 
 def make_model_config(demo: config_lib.DemoModelConfig, vocab_size: int
                       ) -> transformer.ModelConfig:
+  qwen3 = demo.architecture == 'qwen3'
   return transformer.ModelConfig(
       vocab_size=vocab_size, hidden_size=demo.hidden_size,
       intermediate_size=demo.intermediate_size, num_layers=demo.num_layers,
       num_heads=demo.num_heads, num_kv_heads=demo.num_kv_heads, head_dim=demo.head_dim,
-      qkv_bias=True, max_position_embeddings=demo.max_position_embeddings,
-      architecture='Qwen2ForCausalLM')
+      qkv_bias=not qwen3, qk_norm=qwen3, tie_embeddings=demo.tie_embeddings,
+      max_position_embeddings=demo.max_position_embeddings,
+      architecture='Qwen3ForCausalLM' if qwen3 else 'Qwen2ForCausalLM')
 
 
 def settings_hash(demo: config_lib.DemoModelConfig, task: tasks_base.Task) -> str:

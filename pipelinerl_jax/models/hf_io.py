@@ -32,14 +32,32 @@ import numpy as np
 from pipelinerl_jax.models.transformer import ModelConfig, RopeScaling
 
 CONFIG_FILE = 'config.json'
+GENERATION_CONFIG_FILE = 'generation_config.json'
 SINGLE_FILE = 'model.safetensors'
 INDEX_FILE = 'model.safetensors.index.json'
 _SHARD_RE = re.compile(r'model-\d{5}-of-\d{5}\.safetensors$')
 
-_ARCHITECTURES = ('Qwen2ForCausalLM', 'LlamaForCausalLM')
-_MODEL_TYPES = {'qwen2': 'Qwen2ForCausalLM', 'llama': 'LlamaForCausalLM'}
-# HF's per-class defaults for fields a config.json may leave out.
-_DEFAULT_MAX_POSITIONS = {'Qwen2ForCausalLM': 32768, 'LlamaForCausalLM': 2048}
+
+
+@dataclasses.dataclass(frozen=True)
+class _Family:
+  """What an architecture is in `ModelConfig` terms, and transformers' per-class defaults for
+  fields a config.json may leave out."""
+  model_type: str
+  qkv_bias: bool
+  qk_norm: bool
+  max_positions: int
+  head_dim: int | None = None  # None: hidden_size / num_attention_heads
+
+
+_FAMILIES = {
+    'Qwen2ForCausalLM': _Family('qwen2', qkv_bias=True, qk_norm=False, max_positions=32768),
+    'Qwen3ForCausalLM': _Family('qwen3', qkv_bias=False, qk_norm=True, max_positions=32768,
+                                head_dim=128),
+    'LlamaForCausalLM': _Family('llama', qkv_bias=False, qk_norm=False, max_positions=2048),
+}
+_ARCHITECTURES = tuple(_FAMILIES)
+_MODEL_TYPES = {family.model_type: arch for arch, family in _FAMILIES.items()}
 _OVERRIDABLE = ('param_dtype', 'dtype', 'lm_head_fp32', 'remat', 'remat_policy', 'attention',
                 'attention_block_q', 'attention_block_kv')
 
@@ -102,6 +120,26 @@ def load_tokenizer(model_dir: str | os.PathLike):
   return tokenizer
 
 
+def stop_token_ids(model_dir: str | os.PathLike, tokenizer) -> tuple[int, ...]:
+  """The ids that end a completion: the tokenizer's EOS and every `eos_token_id` of the model
+  dir's generation_config.json (an id or a list: Llama-3 instruct models end a turn on
+  <|eot_id|> and the text on <|end_of_text|>, Qwen3's chat models on <|im_end|> and
+  <|endoftext|>), sorted."""
+  ids = {int(tokenizer.eos_token_id)}
+  path = Path(model_dir) / GENERATION_CONFIG_FILE
+  if not path.is_file():
+    return tuple(sorted(ids))
+  try:
+    generation = json.loads(path.read_text())
+  except json.JSONDecodeError as e:
+    raise ValueError(f'{path}: not valid JSON ({e})') from None
+  eos = generation.get('eos_token_id') if isinstance(generation, dict) else None
+  listed = eos if isinstance(eos, list) else [] if eos is None else [eos]
+  if not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in listed):
+    raise ValueError(f'{path}: eos_token_id must be a token id or a list of them, got {eos!r}')
+  return tuple(sorted(ids | set(listed)))
+
+
 def config_from_hf(hf: dict, source: str = CONFIG_FILE, **overrides) -> ModelConfig:
   """ModelConfig from a parsed HF config dict; `source` names the file in error messages."""
   def fail(msg):
@@ -118,21 +156,22 @@ def config_from_hf(hf: dict, source: str = CONFIG_FILE, **overrides) -> ModelCon
     return kind(value)
 
   arch = _architecture(hf, fail)
+  family = _FAMILIES[arch]
+  # Fields transformers would honour and this model cannot: refused, never ignored.
   if hf.get('hidden_act', 'silu') != 'silu':
     fail(f"hidden_act={hf['hidden_act']!r} is not supported (only 'silu')")
-  if arch == 'Qwen2ForCausalLM':
-    if hf.get('use_sliding_window'):
-      fail('use_sliding_window=true is not supported (sliding-window attention is not '
-           'implemented; every layer attends to the full context)')
-    qkv_bias = True
-  else:
-    if hf.get('mlp_bias'):
-      fail('mlp_bias=true is not supported (the MLP has no biases)')
-    if hf.get('attention_bias'):
-      # HF Llama's attention_bias also puts a bias on o_proj, which the model lacks.
-      fail('attention_bias=true is not supported (it adds q/k/v and o_proj biases; the model '
-           'has no o_proj bias)')
-    qkv_bias = False
+  if hf.get('use_sliding_window'):
+    fail('use_sliding_window=true is not supported (sliding-window attention is not '
+         'implemented; every layer attends to the full context)')
+  if hf.get('mlp_bias'):
+    fail('mlp_bias=true is not supported (the MLP has no biases)')
+  if not family.qkv_bias and hf.get('attention_bias'):
+    # Llama's and Qwen3's attention_bias also puts a bias on o_proj, which the model lacks.
+    fail('attention_bias=true is not supported (it adds q/k/v and o_proj biases; the model '
+         'has no o_proj bias)')
+  if hf.get('attention_dropout'):
+    fail(f"attention_dropout={hf['attention_dropout']} is not supported (training runs "
+         'without dropout)')
   layer_types = set(hf.get('layer_types') or ()) - {'full_attention'}
   if layer_types:
     fail(f'layer_types {sorted(layer_types)} are not supported (only full_attention)')
@@ -140,12 +179,14 @@ def config_from_hf(hf: dict, source: str = CONFIG_FILE, **overrides) -> ModelCon
   hidden, heads = field('hidden_size'), field('num_attention_heads')
   if 'head_dim' in hf and hf['head_dim'] is not None:
     head_dim = field('head_dim')
+  elif family.head_dim is not None:
+    head_dim = family.head_dim
   elif hidden % heads:
     fail(f'missing field head_dim, and hidden_size={hidden} is not a multiple of '
          f'num_attention_heads={heads}')
   else:
     head_dim = hidden // heads
-  max_positions = field('max_position_embeddings', _DEFAULT_MAX_POSITIONS[arch])
+  max_positions = field('max_position_embeddings', family.max_positions)
   theta, scaling = _rope_from_hf(hf, max_positions, fail)
 
   unknown = set(overrides) - set(_OVERRIDABLE)
@@ -165,7 +206,8 @@ def config_from_hf(hf: dict, source: str = CONFIG_FILE, **overrides) -> ModelCon
       rope_theta=theta,
       rope_scaling=scaling,
       rms_norm_eps=field('rms_norm_eps', 1e-6, float),
-      qkv_bias=qkv_bias,
+      qkv_bias=family.qkv_bias,
+      qk_norm=family.qk_norm,
       tie_embeddings=field('tie_word_embeddings', False, bool),
       max_position_embeddings=max_positions,
       architecture=arch,
@@ -173,12 +215,16 @@ def config_from_hf(hf: dict, source: str = CONFIG_FILE, **overrides) -> ModelCon
 
 
 def _architecture(hf, fail) -> str:
-  archs = hf.get('architectures')
+  """The architecture of `architectures`, else of `model_type`; when both are given they must
+  name the same one."""
+  archs, model_type = hf.get('architectures'), hf.get('model_type')
   if archs:
     if len(archs) != 1 or archs[0] not in _ARCHITECTURES:
       fail(f'architectures={archs} is not supported (expected one of {list(_ARCHITECTURES)})')
+    if model_type is not None and _MODEL_TYPES.get(model_type) != archs[0]:
+      fail(f'model_type={model_type!r} does not match architectures={archs} (expected '
+           f'{_FAMILIES[archs[0]].model_type!r})')
     return archs[0]
-  model_type = hf.get('model_type')
   if model_type not in _MODEL_TYPES:
     fail(f'no architectures field, and model_type={model_type!r} is not supported '
          f'(expected one of {list(_MODEL_TYPES)})')
@@ -223,12 +269,11 @@ def hf_config(config: ModelConfig, dtype: str = 'bfloat16', extra: dict | None =
   if c.architecture not in _ARCHITECTURES:
     raise ValueError(f'architecture={c.architecture!r} cannot be saved '
                      f'(expected one of {list(_ARCHITECTURES)})')
-  is_qwen2 = c.architecture == 'Qwen2ForCausalLM'
-  if is_qwen2 and not c.qkv_bias:
-    raise ValueError('Qwen2ForCausalLM always has q/k/v biases; config has qkv_bias=False')
-  if not is_qwen2 and c.qkv_bias:
-    raise ValueError('LlamaForCausalLM cannot express q/k/v biases without an o_proj bias; '
-                     'config has qkv_bias=True')
+  family = _FAMILIES[c.architecture]
+  if (c.qkv_bias, c.qk_norm) != (family.qkv_bias, family.qk_norm):
+    raise ValueError(f'{c.architecture} has qkv_bias={family.qkv_bias}, '
+                     f'qk_norm={family.qk_norm}; config has qkv_bias={c.qkv_bias}, '
+                     f'qk_norm={c.qk_norm}')
   rope = {'rope_theta': c.rope_theta, 'rope_type': 'default'}
   if c.rope_scaling is not None:
     s = c.rope_scaling
@@ -238,7 +283,7 @@ def hf_config(config: ModelConfig, dtype: str = 'bfloat16', extra: dict | None =
                   original_max_position_embeddings=s.original_max_position_embeddings)
   ours = {
       'architectures': [c.architecture],
-      'model_type': 'qwen2' if is_qwen2 else 'llama',
+      'model_type': family.model_type,
       'vocab_size': c.vocab_size,
       'hidden_size': c.hidden_size,
       'intermediate_size': c.intermediate_size,
@@ -254,10 +299,12 @@ def hf_config(config: ModelConfig, dtype: str = 'bfloat16', extra: dict | None =
       'dtype': dtype,
       'torch_dtype': dtype,  # the key transformers < 4.56 reads
   }
-  if is_qwen2:
+  if family.model_type in ('qwen2', 'qwen3'):
     ours.update(use_sliding_window=False, sliding_window=None)
-  else:
-    ours.update(attention_bias=False, mlp_bias=False)
+  if not family.qkv_bias:
+    ours.update(attention_bias=False)
+  if family.model_type == 'llama':
+    ours.update(mlp_bias=False)
   # Keys that would contradict ours (legacy rope fields, a quantization we did not apply).
   stale = {'rope_scaling', 'rope_theta', 'quantization_config', 'layer_types', 'max_window_layers'}
   kept = {k: v for k, v in (extra or {}).items() if k not in stale}
@@ -300,9 +347,12 @@ def name_map(config: ModelConfig) -> list[TensorSpec]:
   if c.qkv_bias:
     specs += [layer(f'self_attn.{p}_proj.bias', ('attn', f'{p}_proj', 'bias'), (n,))
               for p, n in widths.items()]
+  specs.append(layer('self_attn.o_proj.weight', ('attn', 'o_proj', 'kernel'), (widths['q'], d),
+                     transposed=True))
+  if c.qk_norm:
+    specs += [layer(f'self_attn.{p}_norm.weight', ('attn', f'{p}_norm', 'scale'), (c.head_dim,))
+              for p in 'qk']
   specs += [
-      layer('self_attn.o_proj.weight', ('attn', 'o_proj', 'kernel'), (widths['q'], d),
-            transposed=True),
       layer('mlp.gate_proj.weight', ('mlp', 'gate_proj', 'kernel'), (d, f), transposed=True),
       layer('mlp.up_proj.weight', ('mlp', 'up_proj', 'kernel'), (d, f), transposed=True),
       layer('mlp.down_proj.weight', ('mlp', 'down_proj', 'kernel'), (f, d), transposed=True),

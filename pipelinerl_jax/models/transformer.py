@@ -1,4 +1,4 @@
-"""Decoder-only LM in Flax (linen) covering Qwen2 / Qwen2.5 and Llama-3.
+"""Decoder-only LM in Flax (linen) covering Qwen2 / Qwen2.5, Qwen3 (dense) and Llama-3.
 
 Parameter pytree (layers stacked on a leading axis L by `nn.scan`; kernels are [in, out]):
 
@@ -6,6 +6,7 @@ Parameter pytree (layers stacked on a leading axis L by `nn.scan`; kernels are [
   layers/input_norm/scale              [L, D]
   layers/attn/{q,k,v}_proj/kernel      [L, D, N*Dh | K*Dh]    (+ /bias [L, ...] when qkv_bias)
   layers/attn/o_proj/kernel            [L, N*Dh, D]
+  layers/attn/{q,k}_norm/scale         [L, Dh]                (only when qk_norm: Qwen3)
   layers/post_attn_norm/scale          [L, D]
   layers/mlp/{gate,up}_proj/kernel     [L, D, F]
   layers/mlp/down_proj/kernel          [L, F, D]
@@ -64,7 +65,8 @@ class ModelConfig:
   rope_theta: float = 10000.0
   rope_scaling: RopeScaling | None = None
   rms_norm_eps: float = 1e-6
-  qkv_bias: bool = False          # Qwen2 has q/k/v biases, Llama does not.
+  qkv_bias: bool = False          # Qwen2 has q/k/v biases, Llama and Qwen3 do not.
+  qk_norm: bool = False           # Qwen3: an RMSNorm over Dh on every query and key head
   tie_embeddings: bool = False
   max_position_embeddings: int = 32768
   architecture: str = 'Qwen2ForCausalLM'
@@ -112,6 +114,8 @@ class ModelConfig:
     per_layer = d * (q + 2 * kv) + q * d + 3 * d * f + 2 * d
     if self.qkv_bias:
       per_layer += q + 2 * kv
+    if self.qk_norm:
+      per_layer += 2 * self.head_dim
     return v * d * (1 if self.tie_embeddings else 2) + l * per_layer + d
 
 
@@ -226,9 +230,14 @@ class Attention(nn.Module):
     q = _dense(c.num_heads * c.head_dim, c.qkv_bias, c, 'q_proj')(x_RxTxD)
     k = _dense(c.num_kv_heads * c.head_dim, c.qkv_bias, c, 'k_proj')(x_RxTxD)
     v = _dense(c.num_kv_heads * c.head_dim, c.qkv_bias, c, 'v_proj')(x_RxTxD)
+    q_RxTxNxDh = q.reshape(b, t, c.num_heads, c.head_dim)
+    k_RxTxKxDh = k.reshape(b, t, c.num_kv_heads, c.head_dim)
+    if c.qk_norm:  # Qwen3: each head's query and key normalized over Dh, before RoPE
+      norm = lambda name: RMSNorm(c.rms_norm_eps, c.dtype, c.param_dtype, name=name)
+      q_RxTxNxDh, k_RxTxKxDh = norm('q_norm')(q_RxTxNxDh), norm('k_norm')(k_RxTxKxDh)
     inv_freq = rope_inv_freq(c)
-    q_RxTxNxDh = apply_rope(q.reshape(b, t, c.num_heads, c.head_dim), positions_RxT, inv_freq)
-    k_RxTxKxDh = apply_rope(k.reshape(b, t, c.num_kv_heads, c.head_dim), positions_RxT, inv_freq)
+    q_RxTxNxDh = apply_rope(q_RxTxNxDh, positions_RxT, inv_freq)
+    k_RxTxKxDh = apply_rope(k_RxTxKxDh, positions_RxT, inv_freq)
     v_RxTxKxDh = v.reshape(b, t, c.num_kv_heads, c.head_dim)
 
     g = c.num_heads // c.num_kv_heads

@@ -143,6 +143,7 @@ def _build(config: config_lib.Config, workdir: str, model_dir: str,
            started: contextlib.ExitStack, check_interrupt: Callable[[], None],
            trainers=None) -> Parts:
   tokenizer = hf_io.load_tokenizer(model_dir)
+  stop_ids = hf_io.stop_token_ids(model_dir, tokenizer)
   task = registry.make_task(config.task, tokenizer)
   started.callback(_quietly, task.close)
   check_interrupt()
@@ -156,7 +157,7 @@ def _build(config: config_lib.Config, workdir: str, model_dir: str,
   else:
     params = trainers.publication(state.params, version, wire_dtype)  # with every process
   engine = placements.ENGINE_PLACEMENTS[config.generation.placement](
-      config, model_config, model_dir, mesh=mesh, eos_token_id=tokenizer.eos_token_id,
+      config, model_config, model_dir, mesh=mesh, eos_token_ids=stop_ids,
       params=params, version=version, cores=trainers and trainers.cores)
   del params
   started.callback(_quietly, engine.close)
@@ -166,7 +167,7 @@ def _build(config: config_lib.Config, workdir: str, model_dir: str,
   g = config.generation
   if learner.resumed and g.backend != 'jax' and g.placement == 'inline':
     publish(state.params, version)  # inline vLLM loaded model_dir's weights
-  evaluate = (evaluator(config, workdir, model_config, tokenizer, task, mesh)
+  evaluate = (evaluator(config, workdir, model_config, tokenizer, task, mesh, stop_ids)
               if config.eval.every_steps else None)
   return Parts(model_dir=model_dir, learner=learner, tokenizer=tokenizer, task=task,
                engine=engine, put_batch=batch_placer(config.train, mesh), publish=publish,
@@ -250,8 +251,8 @@ def batch_placer(config: config_lib.TrainConfig, mesh) -> Callable:
   return put_batch
 
 
-def evaluator(config: config_lib.Config, workdir: str, model_config, tokenizer, task, mesh
-              ) -> Callable[[Any, int], dict]:
+def evaluator(config: config_lib.Config, workdir: str, model_config, tokenizer, task, mesh,
+              stop_ids: tuple[int, ...]) -> Callable[[Any, int], dict]:
   """(params, step) -> eval metrics: the CLI's evaluation on a copy of the current params (the
   train step donates them), its samples written to workdir/eval/samples-<step>.jsonl."""
   problems = task.held_out(config.eval.num_problems, config.eval.seed)
@@ -260,7 +261,7 @@ def evaluator(config: config_lib.Config, workdir: str, model_config, tokenizer, 
 
   def evaluate(params, step: int) -> dict:
     result = evaluation.evaluate_params(config, model_config, copy(params), tokenizer, task,
-                                        problems, device=device)
+                                        problems, device=device, stop_ids=stop_ids)
     evaluation.write_samples(os.path.join(workdir, 'eval', f'samples-{step}.jsonl'),
                              result['samples'])
     return {**evaluation.metrics_record(result), 'eval/seconds': result['seconds']}

@@ -84,11 +84,12 @@ def transport_dtype(config: config_lib.Config, model_config, model_dir: str) -> 
 
 
 def _inline_engine(config: config_lib.Config, model_config, model_dir: str, *, mesh,
-                   eos_token_id: int, params, version: int, cores=None) -> api.Engine:
+                   eos_token_ids: tuple[int, ...], params, version: int, cores=None
+                   ) -> api.Engine:
   """The engine in the trainer's process: the JAX engine on a device the mesh leaves free, or
   vLLM (which starts from the checkpoint on disk, what `params` were loaded from)."""
   del cores
-  spec = engines.spec_from_config(config, (eos_token_id,))
+  spec = engines.spec_from_config(config, eos_token_ids)
   if spec.backend == 'jax':
     device = generation_device(mesh)
     return engines.make_engine(spec, model_config,
@@ -98,7 +99,8 @@ def _inline_engine(config: config_lib.Config, model_config, model_dir: str, *, m
 
 
 def _ray_engine(config: config_lib.Config, model_config, model_dir: str, *, mesh,
-                eos_token_id: int, params, version: int, cores=None) -> api.Engine:
+                eos_token_ids: tuple[int, ...], params, version: int, cores=None
+                ) -> api.Engine:
   """Generator actors on a Ray cluster (joined, or started here), each on its own devices.
   `cores`: the placement.CoreAllocator that trainer actors took their cores from."""
   from pipelinerl_jax import cluster as cluster_lib  # imports Ray
@@ -123,7 +125,7 @@ def _ray_engine(config: config_lib.Config, model_config, model_dir: str, *, mesh
                        "GPUs (the cluster has none, or gpus_per_generator=0); use 'gloo' or "
                        "'object_store'")
     spec = generator.GeneratorSpec(
-        engine=engines.spec_from_config(config, (eos_token_id,)),
+        engine=engines.spec_from_config(config, eos_token_ids),
         model_dir=os.path.abspath(model_dir),
         model_overrides=dict(param_dtype=model_config.param_dtype, dtype=model_config.dtype,
                              lm_head_fp32=model_config.lm_head_fp32),

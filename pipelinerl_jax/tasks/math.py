@@ -28,7 +28,7 @@ import os
 import random
 import re
 import threading
-from typing import Iterator, Sequence
+from typing import Any, Iterator, Mapping, Sequence
 
 from pipelinerl_jax import config as config_lib
 from pipelinerl_jax.tasks.base import STATUSES, Problem, Score, Task, extract_boxed
@@ -43,13 +43,31 @@ EVENTS = ('truncated', 'masked', 'empty_answer', 'too_long', 'bad_chars', 'timeo
 _BAD_CHARS = re.compile('[\x00-\x08\x0b\x0c\x0e-\x1f\x7f\ud800-\udfff]')
 
 
-def format_prompt(problem_text: str, tokenizer=None) -> str:
-  """The text the model continues: the tokenizer's chat template when it has one."""
+def format_prompt(problem_text: str, tokenizer=None,
+                  chat_template_kwargs: Mapping[str, Any] | None = None) -> str:
+  """The text the model continues: the tokenizer's chat template when it has one, given
+  `chat_template_kwargs` (e.g. Qwen3's enable_thinking)."""
   if tokenizer is not None and getattr(tokenizer, 'chat_template', None):
     messages = [{'role': 'system', 'content': SYSTEM_PROMPT},
                 {'role': 'user', 'content': problem_text}]
-    return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False,
+                                         **(chat_template_kwargs or {}))
   return f'{SYSTEM_PROMPT}\n\nProblem: {problem_text}\n\nSolution:'
+
+
+def check_chat_template_kwargs(tokenizer, chat_template_kwargs: Mapping[str, Any]) -> None:
+  """A kwarg the template cannot read would be dropped without a word by Jinja: refused here,
+  naming the config key."""
+  if not chat_template_kwargs:
+    return
+  template = getattr(tokenizer, 'chat_template', None) if tokenizer is not None else None
+  if not isinstance(template, str) or not template:
+    raise ValueError(f'config.task.chat_template_kwargs: {dict(chat_template_kwargs)} given, but '
+                     'the tokenizer has no chat template (prompts are plain text)')
+  unread = sorted(name for name in chat_template_kwargs if name not in template)
+  if unread:
+    raise ValueError(f'config.task.chat_template_kwargs: the chat template never mentions '
+                     f'{unread}')
 
 
 # --- rewards ---------------------------------------------------------------------------------
@@ -176,7 +194,8 @@ def split_problems(problems: Sequence[Problem], test_fraction: float,
 
 
 def mixed_stream(datasets: Sequence[tuple[Sequence[Problem], float]], seed: int,
-                 tokenizer=None) -> Iterator[Problem]:
+                 tokenizer=None, chat_template_kwargs: Mapping[str, Any] | None = None
+                 ) -> Iterator[Problem]:
   """An infinite stream over [(problems, weight), ...], a function of (datasets, seed).
 
   Each draw picks a dataset with probability proportional to its weight, then takes that
@@ -193,7 +212,7 @@ def mixed_stream(datasets: Sequence[tuple[Sequence[Problem], float]], seed: int,
       remaining[d] = list(range(len(datasets[d][0])))
       rng.shuffle(remaining[d])
     p = datasets[d][0][remaining[d].pop()]
-    yield dataclasses.replace(p, prompt=format_prompt(p.prompt, tokenizer))
+    yield dataclasses.replace(p, prompt=format_prompt(p.prompt, tokenizer, chat_template_kwargs))
 
 
 def dataset_name(path: str) -> str:
@@ -240,7 +259,7 @@ class MathTask(Task):
   """The Task protocol over weighted datasets, scored by math-verify in a worker pool.
 
   datasets: [(problems, weight), ...], streamed by `mixed_stream`.
-  tokenizer: for `format_prompt` (None: the plain-text prompt).
+  tokenizer, chat_template_kwargs: for `format_prompt` (no tokenizer: the plain-text prompt).
   test_sets: {name: problems} held out for evaluation (`held_out`).
   timeout_s: hard per-sample verification limit. The pool (num_workers processes) starts with
     the task; `close()` ends it (a later score starts a new one).
@@ -249,10 +268,13 @@ class MathTask(Task):
   def __init__(self, datasets: Sequence[tuple[Sequence[Problem], float]], tokenizer=None,
                rewards: config_lib.RewardConfig = config_lib.RewardConfig(), *,
                test_sets: dict[str, Sequence[Problem]] | None = None, timeout_s: float = 5.0,
-               num_workers: int = 2, max_answer_chars: int = 1000, memory_limit_mb: int = 4096):
+               num_workers: int = 2, max_answer_chars: int = 1000, memory_limit_mb: int = 4096,
+               chat_template_kwargs: Mapping[str, Any] | None = None):
     self.datasets = _check_datasets(datasets)
     self.test_sets = {name: list(problems) for name, problems in (test_sets or {}).items()}
+    check_chat_template_kwargs(tokenizer, chat_template_kwargs or {})
     self.tokenizer, self.rewards = tokenizer, rewards
+    self.chat_template_kwargs = dict(chat_template_kwargs or {})
     self.max_answer_chars = max_answer_chars
     self._pool_args = dict(num_workers=num_workers, timeout_s=timeout_s,
                            memory_limit_mb=memory_limit_mb)
@@ -288,7 +310,7 @@ class MathTask(Task):
   # --- the Task protocol ---------------------------------------------------------------------
 
   def problems(self, seed: int) -> Iterator[Problem]:
-    return mixed_stream(self.datasets, seed, self.tokenizer)
+    return mixed_stream(self.datasets, seed, self.tokenizer, self.chat_template_kwargs)
 
   def held_out(self, num_problems: int, seed: int) -> dict[str, list[Problem]]:
     """The test sets, the first `num_problems` of each (0 = all), prompts formatted as in
@@ -297,7 +319,8 @@ class MathTask(Task):
     if not any(self.test_sets.values()):
       raise ValueError('config.task: no held-out problems to evaluate on (set task.test_files '
                        'or task.test_fraction)')
-    return {name: [dataclasses.replace(p, prompt=format_prompt(p.prompt, self.tokenizer))
+    return {name: [dataclasses.replace(p, prompt=format_prompt(p.prompt, self.tokenizer,
+                                                               self.chat_template_kwargs))
                    for p in (problems[:num_problems] if num_problems else problems)]
             for name, problems in self.test_sets.items()}
 

@@ -35,5 +35,6 @@ def make_task(config: config_lib.TaskConfig, tokenizer=None) -> base.Task:
     weights = config.train_weights or (1.0,) * len(train_sets)
     return math_task.MathTask(list(zip(train_sets, weights)), tokenizer, config.reward,
                               test_sets=test_sets, timeout_s=config.verify_timeout_s,
-                              num_workers=config.verify_workers)
+                              num_workers=config.verify_workers,
+                              chat_template_kwargs=config.chat_template_kwargs)
   raise ValueError(f'config.task.name: unknown task {config.name!r}')

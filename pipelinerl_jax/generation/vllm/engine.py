@@ -418,7 +418,7 @@ class VllmEngine(api.QueuedEngine):
     try:
       try:
         tensors = make_tensors()  # nothing in vLLM has changed if this raises
-        self._worker.reload_weights(weights_iterator=iter(tensors))
+        self._reload(weights_iterator=iter(tensors))
         if self._head is not None:
           self._head.set(dict(tensors)['lm_head.weight'])
         # Copies from CUDA tensors (DLPack aliases of the trainer's params) are queued on this
@@ -442,6 +442,12 @@ class VllmEngine(api.QueuedEngine):
     self._update_seconds += time.perf_counter() - start
     return version
 
+  def _reload(self, **kwargs):
+    """The worker's `reload_weights`, then a tied lm_head repacked on CPU (`_repack_tied_head`)."""
+    self._worker.reload_weights(**kwargs)
+    if self.model_config.tie_embeddings:
+      _repack_tied_head(self._worker)
+
   def _roll_back(self, cause: Exception):
     """Reloads the weights served before a load that raised part-way."""
     try:
@@ -450,11 +456,11 @@ class VllmEngine(api.QueuedEngine):
         raise RuntimeError('the weights served before came from buffers that may have been '
                            'overwritten since; nothing to restore')
       if self._loaded is None:
-        self._worker.reload_weights()  # the checkpoint vLLM started from
+        self._reload()  # the checkpoint vLLM started from
         head = lambda: _checkpoint_tensor(self.model_dir, 'lm_head.weight')
       else:
         tensors = self._loaded()
-        self._worker.reload_weights(weights_iterator=iter(tensors))
+        self._reload(weights_iterator=iter(tensors))
         head = lambda: dict(tensors)['lm_head.weight']
       if self._head is not None:
         self._head.set(head())
@@ -470,6 +476,22 @@ def _label_weights(core, version: int) -> None:
   set_version = getattr(core, 'set_weight_version', None)
   if set_version is not None:
     set_version(str(version))
+
+
+def _repack_tied_head(worker) -> None:
+  """A tied model's lm_head shares the embedding's weight, which vLLM's reload updates in place;
+  but on CPU the head multiplies through a kernel packed from the weight at start-up
+  (`dispatch_cpu_unquantized_gemm`, oneDNN), and the reload repacks only the layers it loaded,
+  never the head: without this, logits would keep coming from the first weights."""
+  from vllm.platforms import current_platform
+  model = worker.model_runner.get_model()
+  head = getattr(model, 'lm_head', None)
+  embed = getattr(getattr(model, 'model', None), 'embed_tokens', None)
+  if not current_platform.is_cpu() or head is None or not hasattr(head, 'cpu_linear'):
+    return
+  if embed is not None and head.weight is not embed.weight:  # re-tie a replaced table
+    head.weight = embed.weight
+  head.quant_method.process_weights_after_loading(head)
 
 
 def _abort_layerwise_reload(worker):
