@@ -131,10 +131,10 @@ def _sharded_bytes(shapes, shardings) -> int:
              for x, sh in zip(leaves, shards))
 
 
-def mesh_sizes(mesh: str, num_devices: int) -> tuple[int, int, int]:
-  """train.mesh 'data,fsdp,tensor' with -1 resolved as `sharding.make_mesh` would on a host of
-  `num_devices` (-1 takes every device, leaving none to generators)."""
-  sizes = [int(s) for s in mesh.split(',')]
+def mesh_sizes(mesh: str, num_devices: int) -> tuple[int, int, int, int]:
+  """train.mesh 'data,fsdp,tensor[,expert]' with -1 resolved as `sharding.make_mesh` would on a
+  host of `num_devices` (-1 takes every device, leaving none to generators)."""
+  sizes = [int(s) for s in mesh.split(',')] + [1] * (mesh.count(',') == 2)
   if -1 in sizes:
     known = math.prod(s for s in sizes if s != -1)
     sizes[sizes.index(-1)] = num_devices // known
@@ -189,7 +189,7 @@ def _attention_bytes(m: transformer.ModelConfig, rows: int, t: int,
 def trainer_memory(m: transformer.ModelConfig, config: config_lib.Config,
                    mesh: AbstractMesh) -> tuple[dict[str, int], dict[str, Any]]:
   """The trainer device's terms for the config's worst-case batch (`worst_case_rows`)."""
-  data_parallel = mesh.shape['data'] * mesh.shape['fsdp']
+  data_parallel = sharding_lib.data_parallel_size(mesh)
   rows, rows_per_micro = worst_case_rows(config, data_parallel)
   memory, facts = train_step_memory(m, config.optimizer, mesh, rows // data_parallel,
                                     rows_per_micro, config.train.seq_len,

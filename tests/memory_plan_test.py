@@ -184,7 +184,8 @@ def test_trainer_estimate_is_within_a_small_factor_of_xla_on_cpu(attention, rema
   c.rl.group_size, c.rl.batch_size = 1, 2
   m = hf_io.config_from_hf(TINY_HF, param_dtype='float32', dtype=dtype, remat=remat,
                            attention=attention, attention_block_q=256, attention_block_kv=256)
-  terms, facts = memory_plan.trainer_memory(m, c, AbstractMesh((1, 1, 1), sharding_lib.MESH_AXES))
+  terms, facts = memory_plan.trainer_memory(m, c, AbstractMesh((1, 1, 1, 1),
+                                                                sharding_lib.MESH_AXES))
   assert (facts['rows_per_micro_batch'], facts['micro_batches']) == (1, 2)
   planned = sum(terms.values())
   actual = compiled_peak_bytes(m, 1, seq_len, 2)
@@ -247,7 +248,7 @@ def test_plan_is_just_above_the_peaks_measured_on_an_h100():
   import json
   from pipelinerl_jax.bench import train_step as train_bench
   report = json.loads(H100_RUN.read_text())
-  mesh = AbstractMesh((1, 1, 1), sharding_lib.MESH_AXES)
+  mesh = AbstractMesh((1, 1, 1, 1), sharding_lib.MESH_AXES)
   for item in report['sections']['train']['items']:
     m = dataclasses.replace(train_bench.MODEL_PRESETS[item['model']], dtype=item['dtype'],
                             remat=item['remat'])
