@@ -175,9 +175,10 @@ def pack_samples(samples: Sequence[Sample], seq_len: int, *, num_rows: int | Non
 
   Returns (batch, stats). batch keys: tokens, targets, positions, segment_ids, loss_mask,
   behaviour_logprobs, advantages, versions, sample_index, segment_starts and segment_lengths
-  ([R, G]), and ref_logprobs and routes ([R, T, Ls, Xk]) when every sample has them. Off the loss positions the per-token
-  fields are 0 (versions -1, sample_index -1 on padding). `max_segments` > 0 caps the samples
-  of a row (G = max_segments); 0 leaves rows uncapped (G = seq_len).
+  ([R, G]), and ref_logprobs and routes ([R, T, Ls, Xk]) when every sample has them. Off the
+  loss positions the per-token fields are 0 (versions -1, sample_index -1 on padding).
+  `max_segments` > 0 caps the samples of a row (G = max_segments); 0 leaves rows uncapped
+  (G = seq_len).
   """
   if (seq_len < 1 or row_multiple < 1 or (num_rows is not None and num_rows < 0)
       or max_segments < 0):

@@ -605,7 +605,8 @@ def _locate_tensors(model_dir: Path) -> tuple[dict[str, _Located], Path]:
   single, index = model_dir / SINGLE_FILE, model_dir / INDEX_FILE
   if single.is_file():
     header, start = read_safetensors_header(single)
-    return _unfused({name: _Located(single, entry, start) for name, entry in header.items()}), single
+    located = {name: _Located(single, entry, start) for name, entry in header.items()}
+    return _unfused(located), single
   if not index.is_file():
     raise FileNotFoundError(f'{model_dir}: neither {SINGLE_FILE} nor {INDEX_FILE} exists')
   try:

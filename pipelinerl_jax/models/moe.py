@@ -95,9 +95,10 @@ def experts_ragged(x_UxD, ids_UxXk, gates_UxXk, w_gate_XlxDxI, w_up_XlxDxI, w_do
   h_YxI = _swiglu(jax.lax.ragged_dot(xs_YxD, w_gate_XlxDxI, sizes_Xl),
                   jax.lax.ragged_dot(xs_YxD, w_up_XlxDxI, sizes_Xl))
   out_YxD = jax.lax.ragged_dot(h_YxI, w_down_XlxIxD, sizes_Xl)
-  # Rows past the held experts' blocks are not computed by ragged_dot: zero their weight too.
-  weight_Y = jnp.where(held_Y, gates_UxXk.reshape(-1), 0.0)[order_Y]
-  out_YxD = out_YxD * weight_Y[:, None].astype(out_YxD.dtype)
+  # The rows past the held experts' blocks (other devices' experts) belong to no group: they
+  # are dropped here, whatever ragged_dot leaves in them.
+  out_YxD = jnp.where(held_Y[order_Y, None],
+                      out_YxD * gates_UxXk.reshape(-1)[order_Y, None].astype(out_YxD.dtype), 0)
   return jnp.zeros_like(x_UxD).at[token_Y].add(out_YxD)
 
 
@@ -192,12 +193,12 @@ class MoE(nn.Module):
 
     real_U = (jnp.ones((r * t,), jnp.float32) if token_mask_RxT is None
               else token_mask_RxT.reshape(r * t).astype(jnp.float32))
-    own_UxX = jnp.sum(jax.nn.one_hot(own_UxXk, x_count, dtype=jnp.float32), axis=1)
+    counts_X = jnp.zeros(x_count, jnp.float32).at[own_UxXk.reshape(-1)].add(
+        jnp.repeat(real_U, k))
     dtype = route_dtype(x_count)
     routes = LayerRoutes(used=ids_UxXk.reshape(r, t, k).astype(dtype),
                          own=own_UxXk.reshape(r, t, k).astype(dtype),
-                         counts=jax.lax.stop_gradient(real_U @ own_UxX),
-                         probs=real_U @ probs_UxX)
+                         counts=jax.lax.stop_gradient(counts_X), probs=real_U @ probs_UxX)
     return y_RxTxD, routes
 
 
