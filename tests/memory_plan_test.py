@@ -274,3 +274,29 @@ def test_the_remat_policy_and_cudnn_statistics_change_the_saved_activations():
   m = plan.facts
   stats = 28 * m['rows_per_micro_batch'] * c.train.max_segments_per_row * 12 * 8192 * 4
   assert plan.trainer['saved'] > saved['attention'] + stats * 0.5
+
+
+def test_qwen3_30b_a3b_takes_17_gpus_of_80gb_and_replay_a_141gb_generator():
+  """The MoE preset: 16 GPUs train (experts split 4 ways) and one generates; 8 trainer GPUs
+  hold too little for params, Adam and gradients. Routing replay's JAX engine holds the model
+  and the next update on its GPU: refused on 80 GB, placed on 141 GB."""
+  hf_config, source = memory_plan.read_hf_config(ROOT / 'configs/models/Qwen3-30B-A3B')
+  config = config_lib.load_preset('qwen3_30b_a3b')
+  config.generation.num_generators = 1
+  plan = lambda c, n, gib: memory_plan.plan(c, hf_config, num_devices=n, device_gib=gib,
+                                            source=source)
+  p = plan(config, 17, 80)
+  assert p.fits, p.refusal
+  f = p.facts
+  assert (f['train_devices'], f['generator_devices'], f['mesh']) == (16, 1, '1,4,1,4')
+  assert round(f['params'] / 1e9, 1) == 30.5 and round(f['active_params'] / 1e9, 1) == 3.4
+  config.train.mesh = '1,2,1,4'
+  assert 'a trainer device needs' in plan(config, 9, 80).refusal
+  config.train.mesh = '1,4,1,4'
+  config.model.moe_routing, config.generation.backend = 'replay', 'jax'
+  refused = plan(config, 17, 80)
+  assert refused.problems == (
+      f"a generator device holds the JAX engine: {refused.generator_total / 2**30:.1f} GiB > "
+      '80 GiB',)
+  assert refused.generator['update'] == f['params'] * 2  # the next params, in bf16
+  assert plan(config, 17, 141).fits
