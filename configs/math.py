@@ -49,6 +49,19 @@ def tiny():
   return c
 
 
+def tiny_moe():
+  """`tiny` with a mixture of experts: the demo model as a Qwen3-MoE, 8 experts of width 32 in
+  each of its 2 layers, 4 per token, renormalized gates (as many expert weights as `tiny`'s MLP
+  has weights: on a CPU, XLA computes a grouped matmul as a masked product over every expert),
+  built and SFT-warmed as `tiny`'s is; model.moe_routing picks routing replay (docs/moe.md)."""
+  c = tiny()
+  demo = c.model.demo
+  demo.architecture = 'qwen3_moe'
+  demo.num_experts, demo.num_experts_per_tok, demo.moe_intermediate_size = 8, 4, 32
+  demo.norm_topk_prob = True
+  return c
+
+
 def reasoning():
   """Long-hand addition with every carry written out (tasks/reasoning.py): RL on operands of 1-6
   digits, the warm start on 1-8 (it has seen every line shape RL asks for). A 3-layer model
@@ -193,6 +206,42 @@ def paper_7b():
   return c
 
 
+def qwen3_30b_a3b():
+  """Qwen3-30B-A3B (a mixture of experts: 30.5B params, 3.3B active a token; configs/models/
+  Qwen3-30B-A3B) on math, full fine-tuning with fp32 master weights, on 80 GB GPUs: the
+  smallest layout the memory plan finds (docs/moe.md). 16 GPUs train, rows and experts split
+  4 x 4 (train.mesh 1,4,1,4: fsdp x expert); 8 generate with vLLM, one GPU each (3 hosts of 8).
+  Routing is recomputed: routing replay needs the JAX engine's routes, and the JAX engine holds
+  the whole model and the next update on one device, 2 x 61 GB in bf16, which no 80 GB GPU
+  holds (the memory plan refuses it in one line; on 141 GB GPUs it fits:
+  --config.model.moe_routing=replay --config.generation.backend=jax). Not run on GPUs."""
+  c = config_lib.base_config()
+  _math_task(c)
+  _gpu_model(c)
+  _gpu_placement(c)
+  c.train.mesh = '1,4,1,4'
+  c.generation.num_generators = 8
+  # vLLM holds 61 GB of bf16 weights on each 80 GB GPU: an update reaches it one tensor at a
+  # time through Ray's object store, where nccl would stage a whole second copy on the GPU.
+  c.generation.remote.weight_transport = 'object_store'
+  c.generation.max_prompt_len = 512
+  c.generation.max_new_tokens = 3072
+  c.generation.slots_per_generator = 64
+  c.generation.num_slots = 0
+  c.rl.batch_size = 512             # 64 prompts x 8 samples per step
+  c.rl.group_size = 8
+  c.rl.max_lag = 8
+  c.rl.total_steps = 1000
+  c.optimizer.lr = 1e-6             # Adam, constant
+  c.train.seq_len = 8192
+  # One 8k row per GPU per micro-batch (memory plan: what is left beside params, Adam and
+  # gradients of 30.5B params over 16 GPUs).
+  c.train.micro_batch_rows = 1
+  c.task.reward.overlong_max_len = 3072
+  c.task.reward.overlong_buffer = 512
+  return c
+
+
 def _math_task(c):
   """Math with reward 1 if correct else 0; model.path and task.*_files are placeholders."""
   c.task.name = 'math'
@@ -256,5 +305,6 @@ def _gpu_model(c):
   c.log.progress = True
 
 
-PRESETS = {'tiny': tiny, 'reasoning': reasoning, 'tools': tools,
-           'qwen1p5b_8xh100': qwen1p5b_8xh100, 'paper_7b': paper_7b}
+PRESETS = {'tiny': tiny, 'tiny_moe': tiny_moe, 'reasoning': reasoning, 'tools': tools,
+           'qwen1p5b_8xh100': qwen1p5b_8xh100, 'paper_7b': paper_7b,
+           'qwen3_30b_a3b': qwen3_30b_a3b}

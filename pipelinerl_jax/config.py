@@ -118,8 +118,8 @@ class DemoModelConfig(_Section):
   # qwen3_moe: experts per MoE layer, experts per token, each expert's width, renormalized top-k
   # gates, and the layers that keep a dense MLP of intermediate_size.
   num_experts: int = 8
-  num_experts_per_tok: int = 2
-  moe_intermediate_size: int = 64
+  num_experts_per_tok: int = 4
+  moe_intermediate_size: int = 32
   norm_topk_prob: bool = True
   mlp_only_layers: tuple[int, ...] = ()
   hidden_size: int = 64
