@@ -24,10 +24,13 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import fcntl
 import logging
 import os
 import select
 import signal
+import socket
+import struct
 import subprocess
 import sys
 import threading
@@ -147,6 +150,76 @@ def pinned(cores: Sequence[int] | None):
     yield
   finally:
     _set_affinity(before)
+
+
+# --- this host's network -----------------------------------------------------------------------
+
+
+def _ipv4_of(name: str) -> str | None:
+  """The IPv4 address of interface `name` (the kernel's SIOCGIFADDR), None without one."""
+  with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+    try:
+      packed = fcntl.ioctl(s.fileno(), 0x8915, struct.pack('256s', name[:15].encode()))
+    except OSError:
+      return None
+  return socket.inet_ntoa(packed[20:24])
+
+
+def interfaces() -> dict[str, str | None]:
+  """{interface name: its IPv4 address or None} of this host (its network namespace)."""
+  return {name: _ipv4_of(name) for _, name in socket.if_nameindex()}
+
+
+def _described(found: dict[str, str | None]) -> str:
+  return ', '.join(f'{name} {ip}' if ip else name for name, ip in found.items())
+
+
+def interface_address(name: str, key: str = 'config.cluster.interface') -> str:
+  """The IPv4 address of interface `name` on this host; a one-line ValueError naming `key`, the
+  host and its interfaces when it has no such interface, or one without an IPv4 address."""
+  found = interfaces()
+  if found.get(name):
+    return found[name]
+  why = 'has no IPv4 address' if name in found else 'does not exist'
+  raise ValueError(f'{key}={name!r}: that interface {why} on host {socket.gethostname()} '
+                   f'(its interfaces: {_described(found)})')
+
+
+def check_local_address(ip: str, key: str = 'config.cluster.node_ip') -> str:
+  """`ip`, if it is an IPv4 address of this host's interfaces; else a one-line ValueError naming
+  `key`, the host and its addresses."""
+  found = interfaces()
+  if ip not in found.values():
+    raise ValueError(f'{key}={ip!r} is not an address of host {socket.gethostname()} '
+                     f'(its interfaces: {_described(found)})')
+  return ip
+
+
+def interface_bytes(name: str, key: str = 'config.cluster.interface') -> tuple[int, int]:
+  """(received, sent) bytes of interface `name` since it was made, as the kernel counts them
+  (/proc/net/dev: this process's network namespace); a one-line ValueError as
+  `interface_address`'s when there is no such interface."""
+  with open('/proc/net/dev') as f:
+    for line in f:
+      iface, sep, counters = line.partition(':')
+      if sep and iface.strip() == name:
+        fields = counters.split()
+        return int(fields[0]), int(fields[8])
+  raise ValueError(f'{key}={name!r}: that interface does not exist on host '
+                   f'{socket.gethostname()} (its interfaces: {_described(interfaces())})')
+
+
+class NetworkCounter:
+  """The bytes this host received and sent on interface `name` since the counter was made: what
+  crossed between the hosts when they talk over it (a step's record: `totals()`)."""
+
+  def __init__(self, name: str):
+    self.name = name
+    self._start = interface_bytes(name)
+
+  def totals(self) -> dict[str, int]:
+    rx, tx = interface_bytes(self.name)
+    return {'net/rx_bytes': rx - self._start[0], 'net/tx_bytes': tx - self._start[1]}
 
 
 # --- the watchdog ------------------------------------------------------------------------------
@@ -277,18 +350,23 @@ def connect(config, *, gpus: Sequence[str] | None = None) -> Session:
     return Session(address=ctx.gcs_address, local=False,
                    node_ip=ray.util.get_node_ip_address(), owned=False)
   os.environ.setdefault('RAY_USAGE_STATS_ENABLED', '0')  # read by the processes Ray starts
+  node = {}
+  if config.node_ip:  # Ray's own guess follows a route to a public address, or the host name
+    node['_node_ip_address'] = check_local_address(config.node_ip)
   if config.address:
     try:
       with _signals_kept(local=False):
-        ctx = _ray_init(address=config.address)
+        ctx = _ray_init(address=config.address, **node)
     except (ConnectionError, RuntimeError, ValueError) as e:
+      hint = '' if config.node_ip else '; set config.cluster.node_ip to this host\'s address'
       raise ConnectionError(f'config.cluster.address={config.address!r}: cannot join that Ray '
-                            f'cluster ({type(e).__name__}: {str(e).splitlines()[0]})') from None
+                            f'cluster ({type(e).__name__}: {str(e).splitlines()[0]}{hint})'
+                            ) from None
     return Session(address=ctx.address_info['gcs_address'], local=False,
                    node_ip=ray.util.get_node_ip_address())
 
   before = descendants([os.getpid()])
-  kwargs = dict(num_cpus=config.num_cpus or os.cpu_count())
+  kwargs = dict(num_cpus=config.num_cpus or os.cpu_count(), **node)
   if config.object_store_mb:
     kwargs['object_store_memory'] = config.object_store_mb << 20
   saved = os.environ.get('CUDA_VISIBLE_DEVICES')

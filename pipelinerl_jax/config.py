@@ -47,6 +47,14 @@ def _check(ok: bool, field: str, message: str) -> None:
     raise ValueError(f'{field}: {message}')
 
 
+def _check_ipv4(value: str, field: str, empty: str) -> None:
+  """`value` is '' or a dotted IPv4 address (whether this host has it is checked where it is
+  used: cluster.check_local_address)."""
+  parts = value.split('.')
+  ok = value == '' or (len(parts) == 4 and all(p.isdigit() and int(p) < 256 for p in parts))
+  _check(ok, field, f"must be an IPv4 address like '10.0.0.5' ({empty}), got {value!r}")
+
+
 @functools.cache
 def _hints(cls) -> dict[str, Any]:
   return typing.get_type_hints(cls)
@@ -342,6 +350,13 @@ class RemoteConfig(_Section):
   # nccl protocol).
   weight_transport: Literal['object_store', 'nccl', 'gloo'] = 'object_store'
   transport_timeout_s: float = 120.0  # nccl/gloo: joining the group, one weight update
+  # Every generator actor on the Ray node with this address (a host kept for generation, as
+  # `ray start --node-ip-address` gave it); '' = wherever Ray finds room.
+  node_ip: str = ''
+  # A generator actor that hears nothing from the run for this long stops itself: its host was
+  # cut off from the driver's, and Ray leaves such an actor running (holding its devices; seen
+  # for over a minute).
+  heartbeat_timeout_s: float = 60.0
 
   def _check_values(self):
     _check(self.max_restarts >= 0, 'max_restarts', f'must be >= 0, got {self.max_restarts}')
@@ -355,6 +370,9 @@ class RemoteConfig(_Section):
            f"must be distinct GPU ids like '4,5,6,7' ('' = automatic), got {self.devices!r}")
     _check(self.transport_timeout_s > 0, 'transport_timeout_s',
            f'must be > 0, got {self.transport_timeout_s}')
+    _check_ipv4(self.node_ip, 'node_ip', "'' = wherever Ray finds room")
+    _check(self.heartbeat_timeout_s >= 1, 'heartbeat_timeout_s',
+           f'must be >= 1, got {self.heartbeat_timeout_s}')
 
   @property
   def device_ids(self) -> list[str]:
@@ -446,7 +464,8 @@ class GenerationConfig(_Section):
 
 @dataclasses.dataclass(frozen=True)
 class ClusterConfig(_Section):
-  """The Ray cluster that actors run on (generation.placement 'ray'); see cluster.py."""
+  """Where the run's processes meet: the Ray cluster that actors run on (generation.placement
+  'ray'; see cluster.py), and the network between hosts (docs/scaling.md: two hosts)."""
   # '' = start a local Ray for this run (quietly; stopped with it, even when the run is
   # killed) | 'auto' = the cluster `ray start` runs on this host | 'HOST:PORT' = that head.
   address: str = ''
@@ -454,6 +473,17 @@ class ClusterConfig(_Section):
   num_gpus: int = -1              # local start: GPUs Ray hands out (-1 = those free of the
                                   # train mesh, see generation.remote.devices)
   object_store_mb: int = 0        # local start: object store size (0 = Ray's default)
+  # This host's address as the other hosts reach it (what `ray start --node-ip-address` gave
+  # its node): the driver joins Ray as that node, and jax.distributed's coordinator and the
+  # weights' rendezvous listen there. '' = Ray's guess (a route to a public address, else what
+  # the host name resolves to: 127.0.1.1 where /etc/hosts maps it there, as Debian's does).
+  node_ip: str = ''
+  # The network interface the hosts talk over, by the same name on every host (e.g. 'ib0'):
+  # JAX's gloo collectives between trainer processes and the weights' gloo transport listen on
+  # its address, and each step's record counts its bytes (net/rx_bytes, net/tx_bytes). '' =
+  # the Ray node's address (Ray actors), else what the host name resolves to (JAX's default).
+  # Applies to any run of several processes, with or without Ray.
+  interface: str = ''
 
   def _check_values(self):
     a = self.address
@@ -468,6 +498,10 @@ class ClusterConfig(_Section):
     _check(not a or local, 'address',
            f'{a!r} joins a running cluster: num_cpus, num_gpus and object_store_mb size a local '
            'start only (leave them at 0, -1, 0; `ray start` sizes a cluster)')
+    _check_ipv4(self.node_ip, 'node_ip', "'' = Ray's guess")
+    i = self.interface
+    _check(i == '' or (len(i) <= 15 and '/' not in i and not any(c.isspace() for c in i)),
+           'interface', f"must be a network interface name like 'eth1' ('' = none), got {i!r}")
 
 
 # --- RL --------------------------------------------------------------------------------------
@@ -573,10 +607,15 @@ class DistributedConfig(_Section):
   process_id: int = -1            # this process's index, 0 = the one that runs the pipeline;
                                   # -1 = the scheduler's
   initialization_timeout_s: int = 300  # every process must have joined by then
-  # A process that sends no heartbeat for this long is dead, and every other one stops. A peer
-  # lost during a collective is reported at once; this bounds the wait for one lost between
-  # collectives (or with its host).
+  # A process silent for this long is lost (killed, hung, or its host cut off): process 0 then
+  # stops the run with one line naming it and its host, and a process that cannot reach
+  # process 0 for this long stops itself. A peer lost during a collective is reported at once;
+  # this bounds the wait for one lost inside a collective, between collectives or with its
+  # host. JAX's own heartbeat, which aborts every process, is the backstop: 2x this + 10 s.
   heartbeat_timeout_s: int = 30
+  # Trainer processes the run starts as Ray actors: the port of jax.distributed's coordinator on
+  # process 0's host (cluster.node_ip); 0 = a free one.
+  coordinator_port: int = 0
   # Trainer processes the run starts as Ray actors (generation.placement 'ray'; see
   # pipeline/trainer_actors.py), each on a node of its own while the cluster has them:
   cpus_per_process: int = 1       # CPUs each reserves; on a node without GPUs it is pinned
@@ -594,6 +633,8 @@ class DistributedConfig(_Section):
       _check(getattr(self, name) >= 1, name, f'must be >= 1, got {getattr(self, name)}')
     _check(self.gpus_per_process >= -1, 'gpus_per_process',
            f'must be >= 0 (-1 = as many as process 0 has), got {self.gpus_per_process}')
+    _check(0 <= self.coordinator_port < 65536, 'coordinator_port',
+           f'must be a port number (0 = a free one), got {self.coordinator_port}')
 
 
 @dataclasses.dataclass(frozen=True)
@@ -718,8 +759,10 @@ class Config(_Section):
   def _check_values(self):
     """Checks that span sections (each names the key to change)."""
     g, rl, t = self.generation, self.rl, self.task
-    _check(g.placement == 'ray' or self.cluster == ClusterConfig(), 'cluster',
-           "is where Ray actors run: it applies to generation.placement='ray' only")
+    ray_only = dataclasses.replace(self.cluster, interface='')  # interface: any processes
+    _check(g.placement == 'ray' or ray_only == ClusterConfig(), 'cluster',
+           "is where Ray actors run: it applies to generation.placement='ray' only (but for "
+           'cluster.interface)')
     _check(self.train.cores == 'all' or g.placement == 'ray', 'train.cores',
            "'free' means the cores that generators as Ray actors left: set "
            "generation.placement='ray'")
@@ -758,6 +801,10 @@ class Config(_Section):
            'processes itself, as Ray actors, and hands out their addresses and ids: give N >= 2 '
            'and leave train.distributed.coordinator_address and process_id unset (under SLURM, '
            'start a Ray cluster in the allocation: tools/slurm_multihost.sh)')
+    _check(d.coordinator_port == 0 or (tr.num_processes > 1 and g.placement == 'ray'),
+           'train.distributed.coordinator_port',
+           "is the port of the coordinator the run starts itself (trainer processes as Ray "
+           "actors: generation.placement='ray'); otherwise it is coordinator_address's")
     r = t.reward
     _check(r.overlong_max_len in (0, g.max_new_tokens), 'task.reward.overlong_max_len',
            f'{r.overlong_max_len} is not generation.max_new_tokens={g.max_new_tokens}: the soft '

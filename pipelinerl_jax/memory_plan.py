@@ -2,7 +2,10 @@
 layout cannot fit.
 
   python -m pipelinerl_jax.memory_plan --config=configs/math.py:paper_7b \\
-      --model_config=configs/models/Qwen2.5-7B --devices=8 --device_gib=80
+      --model_config=configs/models/Qwen2.5-7B --devices=8 --device=h100
+
+`--device` names the card (h100, h200: what a process has on one, accelerators.py);
+`--device_gib` gives any other size.
 
 The parameter layout is the project's own: `train.state_shardings` (params by
 `sharding.param_shardings`, Adam's moments like their params) on `jax.eval_shape` of the train
@@ -52,13 +55,22 @@ with the trainer; the JAX engine's params and KV cache go on the first free devi
                       CPU setting); `kv='auto'` (default) follows the config: 'free' unless the
                       share is 0
 
+generator device (the JAX engine, backend 'jax': the first device the mesh leaves free, or
+device 0 beside the trainer, whose terms it then adds to; placement 'ray': one device per
+generator beside the mesh, each with its share of the slots)
+  weights             its params, in the compute dtype
+  update              the next published copy, held beside them until the engine swaps it in
+                      between two token steps
+  kv                  the paged KV pool: generation.kv_pool_mb, or every slot at full length
+                      (the largest pool the engine makes without it)
+
 A plan refuses (`Plan.problems`, one line each, `Plan.refusal` joins them) when a device holds
 more than it has, when a large parameter stays whole on every fsdp device, when the KV cache
 cannot hold one full-length request, or when the mesh and the generators need more devices than
 there are. Everything here is an estimate from shapes (XLA's buffer assignment on the device
 decides the truth); `tests/memory_plan_test.py` checks the trainer terms against XLA's own
 numbers for small models compiled on CPU. Not modelled: the copies an in-process vLLM engine
-keeps of published params (placement 'inline' is not a GPU preset).
+keeps of published params (no GPU preset runs vLLM in the trainer's process).
 """
 
 from __future__ import annotations
@@ -75,6 +87,7 @@ import ml_collections
 import numpy as np
 from jax.sharding import AbstractMesh
 
+from pipelinerl_jax import accelerators
 from pipelinerl_jax import config as config_lib
 from pipelinerl_jax import packing
 from pipelinerl_jax import sharding as sharding_lib
@@ -380,7 +393,9 @@ def plan(config: ml_collections.ConfigDict | config_lib.Config, hf_config: dict,
   serving = budget.serving_dtype(hf_config) or 'bfloat16'
   wire = budget.wire_dtype(g.remote.weight_transport, g.backend, serving, m.param_dtype)
   trainer.update(publishing_memory(m, config, trainer['params'], wire, mesh.size))
-  facts.update(mesh=','.join(map(str, sizes)), train_devices=mesh.size, device_bytes=device_bytes,
+  # Three sizes when there is no expert axis, as such a mesh is written.
+  shown = sizes if sizes[3] > 1 else sizes[:3]
+  facts.update(mesh=','.join(map(str, shown)), train_devices=mesh.size, device_bytes=device_bytes,
                params=m.num_params, active_params=m.num_active_params)
 
   if facts['replicated_on_fsdp']:
@@ -398,22 +413,22 @@ def plan(config: ml_collections.ConfigDict | config_lib.Config, hf_config: dict,
 
   generator = {}
   if g.backend == 'jax':
-    # The JAX engine's params (held in the compute dtype) and its KV pool (generation.
-    # kv_pool_mb, or every slot at full length: the pool's largest size). Placement 'inline':
-    # on the first device the mesh leaves free (or on device 0, beside the trainer); 'ray': one
-    # device per generator, beside the mesh, each with its share of the slots.
+    # The JAX engine (the module doc's terms). Placement 'inline': on the first device the mesh
+    # leaves free (or on device 0, beside the trainer); 'ray': one device per generator, beside
+    # the mesh, each with its share of the slots.
     page_bytes = budget.kv_page_bytes(m.num_layers, m.num_kv_heads, m.head_dim, g.kv_page_size,
                                       m.dtype)
     pages = budget.kv_pool_pages(num_slots=g.generator_slots, max_seq_len=g.max_seq_len,
                                  page_size=g.kv_page_size, page_bytes=page_bytes,
                                  pool_mb=g.kv_pool_mb)
-    engine = m.num_params * _bytes(m.dtype) + pages * page_bytes
-    generator = dict(engine=engine)
+    weights = m.num_params * _bytes(m.dtype)
+    generator = dict(weights=weights, update=weights, kv=pages * page_bytes)
+    engine = sum(generator.values())
+    # The trash page holds no sequence; a full-length sequence takes whole pages.
+    facts.update(kv_pool_tokens=(pages - 1) * g.kv_page_size,
+                 kv_pool_full_sequences=(pages - 1) // -(-g.max_seq_len // g.kv_page_size),
+                 slots_per_generator=g.generator_slots)
     if g.placement == 'ray':
-      # An update arrives as host arrays and is placed on the device before the engine swaps
-      # it in (jax_engine.JaxEngine.update_params): two copies of the params for a while.
-      generator['update'] = m.num_params * _bytes(m.dtype)
-      engine += generator['update']
       facts['generator_devices'] = g.num_generators
       if mesh.size + g.num_generators > num_devices:
         problems.append(f'train.mesh={config.train.mesh} takes {mesh.size} of {num_devices} '
@@ -497,6 +512,14 @@ def format_plan(p: Plan) -> str:
     lines += [f'    {k.ljust(width)} {v / GIB:8.2f} GiB' for k, v in terms.items()]
     lines.append(f"    {'total'.ljust(width)} {total / GIB:8.2f} GiB of "
                  f"{f['device_bytes'] / GIB:g}")
+  if 'kv_pool_tokens' in f:
+    shared = ' beside the trainer on device 0' if not f['generator_devices'] else ''
+    lines.append(f"JAX engine{shared}: {f['slots_per_generator']} slots; its KV pool holds "
+                 f"{f['kv_pool_tokens']:,} positions, {f['kv_pool_full_sequences']} full-length "
+                 'sequences (a sequence that finds no free page waits, or is preempted)')
+    if not f['generator_devices']:
+      lines.append(f'device 0 in all: {(p.trainer_total + p.generator_total) / GIB:.2f} GiB of '
+                   f"{f['device_bytes'] / GIB:g}")
   if 'kv_full_requests' in f:
     lines.append(f"generators: {f['generator_devices']}, {f['slots_per_generator']} slots each; "
                  f"KV {f['kv_bytes_per_token'] / 1024:.0f} KiB/token, a full request "
@@ -521,7 +544,8 @@ def main(argv):
   f = flags.FLAGS
   try:
     hf_config, source = read_hf_config(f.model_config or f.config.model.path)
-    p = plan(f.config, hf_config, num_devices=f.devices, device_gib=f.device_gib, kv=f.kv,
+    device_gib = f.device_gib or accelerators.card_named(f.device).usable_gib
+    p = plan(f.config, hf_config, num_devices=f.devices, device_gib=device_gib, kv=f.kv,
              source=source)
   except (ValueError, FileNotFoundError) as e:
     raise SystemExit(f'error: {e}') from None
@@ -541,7 +565,11 @@ def _define_flags():
   flags.DEFINE_string('model_config', '', 'Model directory or config.json (default: '
                       'config.model.path), e.g. configs/models/Qwen2.5-7B.')
   flags.DEFINE_integer('devices', 8, 'Accelerators on the host.')
-  flags.DEFINE_float('device_gib', 80.0, 'Memory per accelerator, GiB.')
+  flags.DEFINE_enum('device', 'h100', list(accelerators.PLANNED),
+                    'The card, for the memory a process has on each device: ' + ', '.join(
+                        f'{c.name} {c.usable_gib:g} GiB' for c in accelerators.CARDS
+                        if c.usable_gib) + '.')
+  flags.DEFINE_float('device_gib', 0.0, 'Memory per accelerator, GiB (default: --device\'s).')
   flags.DEFINE_enum('kv', 'auto', list(KV_MODES), "vLLM KV cache: 'auto' = as the generators "
                     "size it on GPUs (the config's generation.vllm.gpu_memory_utilization, or "
                     "kv_cache_mb when it is 0); 'free' = from the share; 'config' = "

@@ -5,6 +5,7 @@ driver's pipe closes, also those that ignore SIGTERM."""
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -76,3 +77,71 @@ def test_cluster_settings_are_checked(fields, message):
   with pytest.raises(ValueError, match=re.escape(message)):
     config_lib.ClusterConfig(**fields)
   assert config_lib.ClusterConfig(address='10.0.0.5:6379').address == '10.0.0.5:6379'
+
+
+# --- this host's network -----------------------------------------------------------------------
+
+
+def test_an_interface_or_address_this_host_lacks_is_one_line_naming_the_host():
+  host = socket.gethostname()
+  with pytest.raises(ValueError) as e:
+    cluster.interface_address('nosuch0')
+  assert str(e.value).startswith(f"config.cluster.interface='nosuch0': that interface does not "
+                                 f'exist on host {host} (its interfaces: lo 127.0.0.1')
+  assert '\n' not in str(e.value)
+  with pytest.raises(ValueError) as e:
+    cluster.check_local_address('198.18.0.9')
+  assert str(e.value).startswith(f"config.cluster.node_ip='198.18.0.9' is not an address of host "
+                                 f'{host}')
+  assert cluster.interface_address('lo') == cluster.check_local_address('127.0.0.1') == '127.0.0.1'
+  with pytest.raises(ValueError, match=r"^config\.cluster\.interface='nosuch0': that interface"):
+    cluster.NetworkCounter('nosuch0')
+
+
+def test_the_network_counter_counts_the_bytes_an_interface_carries():
+  counter = cluster.NetworkCounter('lo')
+  with socket.create_server(('127.0.0.1', 0)) as server:
+    with socket.create_connection(server.getsockname()) as client:
+      peer, _ = server.accept()
+      with peer:
+        client.sendall(b'x' * 1_000_000)
+        got = 0
+        while got < 1_000_000:
+          got += len(peer.recv(1 << 20))
+  totals = counter.totals()
+  assert set(totals) == {'net/rx_bytes', 'net/tx_bytes'}
+  assert totals['net/tx_bytes'] >= 1_000_000 and totals['net/rx_bytes'] >= 1_000_000
+
+
+def test_joining_ray_as_an_address_this_host_lacks_is_one_line():
+  with pytest.raises(ValueError, match=r"^config\.cluster\.node_ip='198\.18\.0\.9' is not an "):
+    cluster.connect(config_lib.ClusterConfig(address='198.18.0.1:6379', node_ip='198.18.0.9'))
+
+
+@pytest.mark.parametrize('section, fields, message', [
+    ('cluster', dict(node_ip='10.0.0'), "must be an IPv4 address like '10.0.0.5'"),
+    ('cluster', dict(interface='eth 1'), 'must be a network interface name'),
+    ('cluster', dict(interface='a' * 16), 'must be a network interface name'),
+    ('remote', dict(node_ip='b'), "must be an IPv4 address like '10.0.0.5'"),
+    ('remote', dict(heartbeat_timeout_s=0.5), 'must be >= 1'),
+    ('distributed', dict(coordinator_port=70000), 'must be a port number'),
+])
+def test_network_settings_are_checked(section, fields, message):
+  cls = dict(cluster=config_lib.ClusterConfig, remote=config_lib.RemoteConfig,
+             distributed=config_lib.DistributedConfig)[section]
+  with pytest.raises(ValueError, match=re.escape(message)):
+    cls(**fields)
+
+
+def test_network_settings_apply_where_they_are_used():
+  c = config_lib.load_preset('tiny')
+  c.cluster.interface = 'eth1'  # any run of several processes, Ray or not: valid alone
+  config_lib.validate(c)
+  c.cluster.node_ip = '10.0.0.5'  # the driver's Ray node
+  with pytest.raises(ValueError, match=r"^config\.cluster: is where Ray actors run"):
+    config_lib.validate(c)
+  c = config_lib.load_preset('tiny')
+  c.train.num_processes, c.train.distributed.coordinator_port = 2, 1234
+  c.train.distributed.coordinator_address, c.train.distributed.process_id = '10.0.0.5:1234', 0
+  with pytest.raises(ValueError, match=r'^config\.train\.distributed\.coordinator_port: is the '):
+    config_lib.validate(c)

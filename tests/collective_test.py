@@ -5,6 +5,7 @@ both backends across processes: gloo for real; nccl with vLLM's real StatelessPr
 stand-in communicator, and with vLLM's real PyNcclCommunicator, which disables itself here (no
 CUDA) and is refused in one line."""
 
+import dataclasses
 import queue
 import threading
 import time
@@ -23,6 +24,9 @@ pytestmark = pytest.mark.serial  # several processes meeting over gloo, receive 
 CONFIG = transformer.ModelConfig(vocab_size=96, hidden_size=64, intermediate_size=128,
                                  num_layers=3, num_heads=2, num_kv_heads=1, head_dim=32,
                                  qkv_bias=True)
+# Qwen3's layout: per-head q/k norms, no biases, tied embeddings.
+QWEN3 = dataclasses.replace(CONFIG, qkv_bias=False, qk_norm=True, tie_embeddings=True,
+                            architecture='Qwen3ForCausalLM')
 
 
 class LoopbackComm:
@@ -54,11 +58,14 @@ def comms(n):
   return [LoopbackComm(inboxes, r) for r in range(n)]
 
 
-def test_plan_keeps_checkpoint_order_and_whole_fusion_units():
-  shapes = hf_tensors.expected_shapes(CONFIG)
+@pytest.mark.parametrize('config', [CONFIG, QWEN3], ids=['qwen2', 'qwen3'])
+def test_plan_keeps_checkpoint_order_and_whole_fusion_units(config):
+  shapes = hf_tensors.expected_shapes(config)
   plan = collective.make_plan(shapes, 'bfloat16', bucket_bytes=20_000)
   names = [s.name for b in plan.buckets for s in b]
   assert names == list(shapes)
+  assert sum(n.endswith(('.q_norm.weight', '.k_norm.weight')) for n in names) == (
+      2 * config.num_layers if config.qk_norm else 0)
   assert len(plan.buckets) > 3
   for bucket in plan.buckets:
     modules = [hf_tensors.module_of(s.name) for s in bucket]

@@ -82,6 +82,18 @@ def model_dir(built_once):
   return str(built_once('model', build) / 'demo')
 
 
+@pytest.fixture(scope='session')
+def qwen3_model_dir(built_once):
+  """The same untrained demo-format model saved as Qwen3ForCausalLM (per-head q/k norms, no
+  biases), with tied embeddings as Qwen3's small models have; built once per test run."""
+  from pipelinerl_jax.demo import warmstart
+  from pipelinerl_jax import config as config_lib
+  demo = config_lib.DemoModelConfig(architecture='qwen3', tie_embeddings=True, max_steps=0,
+                                    eval_problems=8)
+  build = lambda d: warmstart.build_demo_model(d / 'qwen3', demo, log=lambda *_: None)
+  return str(built_once('qwen3-model', build) / 'qwen3')
+
+
 @pytest.fixture
 def python_sigint():
   """Python's own SIGINT handler (KeyboardInterrupt) for the test, the previous one after it.

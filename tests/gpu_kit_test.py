@@ -1,4 +1,4 @@
-"""The GPU proof kit (bench/gpu.py): --quick end to end on CPU with the packages the GPU image
+"""The GPU proof kit (bench/gpu/): --quick end to end on CPU with the packages the GPU image
 lacks hidden, so the kit is shown to run without them; its time budget and a failing section;
 its pure helpers. Timing is never asserted."""
 
@@ -14,14 +14,26 @@ import time
 
 import jax
 import pytest
+import torch
 
-from pipelinerl_jax.bench import gpu
 from pipelinerl_jax.bench import train_step as train_bench
+from pipelinerl_jax.bench.gpu import collective as kit_collective
+from pipelinerl_jax.bench.gpu import e2e as kit_e2e
+from pipelinerl_jax.bench.gpu import engine as kit_engine
+from pipelinerl_jax.bench.gpu import presets
+from pipelinerl_jax.bench.gpu import registry
+from pipelinerl_jax.bench.gpu import runner
+from pipelinerl_jax.bench.gpu import section as section_lib
+from pipelinerl_jax.bench.gpu import time_budget
+from pipelinerl_jax.bench.gpu import train as kit_train
+from pipelinerl_jax.bench.gpu import vllm
+from pipelinerl_jax.bench.gpu import vllm_items
+from pipelinerl_jax.generation.transport import hf_tensors
 from pipelinerl_jax.models import transformer
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 # On the image: none of these (ml_collections travels as a wheel, so it stays visible here).
-HIDDEN = tuple(m for m in gpu.IMAGE_ABSENT if m not in gpu.CARRIED)
+HIDDEN = tuple(m for m in section_lib.IMAGE_ABSENT if m not in section_lib.CARRIED)
 
 # Loaded by every Python process started with this directory on PYTHONPATH, the kit's section
 # processes included: the path finder stops seeing the hidden packages, so they are as absent
@@ -100,7 +112,7 @@ def positive(x) -> bool:
 
 def test_quick_runs_every_section_without_image_absent_packages(quick):
   report, _ = quick
-  assert report['quick'] and list(report['sections']) == list(gpu.SECTIONS)
+  assert report['quick'] and list(report['sections']) == list(registry.DEFAULT_SECTIONS)
   assert report['preset'] == 'quick' and report['platform'] == 'cpu'
   for name, section in report['sections'].items():
     assert section['status'] == 'ok', (name, section.get('error'), section['items'])
@@ -110,6 +122,16 @@ def test_quick_runs_every_section_without_image_absent_packages(quick):
                                        and 'needs a CUDA GPU' in i['reason'])
                for i in section['items']), name
     assert section['jax_warnings'] == [] and section['output_tail'], name
+  # Every section records the card and the software its figures were measured with.
+  for name, section in report['sections'].items():
+    # The same card; on CPU each section sees the devices it simulates.
+    assert section['device'] == dict(report['card'],
+                                     num_devices=registry.SECTIONS[name].cpu_devices), name
+    assert section['stack'] == report['stack'], name
+  assert report['card']['device_kind'] == 'cpu' and report['card']['card'] is None
+  assert report['card']['num_devices'] == 1 and report['card']['platform'] == 'cpu'
+  assert report['stack']['jax'] == jax.__version__ and report['stack']['backend'] == 'cpu'
+  assert report['stack']['packages']['flax']
   # config.py (which the train step's LossConfig / OptimizerConfig come from) needs
   # ml_collections: the one carried package, and nothing else outside the image.
   for name in ('e2e', 'train'):
@@ -124,7 +146,8 @@ def test_quick_env_reports_versions_and_ceilings(quick):
   assert v['bf16_peak_tflops'] is None and 'no known bf16 peak' in v['bf16_peak_source']
   assert v['torch']['version'] and v['packages']['ml-collections']
   assert 'jax:' in v['environment_info']
-  assert positive(env['bf16_matmul']['tflops']) and env['bf16_matmul']['n'] == gpu.QUICK.matmul_n
+  assert positive(env['bf16_matmul']['tflops'])
+  assert env['bf16_matmul']['n'] == presets.QUICK.matmul_n
   assert positive(env['device_copy']['gb_per_s'])
 
 
@@ -133,8 +156,8 @@ def test_quick_train_section_checks_attention_then_runs_the_grid_then_attention_
   train = items(report, 'train')
   assert list(train) == [
       'tiny attention check blockwise', 'tiny attention check cudnn',
-      *(v.name for v in gpu.QUICK_TRAIN_GRID),
-      *(f'tiny attention {impl}' for impl in gpu.ATTENTION_IMPLS)]
+      *(v.name for v in presets.QUICK_TRAIN_GRID),
+      *(f'tiny attention {impl}' for impl in kit_train.ATTENTION_IMPLS)]
   ends = [i['at_s'] for i in train.values()]  # every item stamped once, however it ended
   assert ends == sorted(ends) and all(i['took_s'] >= 0 for i in train.values())
   assert ends[-1] == pytest.approx(sum(i['took_s'] for i in train.values()), abs=0.06 * len(ends))
@@ -145,7 +168,7 @@ def test_quick_train_section_checks_attention_then_runs_the_grid_then_attention_
   assert a['executed_flops'] >= a['pair_flops'] and a['step_attention_s'] > a['seconds']
   matmul = items(report, 'env')['bf16_matmul']['tflops']
   config = train_bench.MODEL_PRESETS['tiny']
-  for v in gpu.QUICK_TRAIN_GRID:
+  for v in presets.QUICK_TRAIN_GRID:
     r = train[v.name]
     if v.attention == 'cudnn':
       assert r['status'] == 'skipped'
@@ -179,7 +202,7 @@ def test_quick_train_section_checks_attention_then_runs_the_grid_then_attention_
 
 def test_quick_engine_checks_the_reads_and_decodes_every_token_with_and_without_updates(quick):
   report, _ = quick
-  z = gpu.QUICK
+  z = presets.QUICK
   engine = items(report, 'engine')
   # On CPU: the XLA read and the Pallas kernel in its interpreter, checked against it.
   reads = {n: r for n, r in engine.items() if n.startswith('attention ')}
@@ -205,7 +228,7 @@ def test_quick_engine_checks_the_reads_and_decodes_every_token_with_and_without_
     assert r['live_kv_bytes'] == h * (z.prompt_len + z.new_tokens / 2) * kv_token
     assert r['bytes_per_step'] == r['param_bytes'] + r['live_kv_bytes']
     assert r['param_bytes'] == 2 * config.num_params  # the engine holds bf16 params
-    assert r['dense_kv_bytes'] == gpu.kv_cache_bytes(config, h, z.prompt_len + z.new_tokens)
+    assert r['dense_kv_bytes'] == kit_engine.kv_cache_bytes(config, h, z.prompt_len + z.new_tokens)
     # Every slot at full length holds the dense cache's positions, plus the trash page.
     assert r['kv_cache_bytes'] >= r['dense_kv_bytes'] >= r['kv_peak_bytes'] > 0
 
@@ -223,7 +246,7 @@ def test_quick_publish_times_copies_and_dlpack_aliases_every_buffer(quick):
   single = publish['tiny dlpack']
   assert single['arrays'] == leaves and single['bytes'] == p['bytes']
   sharded, replicated = publish['tiny dlpack sharded'], publish['tiny dlpack replicated']
-  devices = gpu.CPU_DEVICES['publish']
+  devices = registry.SECTIONS['publish'].cpu_devices
   assert sharded['devices'] == replicated['devices'] == devices
   assert sharded['arrays'] == replicated['arrays'] == devices * leaves  # one per shard
   assert sharded['leaves_split'] > 0 and replicated['leaves_split'] == 0
@@ -231,13 +254,13 @@ def test_quick_publish_times_copies_and_dlpack_aliases_every_buffer(quick):
   for r in (single, sharded, replicated):
     assert r['pointers_equal'] is True and r['pointers_differ'] == 0
     assert r['values_equal'] is True and r['torch_devices'] == ['cpu']
-    assert r['seconds'] >= 0 and len(r['seconds_runs']) == gpu.QUICK.repeats
+    assert r['seconds'] >= 0 and len(r['seconds_runs']) == presets.QUICK.repeats
 
 
 def test_quick_e2e_reports_rewards(quick):
   report, _ = quick
   (name, r), = items(report, 'e2e').items()
-  assert name == 'tiny preset' and r['steps'] == gpu.QUICK.e2e_steps
+  assert name == 'tiny preset' and r['steps'] == presets.QUICK.e2e_steps
   for key in ('reward_first', 'reward_last'):
     assert 0.0 <= r[key] <= 1.0
   assert r['reward_rise'] == pytest.approx(r['reward_last'] - r['reward_first'])
@@ -250,7 +273,11 @@ def test_quick_prints_one_table_row_per_item(quick):
   report, stdout = quick
   lines = stdout.splitlines()
   assert lines[0].split() == ['section', 'item', 'status', 'result']
-  rows = [l.split()[:2] for l in lines[2:] if not l.startswith('wrote ')]
+  assert lines[-2] == (f"measured on 1x cpu (card: not listed), jax {jax.__version__} / jaxlib "
+                       f"{report['stack']['jaxlib']} ({report['stack']['platform_version']}), "
+                       f"torch {report['stack']['packages']['torch']}, "
+                       f"python {report['stack']['python']}")
+  rows = [l.split()[:2] for l in lines[2:-2]]
   want = [[s, i['name'].split()[0]] for s, sec in report['sections'].items()
           for i in sec['items']]
   assert rows == want
@@ -283,10 +310,11 @@ def test_the_time_budget_bounds_the_run(tmp_path):
   wall = time.monotonic() - t0
   report = json.loads(out.read_text())
   e2e, env = report['sections']['e2e'], report['sections']['env']
-  assert e2e['share_s'] == pytest.approx(6 * gpu.SECTION_WEIGHTS['e2e'] / (
-      gpu.SECTION_WEIGHTS['e2e'] + gpu.SECTION_WEIGHTS['env']), abs=0.5)
+  weight = lambda name: registry.SECTIONS[name].weight
+  assert e2e['share_s'] == pytest.approx(6 * weight('e2e') / (weight('e2e') + weight('env')),
+                                         abs=0.5)
   assert e2e['status'] == 'timeout' and 'killed' in e2e['error']
-  assert e2e['wall_s'] < gpu.kill_after(e2e['share_s']) + 5
+  assert e2e['wall_s'] < time_budget.kill_after(e2e['share_s']) + 5
   assert env['status'] == 'skipped' and 'time budget' in env['reason']
   assert proc.returncode == 1 and 'timeout' in proc.stdout
   assert wall < 60
@@ -305,7 +333,7 @@ def test_quick_vllm_section_serves_updates_and_steps_beside_jax(tmp_path):
   report = json.loads(out.read_text())
   assert list(report['sections']) == ['vllm']
   section = report['sections']['vllm']
-  z = gpu.VLLM_QUICK
+  z = presets.VLLM_QUICK
   assert list(section['parts']) == ['serve quick', 'update quick']  # no e2e part in --quick
   for part in section['parts'].values():
     assert part['exit_code'] == 0 and part['imported_absent_on_image'] == []
@@ -315,7 +343,7 @@ def test_quick_vllm_section_serves_updates_and_steps_beside_jax(tmp_path):
                        + [f'H={h} {m}' for m in ('none', 'update') for h in z.slots]
                        + ['update quick eager'])
   start = got['start quick']
-  config = gpu.vllm_model_config('quick')
+  config = vllm.model_config('quick')
   per_block = 2 * config.num_layers * config.num_kv_heads * config.head_dim * 2  # bf16
   assert start['kv_cache_bytes'] == start['kv_blocks'] * start['kv_block_size'] * per_block
   assert 0.9 < start['kv_over_planned'] <= 1.0  # CPU: the configured size, in whole blocks
@@ -339,30 +367,87 @@ def test_quick_vllm_section_serves_updates_and_steps_beside_jax(tmp_path):
   assert 'stepped' in proc.stdout and 'vllm' in proc.stdout
 
 
+@pytest.mark.serial
+def test_quick_collective_section_sends_whole_updates_between_two_processes(tmp_path):
+  """`--sections=collective --quick`: the weight transport between the section's process and a
+  receiver's over gloo (NCCL's place on a GPU), with the image's absent packages hidden."""
+  out = tmp_path / 'gpu.json'
+  proc = run_kit(['--quick', '--sections=collective', f'--out={out}',
+                  f'--workdir={tmp_path / "w"}'], image_like_env(tmp_path / 'hider'), timeout=300)
+  assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+  report = json.loads(out.read_text())
+  assert report['sections']['collective']['imported_absent_on_image'] == []
+  got = items(report, 'collective')
+  assert list(got) == ['tiny join', 'tiny update']
+  assert got['tiny join']['backend'] == 'gloo' and got['tiny join']['nccl_hostids'] is None
+  update = got['tiny update']
+  config = train_bench.MODEL_PRESETS['tiny']
+  assert update['tensors'] == len(hf_tensors.expected_shapes(config))
+  assert update['bytes'] >= 2 * config.num_params  # bf16 on the wire, each tensor aligned
+  assert update['updates'] == len(update['seconds_runs']) == presets.QUICK.repeats
+  assert update['versions_ok'] is True and update['values_equal'] is True
+  assert positive(update['gb_per_s'])
+
+
+def test_quick_one_gpu_section_runs_the_preset_on_a_tiny_qwen3(tmp_path):
+  """`--sections=qwen3_1xgpu --quick`: the one-GPU preset's path (a random Qwen3 saved as an HF
+  dir, the preset run whole) on CPU, the image's absent packages hidden; the plan's terms and the
+  run's figures recorded."""
+  out = tmp_path / 'gpu.json'
+  proc = run_kit(['--quick', '--sections=qwen3_1xgpu', f'--out={out}',
+                  f'--workdir={tmp_path / "w"}'], image_like_env(tmp_path / 'hider'), timeout=600)
+  assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+  report = json.loads(out.read_text())
+  section = report['sections']['qwen3_1xgpu']
+  assert section['status'] == 'ok' and section['imported_absent_on_image'] == []
+  (item,) = items(report, 'qwen3_1xgpu').values()
+  assert item['name'] == 'qwen3_1p7b_1xgpu preset' and item['preset'] == 'qwen3_1p7b_1xgpu'
+  assert item['steps'] == presets.QUICK.one_gpu_steps
+  assert item['max_new_tokens'] == presets.QUICK.one_gpu_new_tokens
+  # Random weights: every sample runs to the length limit, the plan's worst case.
+  assert item['frac_hit_length_limit'] > 0.5
+  assert positive(item['train_step_s_median']) and positive(item['gen_tokens_per_s_median'])
+  assert item['plan_refusal'] == '' and positive(item['plan_total_bytes'])
+  model = tmp_path / 'w' / 'one_gpu' / 'qwen3_1p7b_1xgpu-quick'
+  assert json.loads((model / 'config.json').read_text())['model_type'] == 'qwen3'
+  assert 'qwen3_1p7b_1xgpu preset' in proc.stdout
+
+
 # ---------------------------------------------------------------------------------------------
 # Pure helpers.
 
 
+def test_bits_sum_tells_any_changed_bits_apart_in_any_order():
+  x = torch.tensor([1.0, -0.0, 3.5, -2.25], dtype=torch.bfloat16)
+  y = x.clone()
+  y[1] = 0.0  # equal as numbers, not as bits
+  assert kit_collective.bits_sum(x) != kit_collective.bits_sum(y)
+  assert kit_collective.bits_sum(x) == kit_collective.bits_sum(x.flip(0))
+  grid = torch.arange(6, dtype=torch.float32).reshape(2, 3)
+  assert kit_collective.bits_sum(grid.T) == kit_collective.bits_sum(grid)  # not contiguous
+
+
 def test_budget_shares_follow_the_weights_and_pass_on_unused_time():
-  sections = list(gpu.SECTIONS)
-  total = sum(gpu.SECTION_WEIGHTS[s] for s in sections)
-  assert gpu.share_of_budget(460, sections) == pytest.approx(
-      460 * gpu.SECTION_WEIGHTS['env'] / total)
+  weights = [registry.SECTIONS[s].weight for s in registry.DEFAULT_SECTIONS]
+  assert time_budget.share_of_budget(460, weights) == pytest.approx(
+      460 * registry.SECTIONS['env'].weight / sum(weights))
   # The last section gets everything left; a section that ended early leaves more to the rest.
-  assert gpu.share_of_budget(100, ['e2e']) == 100
-  assert gpu.share_of_budget(300, sections[1:]) > gpu.share_of_budget(200, sections[1:])
-  assert gpu.share_of_budget(-5, sections) == 0
-  assert gpu.kill_after(100) == 100 + gpu.KILL_GRACE_S and gpu.kill_after(2) == 3.5
+  assert time_budget.share_of_budget(100, [registry.SECTIONS['e2e'].weight]) == 100
+  assert (time_budget.share_of_budget(300, weights[1:])
+          > time_budget.share_of_budget(200, weights[1:]))
+  assert time_budget.share_of_budget(-5, weights) == 0
+  assert time_budget.kill_after(100) == 100 + time_budget.KILL_GRACE_S
+  assert time_budget.kill_after(2) == 3.5
 
 
 def test_bf16_peak_by_device_kind():
-  assert gpu.bf16_peak('NVIDIA H100 80GB HBM3')['tflops'] == 989.4  # SXM
-  assert gpu.bf16_peak('NVIDIA H100 PCIe')['tflops'] == 756.5
-  assert gpu.bf16_peak('NVIDIA H100 NVL')['tflops'] == 835.5
-  assert gpu.bf16_peak('NVIDIA H200')['tflops'] == 989.4
-  assert 'H100 SXM' in gpu.bf16_peak('NVIDIA H100 80GB HBM3')['source']
-  assert gpu.bf16_peak('cpu')['tflops'] is None
-  assert gpu.bf16_peak('cpu', 100.0) == dict(tflops=100.0, source='--peak_tflops')
+  assert section_lib.bf16_peak('NVIDIA H100 80GB HBM3')['tflops'] == 989.4  # SXM
+  assert section_lib.bf16_peak('NVIDIA H100 PCIe')['tflops'] == 756.5
+  assert section_lib.bf16_peak('NVIDIA H100 NVL')['tflops'] == 835.5
+  assert section_lib.bf16_peak('NVIDIA H200')['tflops'] == 989.4
+  assert 'H100 SXM' in section_lib.bf16_peak('NVIDIA H100 80GB HBM3')['source']
+  assert section_lib.bf16_peak('cpu')['tflops'] is None
+  assert section_lib.bf16_peak('cpu', 100.0) == dict(tflops=100.0, source='--peak_tflops')
 
 
 def test_kv_cache_bytes_match_the_engine_cache():
@@ -370,54 +455,55 @@ def test_kv_cache_bytes_match_the_engine_cache():
     for dtype in ('float32', 'bfloat16'):
       config = dataclasses.replace(train_bench.MODEL_PRESETS[name], dtype=dtype)
       cache = jax.eval_shape(lambda: transformer.init_cache(config, 64, 1280))
-      assert gpu.kv_cache_bytes(config, 64, 1280) == sum(x.size * x.dtype.itemsize
+      assert kit_engine.kv_cache_bytes(config, 64, 1280) == sum(x.size * x.dtype.itemsize
                                                          for x in cache)
 
 
 def test_reward_summary_compares_first_and_last_steps():
   records = [dict(step=i + 1, time_s=float(i), reward_mean=i / 100) for i in range(60)]
-  r = gpu.reward_summary(records)
+  r = kit_e2e.reward_summary(records)
   assert r['reward_window'] == 10 and r['steps'] == 60 and r['rising'] is True
   assert r['reward_first'] == pytest.approx(0.045) and r['reward_last'] == pytest.approx(0.545)
   assert len(r['curve']) == 60 and r['curve'][-1] == (60, 59.0, 0.59)
-  assert len(gpu.reward_summary(records * 10)['curve']) <= 200
-  assert gpu.reward_summary(records[:2])['reward_window'] == 1
-  assert gpu.reward_summary([])['reward_first'] is None
+  assert len(kit_e2e.reward_summary(records * 10)['curve']) <= 200
+  assert kit_e2e.reward_summary(records[:2])['reward_window'] == 1
+  assert kit_e2e.reward_summary([])['reward_first'] is None
 
 
 def test_section_env_sets_device_count_and_keeps_user_settings():
-  env = gpu.child_env('publish', {'XLA_FLAGS': '--xla_force_host_platform_device_count=8 --foo',
+  env = runner.child_env('publish', {'XLA_FLAGS': '--xla_force_host_platform_device_count=8 --foo',
                                   'XLA_PYTHON_CLIENT_PREALLOCATE': 'true'})
   assert env['XLA_FLAGS'].split() == ['--foo', '--xla_force_host_platform_device_count=4']
   assert env['XLA_PYTHON_CLIENT_PREALLOCATE'] == 'true'  # the user's choice wins
-  assert gpu.child_env('env', {})['XLA_PYTHON_CLIENT_PREALLOCATE'] == 'false'
-  assert str(ROOT) in gpu.child_env('env', {})['PYTHONPATH'].split(os.pathsep)
+  assert runner.child_env('env', {})['XLA_PYTHON_CLIENT_PREALLOCATE'] == 'false'
+  assert str(ROOT) in runner.child_env('env', {})['PYTHONPATH'].split(os.pathsep)
 
 
 def test_the_train_section_asks_for_a_larger_memory_fraction_alone():
-  fraction = lambda section: float(gpu.child_env(section, {})[gpu.MEM_FRACTION_VAR])
+  fraction = lambda section: float(runner.child_env(section, {})[runner.MEM_FRACTION_VAR])
   assert fraction('train') == 0.95 and fraction('env') == fraction('engine') == 0.90
-  assert gpu.child_env('train', {gpu.MEM_FRACTION_VAR: '0.5'})[gpu.MEM_FRACTION_VAR] == '0.5'
+  assert runner.child_env('train', {runner.MEM_FRACTION_VAR: '0.5'})[
+      runner.MEM_FRACTION_VAR] == '0.5'
 
 
 def test_one_memory_fraction_variable_is_set_never_both():
   """jaxlib refuses XLA_CLIENT_MEM_FRACTION beside XLA_PYTHON_CLIENT_MEM_FRACTION (its CUDA
   backend does not start, JAX falls back to the CPU): the kit sets the one it reads, and leaves
   a user's own choice of either alone."""
-  names = (gpu.MEM_FRACTION_VAR, gpu.DEPRECATED_MEM_FRACTION_VAR)
-  assert [n in gpu.child_env('env', {}) for n in names] == [True, False]
+  names = (runner.MEM_FRACTION_VAR, runner.DEPRECATED_MEM_FRACTION_VAR)
+  assert [n in runner.child_env('env', {}) for n in names] == [True, False]
   for name in names:
-    env = gpu.child_env('train', {name: '0.5'})
+    env = runner.child_env('train', {name: '0.5'})
     assert [n in env for n in names] == [n == name for n in names] and env[name] == '0.5'
-  source = (ROOT / 'pipelinerl_jax/bench/gpu.py').read_text()
-  assert source.count(f"'{gpu.DEPRECATED_MEM_FRACTION_VAR}'") == 1  # named, never set
+  source = ''.join(p.read_text() for p in (ROOT / 'pipelinerl_jax/bench/gpu').glob('*.py'))
+  assert source.count(f"'{runner.DEPRECATED_MEM_FRACTION_VAR}'") == 1  # named, never set
 
 
 def test_both_memory_fraction_variables_are_refused_in_one_line(capsys, monkeypatch):
-  monkeypatch.setenv(gpu.MEM_FRACTION_VAR, '0.9')
-  monkeypatch.setenv(gpu.DEPRECATED_MEM_FRACTION_VAR, '0.9')
+  monkeypatch.setenv(runner.MEM_FRACTION_VAR, '0.9')
+  monkeypatch.setenv(runner.DEPRECATED_MEM_FRACTION_VAR, '0.9')
   with pytest.raises(SystemExit) as e:
-    gpu.main(['--quick', '--sections=env'])
+    runner.main(['--quick', '--sections=env'])
   assert e.value.code == 2 and 'not both' in capsys.readouterr().err
 
 
@@ -439,7 +525,7 @@ def test_a_gpu_run_on_a_cpu_backend_stops_in_one_line(tmp_path):
 
 def test_jax_warnings_are_kept_for_the_json():
   import logging
-  kept = gpu._KeepWarnings()
+  kept = runner._KeepWarnings()
   logger = logging.getLogger('jax._src.xla_bridge')
   logger.addHandler(kept)
   try:
@@ -453,22 +539,23 @@ def test_jax_warnings_are_kept_for_the_json():
 
 
 def test_presets_short_is_one_size_of_each_gpu_section():
-  short = gpu.PRESETS['short']
+  short = presets.PRESETS['short']
   assert short.sections == ('env', 'train', 'engine', 'publish')
   assert {v.model for v in short.train_grid} == {'qwen2.5-1.5b'} and short.engine_slots == (256,)
-  assert short.budget_s <= 200 and gpu.FULL.budget_s <= 540  # within a 10-minute command
-  assert gpu.FULL.e2e_presets == ('tiny', 'reasoning') and gpu.QUICK.e2e_presets == ('tiny',)
-  assert set(gpu.FULL.sections) == set(gpu.SECTIONS)
+  assert short.budget_s <= 200 and presets.FULL.budget_s <= 540  # within a 10-minute command
+  assert presets.FULL.e2e_presets == ('tiny', 'reasoning')
+  assert presets.QUICK.e2e_presets == ('tiny',)
+  assert presets.FULL.sections == ()  # the registry's default sections
 
 
 def test_bad_sections_are_refused_with_one_line(capsys):
   with pytest.raises(SystemExit) as e:
-    gpu.main(['--sections=env,bogus'])
+    runner.main(['--sections=env,bogus'])
   assert e.value.code == 2 and "--sections" in capsys.readouterr().err
 
 
 def test_vllm_part_env_stays_offline_in_one_process():
-  env = gpu.vllm_child_env({'XLA_CLIENT_MEM_FRACTION': '0.9', 'VLLM_USE_FLASHINFER_SAMPLER': '1'})
+  env = vllm.part_env({'XLA_CLIENT_MEM_FRACTION': '0.9', 'VLLM_USE_FLASHINFER_SAMPLER': '1'})
   assert env['VLLM_ENABLE_V1_MULTIPROCESSING'] == '0' and env['HF_HUB_OFFLINE'] == '1'
   assert env['VLLM_USE_FLASHINFER_SAMPLER'] == '1'  # the user's choice wins
   assert env['XLA_PYTHON_CLIENT_PREALLOCATE'] == 'false'
@@ -476,5 +563,5 @@ def test_vllm_part_env_stays_offline_in_one_process():
 
 
 def test_logprob_deltas_over_groups():
-  d = gpu.logprob_deltas([[-1.0, -2.0], [-3.0]], [[-1.5, -2.0], [-2.0]])
+  d = vllm_items.logprob_deltas([[-1.0, -2.0], [-3.0]], [[-1.5, -2.0], [-2.0]])
   assert d == dict(tokens=3, mean=pytest.approx(0.5), max=1.0)

@@ -1,4 +1,4 @@
-"""tools/gpu_stage.py: pieces that fit the device tool's limits, split and reassembly byte-exact,
+"""tools/gpu_stage.py: pieces that fit the per-call transfer limits, split and reassembly byte-exact,
 the trimmed wheel, and the printed calls run in order on a stand-in for the device (a temporary
 repository and stage folder): they assemble, check, install and run; a machine that went back
 between calls, or a corrupted piece, stops them with a clear message."""
@@ -157,9 +157,15 @@ def test_a_corrupted_piece_stops_the_calls(device):
 def test_the_real_calls_stay_within_the_limits():
   sizes = stage.piece_sizes(89_671_628, stage.project_bytes())
   plan = stage.calls([f'.stage/call{k}' for k in range(1, len(sizes) + 1)], sizes, 'a' * 64,
-                     stage.DEFAULT_RUN)
-  stage.check_limits(plan, sizes, stage.project_bytes())
+                     stage.DEFAULT_RUN, last_carry=(stage.KIT_CARRY,))
+  # The warm starts the last call carries are two demo models of under 1 MB each.
+  stage.check_limits(plan, sizes, stage.project_bytes(), last_extra=4 * MIB)
   assert len(plan) == 2 and all(len(c['command']) <= stage.COMMAND_LIMIT for c in plan)
   assert 'pipelinerl_jax.bench.gpu --sections=vllm' in plan[-1]['command']
+  assert [c['carry'] for c in plan] == [['.stage/call1'], ['.stage/call2', '.gpu_carry']]
+  assert f'--model_cache={stage.KIT_CARRY}/model_cache' in plan[-1]['command']
+  assert [c['timeout_s'] for c in plan] == [stage.CALL_TIMEOUT_S, stage.LAST_CALL_TIMEOUT_S]
+  with pytest.raises(SystemExit, match='call 2 would carry'):  # the last call's carry counts
+    stage.check_limits(plan, sizes, stage.project_bytes(), last_extra=stage.CALL_LIMIT_BYTES)
   with pytest.raises(SystemExit, match='characters'):
     stage.check_limits(stage.calls(['.stage/call1'], [1], 'a' * 64, 'x' * 2000), [1], 0)

@@ -222,6 +222,19 @@ def test_cli_prints_the_plan_and_exits_nonzero_on_refusal(tmp_path):
       missing.stderr
 
 
+def test_cli_plans_for_the_card_named():
+  """The 7B preset's trainer on 2 fsdp devices needs ~103 GiB a device: more than an H100 offers
+  a process, less than an H200 does."""
+  flags = ('--config=configs/math.py:paper_7b', '--model_config=configs/models/Qwen2.5-7B',
+           '--config.train.mesh=1,2,1')
+  h100 = run_cli(*flags)  # the default card
+  assert h100.returncode == 1, h100.stderr[-2000:]
+  assert 'REFUSED: a trainer device needs 103.3 GiB > 78 GiB' in h100.stdout
+  h200 = run_cli(*flags, '--device=h200')
+  assert h200.returncode == 0, h200.stdout[-2000:] + h200.stderr[-2000:]
+  assert 'GiB of 139' in h200.stdout and h200.stdout.strip().endswith('FITS')
+
+
 def test_several_trainer_processes_keep_a_whole_copy_over_each_process_devices():
   """Over nccl from 2 trainer processes of 4 devices each, the pool's copy is whole on each
   process's devices (distributed.whole_per_process): a quarter of the bf16 model per device,
@@ -300,3 +313,29 @@ def test_qwen3_30b_a3b_takes_17_gpus_of_80gb_and_replay_a_141gb_generator():
       '80 GiB',)
   assert refused.generator['update'] == f['params'] * 2  # the next params, in bf16
   assert plan(config, 17, 141).fits
+
+
+def test_the_one_gpu_qwen3_preset_fits_an_80_and_a_141_gb_card():
+  """Trainer and JAX engine share the one device: fp32 master weights, Adam and gradients whole
+  (the q/k norms counted), the engine's bf16 params twice (served and the next published copy)
+  and its 12 GiB KV pool; a pool too large for 80 GB is refused in one line."""
+  config = config_lib.load_preset('qwen3_1p7b_1xgpu')
+  hf_config, source = memory_plan.read_hf_config(ROOT / 'configs/models/Qwen3-1.7B')
+  plans = {gib: memory_plan.plan(config, hf_config, num_devices=1, device_gib=gib, source=source)
+           for gib in (80, 141)}
+  for gib, p in plans.items():
+    assert p.fits, (gib, p.refusal)
+    f = p.facts
+    assert (f['mesh'], f['train_devices'], f['generator_devices']) == ('1,1,1', 1, 0)
+    assert p.trainer['params'] == f['params'] * 4 == 1_720_574_976 * 4
+    assert p.trainer['adam'] - 2 * p.trainer['params'] < 64 and p.trainer['gathered'] == 0
+    assert p.generator['weights'] == p.generator['update'] == f['params'] * 2
+    assert p.generator['kv'] == pytest.approx(12 * memory_plan.GIB, rel=1e-3)
+    assert f['kv_pool_full_sequences'] == 31
+    # Headroom on 80 GB for the plan's estimate to run low (cuDNN's peaks ran ~10-15 % above).
+    assert p.trainer_total + p.generator_total < 0.82 * 80 * memory_plan.GIB
+  assert plans[80].trainer == plans[141].trainer
+  assert 'device 0 in all: 64.15 GiB of 80' in memory_plan.format_plan(plans[80])
+  config.generation.kv_pool_mb = 40 * 1024
+  p = memory_plan.plan(config, hf_config, num_devices=1, device_gib=80, source=source)
+  assert p.refusal == 'device 0 holds the trainer and the JAX engine: 92.1 GiB > 80 GiB'

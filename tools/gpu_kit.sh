@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Runs ON the lent GPU machine, from the repository root: installs the wheels carried in .whl/
+# Runs ON the GPU host, from the repository root: installs the wheels carried in .whl/
 # (tools/gpu_wheels.sh made them here), then the GPU proof kit, its JSON and log under $OUT.
 #
 #   bash tools/gpu_kit.sh [kit flags]      e.g. --preset=short, --sections=train

@@ -1,5 +1,5 @@
-"""Stages vLLM 0.26.0 onto the lent H100 machine (torch 2.11.0+cu130, no vLLM, no network), in
-pieces: at most 64 MiB reaches that machine per command, the project included.
+"""Stages vLLM 0.26.0 onto a GPU host that has torch 2.11.0+cu130 but no vLLM and no network, in
+pieces, where at most 64 MiB reaches that host per command, the project included.
 
   python tools/gpu_stage.py                 # download, trim, pack, split, print the calls
   python tools/gpu_stage.py --run 'CMD'     # the same, with another command for the last call
@@ -25,7 +25,8 @@ as the `carry` of their own call):
             a machine that went back between calls is said so at once; the last checks the
             whole payload's sha256, unpacks it, installs every wheel with
             `pip install --no-index --no-deps --target /tmp/site` and runs --run (default: the
-            GPU kit's vllm section) with PYTHONPATH=/tmp/site.
+            GPU kit's vllm section) with PYTHONPATH=/tmp/site; it also carries .gpu_carry/ (the
+            kit's e2e warm starts, --prepare_models) where that exists.
 
 What the image lacks was found by importing vLLM 0.26's modules on the offline path (LLM,
 LLMEngine, EngineCore, the GPU worker and model runner, Qwen2, FlashAttention, the sampler,
@@ -57,7 +58,7 @@ import zipfile
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 MIB = 2**20
-CALL_LIMIT_BYTES = 64 * MIB      # the device tool: working tree + carried paths, per call
+CALL_LIMIT_BYTES = 64 * MIB      # working tree + carried paths, per call
 MAX_PIECE_BYTES = 56 * MIB       # never more in one piece, whatever the project's size
 SLACK_BYTES = 1 * MIB            # the SHA256 file, directories, the project growing a little
 COMMAND_LIMIT = 2000             # characters of one device command
@@ -65,10 +66,15 @@ STAGE_DIR = '/tmp/pjx_stage'     # on the device: the payload being assembled
 SITE_DIR = '/tmp/site'           # on the device: where the wheels are installed
 PAYLOAD = 'payload.tar.xz'
 VLLM_WHEEL = 'vllm-0.26.0-cp38-abi3-manylinux_2_28_x86_64.whl'
-# The kit's default --workdir: a machine still warm from a kit run reuses its demo model.
+# The e2e warm starts, made here by `python -m pipelinerl_jax.bench.gpu
+# --prepare_models=.gpu_carry/model_cache` and carried by the last call, so that the vllm
+# section's `tiny` run finds its model instead of building it in its share of the time.
+KIT_CARRY = '.gpu_carry'
 DEFAULT_RUN = ('export VLLM_USE_FLASHINFER_SAMPLER=0; set -o pipefail; python3 -m '
                'pipelinerl_jax.bench.gpu --sections=vllm --budget_s=330 --out=$OUT/vllm.json '
-               '2>&1 | tee $OUT/vllm.log')
+               f'--model_cache={KIT_CARRY}/model_cache 2>&1 | tee $OUT/vllm.log')
+CALL_TIMEOUT_S = 120             # a call that appends its piece
+LAST_CALL_TIMEOUT_S = 540        # the last: append, check, unpack, install, run
 PIP_PLATFORMS = ('manylinux_2_31_x86_64', 'manylinux_2_28_x86_64', 'manylinux_2_27_x86_64',
                  'manylinux_2_26_x86_64', 'manylinux_2_24_x86_64', 'manylinux_2_17_x86_64',
                  'manylinux2014_x86_64', 'manylinux1_x86_64')
@@ -278,10 +284,12 @@ def join(dirs: list[pathlib.Path]) -> bytes:
 
 
 def calls(dirs: list[str], sizes: list[int], payload_sha: str, run: str,
-          stage: str = STAGE_DIR, site: str = SITE_DIR) -> list[dict]:
-  """The device calls, [{'carry': [dir], 'command': text}], for pieces in repo-relative `dirs`
-  of `sizes` bytes: each appends its piece (checked) after checking that the payload holds
-  exactly the pieces before it; the last checks the whole, installs and runs `run`."""
+          stage: str = STAGE_DIR, site: str = SITE_DIR,
+          last_carry: tuple[str, ...] = ()) -> list[dict]:
+  """The device calls, [{'carry': [dir, ...], 'command': text, 'timeout_s': s}], for pieces in
+  repo-relative `dirs` of `sizes` bytes: each appends its piece (checked) after checking that
+  the payload holds exactly the pieces before it; the last checks the whole, installs and runs
+  `run`, carrying `last_carry` too."""
   n, total = len(dirs), sum(sizes)
   out = []
   for k, (d, size) in enumerate(zip(dirs, sizes), 1):
@@ -305,7 +313,8 @@ def calls(dirs: list[str], sizes: list[int], payload_sha: str, run: str,
                f'installed in {site}" || exit 4; {run}')
     else:
       body += f' && echo "stage: make call {k + 1} now (the machine keeps /tmp ~30 s)"'
-    out.append(dict(carry=[d], command=body))
+    out.append(dict(carry=[d, *last_carry] if k == n else [d], command=body,
+                    timeout_s=LAST_CALL_TIMEOUT_S if k == n else CALL_TIMEOUT_S))
   return out
 
 
@@ -317,10 +326,14 @@ def project_bytes(root: pathlib.Path = ROOT) -> int:
              if n and (root / n.decode()).is_file())
 
 
-def check_limits(plan: list[dict], sizes: list[int], project: int) -> None:
+def check_limits(plan: list[dict], sizes: list[int], project: int, last_extra: int = 0) -> None:
+  """Every call within the per-call transfer limits; `last_extra`: the bytes of the last call's
+  carry beside its piece."""
   for k, (c, size) in enumerate(zip(plan, sizes), 1):
     if len(c['command']) > COMMAND_LIMIT:
       fail(f'call {k} is {len(c["command"])} characters, over {COMMAND_LIMIT}: shorten --run')
+    if k == len(plan):
+      size += last_extra
     if size + project + SLACK_BYTES > CALL_LIMIT_BYTES:
       fail(f'call {k} would carry {(size + project) / MIB:.1f} MiB with the project, over '
            f'{CALL_LIMIT_BYTES / MIB:.0f}')
@@ -371,18 +384,28 @@ def main(argv: list[str] | None = None) -> int:
     sizes = piece_sizes(payload.stat().st_size, project_bytes())
     split(payload, out, sizes)
   dirs = [f'{rel}/call{k}' for k in range(1, len(sizes) + 1)]
-  plan = calls(dirs, sizes, payload_sha, args.run)
+  kit_carry = ROOT / KIT_CARRY
+  if kit_carry.is_dir():
+    last_carry = (KIT_CARRY,)
+    last_extra = sum(f.stat().st_size for f in kit_carry.rglob('*') if f.is_file())
+  else:
+    print(f'note: {KIT_CARRY}/ is missing, so the last call carries no warm starts and the '
+          "vllm section's tiny run builds its model on the GPU; make it first with python -m "
+          f'pipelinerl_jax.bench.gpu --prepare_models={KIT_CARRY}/model_cache', flush=True)
+    last_carry, last_extra = (), 0
+  plan = calls(dirs, sizes, payload_sha, args.run, last_carry=last_carry)
   project = project_bytes()
-  check_limits(plan, sizes, project)
+  check_limits(plan, sizes, project, last_extra)
   estimate = estimate_seconds(sizes, args.run_s)
   manifest.write_text(json.dumps(dict(sizes=sizes, payload_sha256=payload_sha, calls=plan,
                                       project_bytes=project, estimate_s=estimate), indent=1))
   print(f'payload {sum(sizes) / MIB:.1f} MiB in {len(sizes)} pieces; project '
         f'{project / MIB:.1f} MiB travels with each call\n')
   for k, (c, size) in enumerate(zip(plan, sizes), 1):
+    extra = last_extra if k == len(plan) else 0
     print(f'# call {k}/{len(plan)}: device run, carry={json.dumps(c["carry"])}, '
-          f'{(size + project) / MIB:.1f} MiB, {len(c["command"])} characters'
-          + (', timeout_s=540' if k == len(plan) else ', timeout_s=120'))
+          f'{(size + extra + project) / MIB:.1f} MiB, {len(c["command"])} characters, '
+          f'timeout_s={c["timeout_s"]}')
     print(c['command'] + '\n')
   print('estimated device seconds: ' + ', '.join(f'{k} {v:.0f}' for k, v in estimate.items()))
   print(f'(written to {manifest.relative_to(ROOT)})')

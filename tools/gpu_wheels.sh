@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# Downloads the wheels that `python -m pipelinerl_jax.bench.gpu` needs and the lent GPU image
-# lacks, for that image's Python (3.12, manylinux x86-64), into .whl/ (git-ignored), to pass to
-# the device tool as `carry`. Versions are the ones requirements.txt pins.
+# Downloads the wheels that `python -m pipelinerl_jax.bench.gpu` needs and a bare GPU image
+# lacks, for that image's Python (3.12, manylinux x86-64), into .whl/ (git-ignored), to carry to
+# the GPU host with the project. Versions are the ones requirements.txt pins.
 #
 #   tools/gpu_wheels.sh [DEST]        # DEST defaults to .whl
 #
@@ -13,7 +13,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 DEST=${1:-.whl}
 PACKAGES=(ml-collections)
-LIMIT_BYTES=$((64 * 1024 * 1024))  # the device tool carries at most 64 MiB a call
+LIMIT_BYTES=$((64 * 1024 * 1024))  # at most 64 MiB travels with the project per call
 
 specs=()
 for name in "${PACKAGES[@]}"; do
@@ -36,6 +36,6 @@ bytes=$(du -sb "$DEST" | cut -f1)
 ls -l "$DEST"
 echo "$DEST: $(ls "$DEST" | wc -l) wheels, $bytes bytes (carry limit $LIMIT_BYTES)"
 if (( bytes > LIMIT_BYTES )); then
-  echo "tools/gpu_wheels.sh: $DEST is over the 64 MiB the device tool carries" >&2
+  echo "tools/gpu_wheels.sh: $DEST is over the 64 MiB that travels with a call" >&2
   exit 1
 fi

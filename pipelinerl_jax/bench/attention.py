@@ -12,7 +12,7 @@ program whose peak exceeds `--max_run_gb` is compiled and reported but not timed
 would need more memory than a laptop has). Timed programs run `--warmup` times, then `--steps`
 times, each ended by `jax.block_until_ready`. Prints a table and writes JSON to `--out`.
 
-The GPU kit (bench/gpu.py, train section) also uses the two functions at the end, on attention
+The GPU kit (bench/gpu/train.py) also uses the two functions at the end, on attention
 alone at its own shapes: `check_against_dense` (an implementation's outputs and gradients
 against the dense reference in fp32, rows of one, two and many samples and padding) and
 `time_step_attention` (forward + backward of one layer's attention over a packed batch, one

@@ -85,14 +85,20 @@ def make_model_config(demo: config_lib.DemoModelConfig, vocab_size: int
       architecture=_ARCHITECTURES[demo.architecture], **moe)
 
 
+_LATER_SETTINGS = {'architecture': 'qwen2', 'tie_embeddings': False}
+
+
 def settings_hash(demo: config_lib.DemoModelConfig, task: tasks_base.Task) -> str:
   """What a build depends on: the demo settings and the task (a dataclass: its fields). The
   expert fields count only for an MoE model (a dense model's hash is what it always was)."""
   task_settings = {'task': type(task).__name__, **dataclasses.asdict(task)}
-  settings = dataclasses.asdict(demo)
+  # Settings added after builds were cached count only away from their defaults, so a Qwen2
+  # build made before them is still found.
+  demo_settings = {k: v for k, v in dataclasses.asdict(demo).items()
+                   if k not in _LATER_SETTINGS or v != _LATER_SETTINGS[k]}
   if demo.architecture != 'qwen3_moe':
-    settings = {k: v for k, v in settings.items() if k not in demo.MOE_FIELDS}
-  blob = json.dumps({'build_version': BUILD_VERSION, 'demo': settings,
+    demo_settings = {k: v for k, v in demo_settings.items() if k not in demo.MOE_FIELDS}
+  blob = json.dumps({'build_version': BUILD_VERSION, 'demo': demo_settings,
                      **task_settings}, sort_keys=True)
   return hashlib.sha256(blob.encode()).hexdigest()[:16]
 

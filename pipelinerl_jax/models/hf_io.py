@@ -39,7 +39,6 @@ INDEX_FILE = 'model.safetensors.index.json'
 _SHARD_RE = re.compile(r'model-\d{5}-of-\d{5}\.safetensors$')
 
 
-
 @dataclasses.dataclass(frozen=True)
 class _Family:
   """What an architecture is in `ModelConfig` terms, and transformers' per-class defaults for

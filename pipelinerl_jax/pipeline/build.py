@@ -97,6 +97,9 @@ def build_learner(config: config_lib.Config, workdir: str, model_dir: str,
     raise ValueError(f'config.train.mesh: expert={experts_split} does not divide the '
                      f"model's num_experts={model_config.num_experts}")
   optimizer = train.make_optimizer(config.optimizer)
+  # Opening the checkpoints is the processes' first collective (orbax syncs them), where gloo
+  # waits only 30 s for a peer; a trainer process on another host may start much later.
+  distributed.barrier('checkpoints')
   checkpoints = checkpoint_lib.Checkpointer(checkpoint_lib.directory(config, workdir),
                                             config.checkpoint.keep, config.checkpoint.every_steps)
   if started is not None:

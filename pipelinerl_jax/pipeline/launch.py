@@ -26,6 +26,7 @@ from typing import Any, Callable
 import ml_collections
 
 from pipelinerl_jax import checkpoint as checkpoint_lib
+from pipelinerl_jax import cluster
 from pipelinerl_jax import config as config_lib
 from pipelinerl_jax import distributed
 from pipelinerl_jax import platforms
@@ -53,8 +54,9 @@ def run_experiment(config: ml_collections.ConfigDict | config_lib.Config, workdi
   config = config_lib.validate(config, runnable=False)  # check_runnable: after the GPU check
   if launches_trainers(config):
     return _launch_trainers(config, workdir, model_dir, on_ready, interrupt)
-  distributed.initialize(config.train)  # before any JAX computation; nothing for one process
-  model_dir = prepare(config, workdir, model_dir, interrupt)
+  # before any JAX computation; nothing for one process
+  distributed.initialize(config.train, interface=config.cluster.interface)
+  model_dir = prepare_saying_last_words(config, workdir, model_dir, interrupt)
   if not distributed.is_primary():
     return multiprocess.follow(config, workdir, model_dir, interrupt)
   return run_primary(config, workdir, model_dir, on_ready=on_ready, interrupt=interrupt)
@@ -80,19 +82,31 @@ def follow_as_actor(config: config_lib.Config, workdir: str, stash) -> dict[str,
   """A trainer process started as a Ray actor, joined already (trainer_actors.TrainerProcess):
   the same preparation as every process, then it follows process 0, publishing its own pieces
   of the params into `stash` (a trainer_actors.Stash)."""
-  model_dir = prepare(config, workdir)
+  model_dir = prepare_saying_last_words(config, workdir)
   return multiprocess.follow(config, workdir, model_dir, stash=stash)
+
+
+def prepare_saying_last_words(config: config_lib.Config, workdir: str, *args) -> str:
+  """`prepare`; a failure is also told to the other processes, which may wait for this one at a
+  barrier (distributed.barrier names it then)."""
+  try:
+    return prepare(config, workdir, *args)
+  except BaseException as e:
+    distributed.say_last_words(e)
+    raise
 
 
 def check(config: config_lib.Config, workdir: str,
           installed: stack_lib.Stack | None = None) -> None:
   """What a run needs beyond a consistent config: the model and the data named, what the
   installed stack can run (`installed`, default: read now, JAX's device included), the backend
-  installed (vLLM, Ray), the workdir writable."""
+  installed (vLLM, Ray), the workdir writable, config.cluster.interface on this host."""
   config.check_runnable()
   stack_lib.check(config, installed)  # reads the model's config.json, never its weights
   build_lib.check_backend_installed(config)  # before the demo model is built
   workdir_lib.check_dir(workdir, '--workdir')
+  if config.cluster.interface:  # this host's side of the network the hosts share
+    cluster.interface_address(config.cluster.interface)
 
 
 def prepare(config: config_lib.Config, workdir: str, model_dir: str | None = None,
@@ -129,8 +143,12 @@ def run_primary(config: config_lib.Config, workdir: str, model_dir: str, *, on_r
       signals.check(interrupt)
       parts = followers.announce(build_lib.build(config, workdir, model_dir, interrupt=interrupt,
                                                  trainers=trainers))
+      watch = None
+      if distributed.several_processes():
+        def watch(stop):  # a trainer process lost, or a trainer actor ended, ends the run
+          followers.watch(stop, trainers.check if trainers is not None else lambda: None)
       return run_lib.run(config, parts, workdir, on_ready=on_ready, interrupt=interrupt,
-                         trainers=trainers)
+                         watch=watch)
   finally:
     for lock in reversed(locks):
       lock.release()

@@ -24,9 +24,12 @@ agreed.
 Stopping. The run ends when process 0 says so (`stop`). When it fails, it raises a stop flag
 every follower watches (in a thread, so one stuck in a collective is reached too): each answers
 and exits at once. A follower that does not answer is gone (killed, or its host lost); the
-run's error names it and its host. A stop request on a follower (Ctrl-C, SIGTERM) goes to
-process 0, which stops the run as after its own Ctrl-C (saving first). When process 0 itself is
-lost, jax.distributed ends the followers at once (its fatal log names the leader task).
+run's error names it and its host. A follower whose heartbeat stands still for
+train.distributed.heartbeat_timeout_s (distributed.Heartbeats: killed, hung, or its host cut off,
+when nothing fails on process 0 but a collective that never completes) is lost: `watch`, a loop
+of the run, stops it with that line. A stop request on a follower (Ctrl-C, SIGTERM) goes to
+process 0, which stops the run as after its own Ctrl-C (saving first). A follower that cannot
+reach process 0 for the heartbeat timeout stops itself.
 """
 
 from __future__ import annotations
@@ -52,9 +55,9 @@ from pipelinerl_jax.pipeline import placements
 from pipelinerl_jax.pipeline import supervise
 
 COMMAND_KEY = 'pipelinerl/command/'
+READ_KEY = 'pipelinerl/command_read/'    # the last command a follower read
 STOP_FLAG = 'pipelinerl/stop'
 ANSWER_KEY = 'pipelinerl/answer/'          # a follower's answer to the stop flag
-LAST_WORDS_KEY = 'pipelinerl/last_words/'  # a follower's own failure, written before it exits
 STOP_REQUEST_KEY = 'pipelinerl/stop_request/'
 WAIT_SLICE_MS = 2_000  # blocking reads come back this often (a signal is handled in between)
 
@@ -76,6 +79,7 @@ class Commands:
   def __init__(self, stop_request: threading.Event | None = None):
     self._client = distributed.coordination_client()
     self._next = 0
+    self._kept = 0  # commands before this one are deleted from the store
     self._stop_request = stop_request
     self._forwarded = False
 
@@ -85,11 +89,20 @@ class Commands:
     header = dict(op=op, fields=fields,
                   arrays={k: (list(v.shape), v.dtype.str) for k, v in arrays.items()})
     self._client.key_value_set(f'{COMMAND_KEY}{self._next}', json.dumps(header))
-    if self._next:  # every follower read it: each took part in the call that followed it
-      self._client.key_value_delete(f'{COMMAND_KEY}{self._next - 1}')
     self._next += 1
+    self._delete_read()
     if arrays:
       multihost_utils.broadcast_one_to_all(arrays)
+
+  def _delete_read(self) -> None:
+    """Deletes the commands every follower has read. (Not those before the latest call alone:
+    a call may need no communication, e.g. a publication of params every process holds whole,
+    and process 0 then runs ahead of a follower by several commands.)"""
+    read = [int(v) for _, v in self._client.key_value_dir_get(READ_KEY)]
+    done = min(read) + 1 if len(read) == jax.process_count() - 1 else 0
+    for i in range(self._kept, done):
+      self._client.key_value_delete(f'{COMMAND_KEY}{i}')
+    self._kept = max(self._kept, done)
 
   def receive(self, while_waiting: Callable[[], None] = lambda: None
               ) -> tuple[str, dict[str, Any], dict[str, np.ndarray]]:
@@ -104,6 +117,8 @@ class Commands:
       except jax.errors.JaxRuntimeError as e:
         if not _timed_out(e):
           raise
+    self._client.key_value_set(f'{READ_KEY}{jax.process_index()}', str(self._next),
+                               allow_overwrite=True)
     self._next += 1
     arrays = {}
     if header['arrays']:
@@ -131,24 +146,25 @@ class Commands:
 
   def stop(self, error: str | None, grace_s: float) -> list[str]:
     """Ends the followers: `stop` in order, and the stop flag for those stuck in a call.
-    After a failure (`error`), waits up to grace_s for every follower's answer; returns what
-    is known of those that did not answer (they are gone)."""
+    After a failure (`error`), waits up to grace_s for every follower's answer but those known
+    lost (their heartbeat stood still); returns what is known of those that did not answer
+    (they are gone)."""
     self._client.key_value_set(STOP_FLAG, json.dumps(dict(error=error)))
     self._client.key_value_set(f'{COMMAND_KEY}{self._next}',
                                json.dumps(dict(op='stop', fields={}, arrays={})))
     if error is None:
       return []
+    lost = distributed.lost_processes()
     missing = set(range(1, jax.process_count()))
     deadline = time.monotonic() + grace_s
-    while missing and time.monotonic() < deadline:
+    while missing - set(lost) and time.monotonic() < deadline:
       answered = {int(k.rsplit('/', 1)[1]) for k, _ in self._client.key_value_dir_get(ANSWER_KEY)}
       missing -= answered
       time.sleep(0.05)
-    last_words = dict((int(k.rsplit('/', 1)[1]), v)
-                      for k, v in self._client.key_value_dir_get(LAST_WORDS_KEY))
-    return [f'{distributed.describe(i)} ' + (f'failed: {last_words[i]}' if i in last_words else
-                                             'is gone (no answer: killed, or its host lost)')
-            for i in sorted(missing)]
+    last_words = distributed.last_words()
+    return [f'{distributed.describe(i)} ' + (
+        f'failed: {last_words[i]}' if i in last_words else distributed.gone(lost.get(i)))
+        for i in sorted(missing)]
 
 
 def grace_seconds(config: config_lib.Config) -> float:
@@ -214,6 +230,14 @@ class Followers:
   def announce(self, parts: build_lib.Parts) -> build_lib.Parts:
     return parts if self._commands is None else lead(parts, self._commands, self._sharded)
 
+  def watch(self, stop: threading.Event, check: Callable[[], None] = lambda: None) -> None:
+    """A loop of the run (several processes), until `stop` is set: raises TrainerProcessError
+    once a follower failed or is lost (distributed.check_peers), or when `check()` raises
+    (trainer actors: one whose Ray call ended)."""
+    while not stop.wait(distributed.heartbeat_interval_s()):
+      check()
+      distributed.check_peers()
+
   def __enter__(self) -> 'Followers':
     return self
 
@@ -222,8 +246,12 @@ class Followers:
       return
     if error is None:
       self._commands.stop(error=None, grace_s=0)
+      distributed.stop_heartbeats()  # the followers leave now
       return
     lost = self._commands.stop(error=_first_line(error), grace_s=self._grace_s)
+    seen = error.__cause__ if isinstance(error.__cause__, supervise.TrainerProcessError) else None
+    if seen is not None:  # the run's watch found a trainer process gone: that says it all
+      raise supervise.TrainerProcessError(f'{seen}. All trainer processes stopped') from error
     if lost:
       raise supervise.TrainerProcessError(
           f'{"; ".join(lost)}. All trainer processes stopped (seen by process 0: '
@@ -303,9 +331,10 @@ def follow(config: config_lib.Config, workdir: str, model_dir: str,
         break
       else:
         raise ValueError(f'unknown command {op!r} from process 0')
+    distributed.stop_heartbeats()  # process 0 may leave first now
     learner.checkpoints.close()
   except BaseException as e:
-    client.key_value_set(f'{LAST_WORDS_KEY}{jax.process_index()}', _first_line(e))
+    distributed.say_last_words(e)
     raise supervise.TrainerProcessError(
         f'{distributed.describe()} failed: {_first_line(e)}') from e
   return dict(steps=int(state.step), follower=True, interrupted=bool(forwarded),

@@ -130,11 +130,12 @@ def _ray_engine(config: config_lib.Config, model_config, model_dir: str, *, mesh
         model_overrides=dict(param_dtype=model_config.param_dtype, dtype=model_config.dtype,
                              lm_head_fp32=model_config.lm_head_fp32),
         transport=remote.weight_transport, transport_timeout_s=remote.transport_timeout_s,
-        wire_dtype=transport_dtype(config, model_config, model_dir))
+        wire_dtype=transport_dtype(config, model_config, model_dir),
+        interface=config.cluster.interface, heartbeat_timeout_s=remote.heartbeat_timeout_s)
     return pool.RayGenerators(
         spec, model_config, num_generators=g.num_generators, params=params, version=version,
         cpus_per_generator=remote.cpus_per_generator, gpus_per_generator=gpus_each,
-        max_restarts=remote.max_restarts, session=session, cores=cores)
+        max_restarts=remote.max_restarts, session=session, cores=cores, node_ip=remote.node_ip)
   except BaseException:
     session.close()
     raise

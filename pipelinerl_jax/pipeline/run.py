@@ -31,17 +31,22 @@ from pipelinerl_jax.pipeline import supervise
 
 def run(config: config_lib.Config, parts: build_lib.Parts, workdir: str, *,
         on_ready: Callable[[dict], None] | None = None,
-        interrupt: threading.Event | None = None, trainers=None) -> dict[str, Any]:
+        interrupt: threading.Event | None = None,
+        watch: Callable[[threading.Event], None] | None = None) -> dict[str, Any]:
   """RL to config.rl.total_steps (or max_time_s) from `parts`, which it closes; returns a
   summary dict.
 
   `on_ready` (tests) gets the live objects once both loops run. `interrupt` (main's signal
-  handlers set it): the loops stop as after Ctrl-C. `trainers` (trainer processes as Ray
-  actors: a trainer_actors.Launch): one of them lost ends the run at once.
+  handlers set it): the loops stop as after Ctrl-C. `watch` (several trainer processes:
+  multiprocess.Followers.watch): a loop that raises once one of them is lost, which ends the
+  run at once.
   """
   learner = parts.learner
   start_step = int(learner.resumed['step']) if learner.resumed else 0
   try:
+    # What crossed between the hosts: this host's bytes on the interface they share.
+    net = (cluster_lib.NetworkCounter(config.cluster.interface) if config.cluster.interface
+           else None)
     writer = metrics_lib.MetricsWriter(
         workdir, tensorboard=config.log.tensorboard, progress=config.log.progress,
         start_step=start_step, wandb=wandb_settings(config))
@@ -64,6 +69,8 @@ def run(config: config_lib.Config, parts: build_lib.Parts, workdir: str, *,
     if 'step' in record:  # (not a skipped update's record: see trainer.py)
       record.update(actor.counters())
       record.update({f'task/{name}': n for name, n in parts.task.counters.items()})
+      if net is not None:
+        record.update(net.totals())
       records.append(record)
     writer.write(record)
 
@@ -76,8 +83,8 @@ def run(config: config_lib.Config, parts: build_lib.Parts, workdir: str, *,
                                    after_publish=lambda: save(False))
   trainer.time_offset = writer.time_offset
   loops = {'actor': actor.run, 'trainer': trainer.run}
-  if trainers is not None:  # a trainer actor lost between collectives ends the run at once
-    loops['trainer processes'] = lambda: trainers.watch(stop)
+  if watch is not None:  # a trainer process lost (maybe inside a collective) ends the run
+    loops['trainer processes'] = lambda: watch(stop)
   live = dict(actor=actor, trainer=trainer, engine=parts.engine, stream=stream, stop=stop,
               task=parts.task)
   try:
@@ -96,8 +103,10 @@ def run(config: config_lib.Config, parts: build_lib.Parts, workdir: str, *,
       save(final=True)
     except OSError as e:
       outcome.errors.append(('exit save', e))
-  outcome.closing += supervise.close_all([('closing the checkpoints',
-                                           learner.checkpoints.close)])
+  if 'trainer' not in outcome.alive:  # (an abandoned trainer may be inside a save, which a
+    # close would wait for: with a trainer process lost, for good; the process exits without)
+    outcome.closing += supervise.close_all([('closing the checkpoints',
+                                             learner.checkpoints.close)])
   if outcome.interrupted:
     print(f'\n[run] loops stopped {outcome.stop_s:.1f} s after the interrupt', flush=True)
   if records:

@@ -19,9 +19,14 @@ import threading
 import time
 from typing import Callable
 
+from pipelinerl_jax import distributed
 from pipelinerl_jax.pipeline import stream as stream_lib
 
 STOP_TIMEOUT_S = 10.0
+# With a trainer process lost, the trainer loop may wait inside a collective that never
+# completes (nothing it holds can be saved then): the loops get this long, and the process exits
+# without those still busy (command_line.exit_now).
+LOST_PROCESS_STOP_S = 2.0
 # After an interrupt, a busy loop is waited for this much longer (see the module's docstring).
 INTERRUPTED_STEP_TIMEOUT_S = 600.0
 
@@ -30,8 +35,7 @@ class RunError(RuntimeError):
   """A loop of the run failed; the message names it and the original error."""
 
 
-class TrainerProcessError(RuntimeError):
-  """A trainer process failed or is gone; the message names it and its host."""
+TrainerProcessError = distributed.TrainerProcessError  # a trainer process failed or is gone
 
 
 Closers = list[tuple[str, Callable[[], None]]]
@@ -108,7 +112,8 @@ def run_loops(loops: dict[str, Callable[[], None]], stop: threading.Event, close
     interrupted, t_interrupt = True, time.monotonic()
   finally:
     stop.set()
-    _join(threads, STOP_TIMEOUT_S)
+    _join(threads, STOP_TIMEOUT_S, lost=lambda: any(
+        isinstance(e, TrainerProcessError) for _, e in errors) or distributed.lost_processes())
     busy = [t.name for t in threads if t.is_alive()]
     if interrupted and busy:
       print(f'[run] waiting for the {" and ".join(busy)} loop to finish its step (a compile, a '
@@ -145,7 +150,13 @@ def raise_for(outcome: Outcome) -> None:
     raise RunError(f'{what} failed: {problem}')
 
 
-def _join(threads: list[threading.Thread], timeout_s: float) -> None:
+def _join(threads: list[threading.Thread], timeout_s: float,
+          lost: Callable[[], bool] = lambda: False) -> None:
+  """Waits up to `timeout_s` for the threads to end; once `lost()` (a trainer process is lost,
+  see LOST_PROCESS_STOP_S), up to LOST_PROCESS_STOP_S more at most."""
   deadline = time.monotonic() + timeout_s
-  for t in threads:
-    t.join(max(0.0, deadline - time.monotonic()))
+  shortened = False
+  while (alive := [t for t in threads if t.is_alive()]) and time.monotonic() < deadline:
+    if not shortened and lost():
+      shortened, deadline = True, min(deadline, time.monotonic() + LOST_PROCESS_STOP_S)
+    alive[0].join(min(0.5, max(0.0, deadline - time.monotonic())))

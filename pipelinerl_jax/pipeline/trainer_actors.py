@@ -12,8 +12,9 @@
                             them. A collective (gloo, nccl): every process gathers a whole copy
                             in dtype d onto its own devices (distributed.whole_per_process), and
                             process 0 broadcasts its copy to the generators
-  Launch.watch(stop)        a loop of the run: a trainer actor that dies (killed, its node lost)
-                            ends the run at once, with one line naming the process and its host
+  Launch.check()            each round of the run's watch (multiprocess.Followers.watch): a
+                            trainer actor that died (killed, its node lost) ends the run at once,
+                            with one line naming the process and its host
   TrainerProcess            the actor; its `Stash` keeps its pieces of the latest version until
                             process 0 takes them
 
@@ -137,11 +138,20 @@ class TrainerProcess:
     self.stash = Stash()
 
   @ray.method(concurrency_group='control')
-  def where(self) -> dict[str, Any]:
+  def where(self, interface: str = '') -> dict[str, Any]:
+    """Where this actor runs; `network_error`: why config.cluster.interface (`interface`) is
+    not usable on its host (one line), before it joins the others."""
     ctx = ray.get_runtime_context()
+    network_error = None
+    if interface:
+      try:
+        cluster_lib.interface_address(interface)
+      except ValueError as e:
+        network_error = str(e)
     return dict(index=self.index, pid=os.getpid(), host=socket.gethostname(),
                 node_id=ctx.get_node_id(), node_ip=ray.util.get_node_ip_address(),
-                cores=sorted(os.sched_getaffinity(0)), gpus=[str(g) for g in ray.get_gpu_ids()])
+                cores=sorted(os.sched_getaffinity(0)), gpus=[str(g) for g in ray.get_gpu_ids()],
+                network_error=network_error)
 
   @ray.method(concurrency_group='control')
   def pin(self, cores: Sequence[int]) -> list[int]:
@@ -155,7 +165,9 @@ class TrainerProcess:
     by the driver: it follows process 0 until it ends the run)."""
     import jax
     from pipelinerl_jax import distributed
-    distributed.initialize(config.train, coordinator_address=address, process_id=self.index)
+    distributed.initialize(config.train, coordinator_address=address, process_id=self.index,
+                           interface=config.cluster.interface,
+                           host_address=ray.util.get_node_ip_address())
     summary = follow(config, workdir, self.stash)
     jax.distributed.shutdown()  # meets process 0's (Launch.close)
     return dict(steps=summary['steps'], interrupted=summary['interrupted'])
@@ -201,18 +213,18 @@ class Launch:
       self._digest = layout.tree_digest(params)
     return shards.Published(tuple(refs), self._digest)
 
-  def watch(self, stop: threading.Event) -> None:
-    """Until `stop` is set; raises TrainerProcessError when an actor's run ends first."""
+  def check(self) -> None:
+    """Raises TrainerProcessError when an actor's run has ended (killed, its node lost) while
+    the run goes on (multiprocess.Followers.watch calls it)."""
     index = {ref: i + 1 for i, ref in enumerate(self.runs)}
-    while not stop.is_set():
-      ready, _ = ray.wait(list(index), num_returns=1, timeout=0.5)
-      if ready and not stop.is_set():
-        try:
-          ray.get(ready[0])
-          cause = 'returned while the run went on'
-        except (ray_errors.RayActorError, ray_errors.RayTaskError) as e:
-          cause = _cause(e)
-        raise _error(f'{_describe(index[ready[0]])} ended: {cause}')
+    ready, _ = ray.wait(list(index), num_returns=1, timeout=0)
+    if ready:
+      try:
+        ray.get(ready[0])
+        cause = 'returned while the run went on'
+      except (ray_errors.RayActorError, ray_errors.RayTaskError) as e:
+        cause = _cause(e)
+      raise _error(f'{_describe(index[ready[0]])} ended: {cause}')
 
   def close(self, clean: bool) -> None:
     """Ends the actors and a local Ray. `clean` (the run ended, its followers told to stop):
@@ -267,17 +279,25 @@ def launch(config: config_lib.Config, workdir: str,
                       transport=config.generation.remote.weight_transport)
     for k, actor in enumerate(actors, start=1):
       try:
-        info = ray.get(actor.where.remote(), timeout=START_TIMEOUT_S)
+        info = ray.get(actor.where.remote(config.cluster.interface), timeout=START_TIMEOUT_S)
       except ray_errors.GetTimeoutError:
         raise TimeoutError(f'trainer process {k} was not placed within {START_TIMEOUT_S:.0f}s '
                            '(see `ray status`)') from None
+      except ray_errors.RayActorError as e:  # e.g. its node died meanwhile
+        raise _error(f'trainer process {k} of {count + 1} did not start: {_cause(e)}') from None
+      if info['network_error']:  # before the processes join: they would wait for this one
+        raise ValueError(info['network_error'])
       if not gpus:  # cores of its own, before its JAX starts
         cores = launched.cores.take(info['node_id'], info['cores'], d.cpus_per_process)
         info['cores'] = ray.get(actor.pin.remote(cores), timeout=60)
       launched.infos.append(info)
-    launched.address = f'{session.node_ip}:{distributed.free_port()}'
+    # The coordinator listens on the address the other hosts reach this one by.
+    interface = config.cluster.interface
+    host = cluster_lib.interface_address(interface) if interface else session.node_ip
+    launched.address = f'{host}:{d.coordinator_port or distributed.free_port(host)}'
     launched.runs = [a.run.remote(config, workdir, launched.address, follow) for a in actors]
-    distributed.initialize(config.train, coordinator_address=launched.address, process_id=0)
+    distributed.initialize(config.train, coordinator_address=launched.address, process_id=0,
+                           interface=interface, host_address=session.node_ip)
     return launched
   except BaseException:
     if launched is not None:

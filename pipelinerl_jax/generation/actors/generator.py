@@ -3,6 +3,9 @@ and weights in over three transports; the engine itself, its thread and its outb
 decode_loop.py, free of Ray.
 
   pin(cores)           the process's threads to its cores (CPU nodes), before any engine starts
+  heartbeat()          the pool is there: from the first one on, an actor that hears none for
+                       spec.heartbeat_timeout_s stops itself (its host cut off from the driver's:
+                       Ray leaves such an actor running)
   update(tree, v, d)   weights through Ray's object store: `tree` arrives as read-only numpy views
                        of the one shared copy; checked against its digest `d`, then handed whole
                        to the engine, which applies it between two token steps
@@ -19,8 +22,7 @@ carry a sequence number and stay in the outbox until the pool acknowledges them 
 reply lost in transit is sent again, so none is lost; the pool's routing drops duplicates.
 
 JAX or vLLM, and their thread pools, are imported only when the engine is built: after `pin`.
-Methods run in Ray's threads, one per concurrency group, so a weight transfer never blocks
-polling or submitting.
+Methods run in Ray's threads, one per concurrency group.
 """
 
 from __future__ import annotations
@@ -28,6 +30,8 @@ from __future__ import annotations
 import dataclasses
 import os
 import socket
+import threading
+import time
 import uuid
 from typing import Any, Sequence
 
@@ -39,7 +43,9 @@ from pipelinerl_jax.generation import engines
 from pipelinerl_jax.generation.actors import decode_loop
 from pipelinerl_jax.generation.transport import layout
 
-CONCURRENCY_GROUPS = {'io': 1, 'control': 1, 'weights': 1}
+# A thread per group: a weight transfer never blocks polling or submitting, and nothing (a
+# submit waiting for the engine to be built) holds up a heartbeat.
+CONCURRENCY_GROUPS = {'io': 1, 'control': 1, 'weights': 1, 'heartbeat': 1}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,6 +58,9 @@ class GeneratorSpec:
   transport_timeout_s: float = 120.0
   bucket_mb: int = 256             # collective transports
   wire_dtype: str = 'float32'      # collective transports: budget.wire_dtype
+  interface: str = ''              # gloo listens on its address (config.cluster.interface);
+                                   # '' = on the Ray node's address
+  heartbeat_timeout_s: float = 60.0  # no heartbeat from the pool this long: the actor stops
 
 
 class Generator:
@@ -66,6 +75,7 @@ class Generator:
     self._comm = None
     self._receiver = None
     self._cores: tuple[int, ...] = ()
+    self._heard: float | None = None  # the pool's last heartbeat (time.monotonic)
 
   # --- placement -------------------------------------------------------------------------------
 
@@ -95,6 +105,23 @@ class Generator:
   @ray.method(concurrency_group='control')
   def affinity(self) -> dict[int, str]:
     return cluster.thread_affinity()
+
+  @ray.method(concurrency_group='heartbeat')
+  def heartbeat(self) -> None:
+    if self._heard is None:
+      threading.Thread(target=self._watch_pool, name='heartbeat-watch', daemon=True).start()
+    self._heard = time.monotonic()
+
+  def _watch_pool(self) -> None:
+    timeout_s = self.spec.heartbeat_timeout_s
+    while True:
+      time.sleep(min(1.0, timeout_s / 10))
+      silent = time.monotonic() - self._heard
+      if silent > timeout_s:
+        print(f'[{self.name}] stopping: no heartbeat from the run for {silent:.1f} s '
+              f'(generation.remote.heartbeat_timeout_s={timeout_s:g}): its driver is gone or '
+              'unreachable', flush=True)
+        os._exit(1)
 
   # --- weights ---------------------------------------------------------------------------------
 
@@ -138,7 +165,9 @@ class Generator:
     from pipelinerl_jax.generation.transport import collective
     from pipelinerl_jax.generation.transport import hf_tensors
     device = 'cuda:0' if endpoint.backend == 'nccl' else 'cpu'
-    comm = collective.join(endpoint, 1, self.spec.transport_timeout_s, device)
+    address = (cluster.interface_address(self.spec.interface) if self.spec.interface
+               else ray.util.get_node_ip_address())
+    comm = collective.join(endpoint, 1, self.spec.transport_timeout_s, device, address=address)
     try:
       model = self._model()
       plan = collective.make_plan(hf_tensors.expected_shapes(model), self.spec.wire_dtype,

@@ -15,6 +15,7 @@ from typing import Any
 
 import ray
 from ray import exceptions as ray_errors
+from ray.util import scheduling_strategies
 
 from pipelinerl_jax import cluster
 from pipelinerl_jax.generation.actors import generator as generator_lib
@@ -53,17 +54,33 @@ class Member:
     return ray.get(self.handle.where.remote(), timeout=timeout)
 
 
+def node_with_address(ip: str, key: str = 'config.generation.remote.node_ip') -> dict:
+  """The live Ray node whose address is `ip` (`ray.nodes()`'s record); a one-line ValueError
+  naming `key` and the nodes there are when none is."""
+  alive = [n for n in ray.nodes() if n.get('Alive')]
+  for n in alive:
+    if n.get('NodeManagerAddress') == ip:
+      return n
+  raise ValueError(f'{key}={ip!r}: no live node of the Ray cluster has that address (nodes: '
+                   f'{", ".join(sorted(n.get("NodeManagerAddress", "?") for n in alive))})')
+
+
 def create(spec: generator_lib.GeneratorSpec, num_generators: int, *, cpus: int, gpus: int,
-           max_restarts: int) -> list[Member]:
-  """Creates the actors (Ray places them later: `locate`); raises a one-line ValueError when
-  the cluster has too few CPUs or GPUs for them."""
-  have = ray.cluster_resources()
+           max_restarts: int, node_ip: str = '') -> list[Member]:
+  """Creates the actors (Ray places them later: `locate`), all on the node with address
+  `node_ip` if given; raises a one-line ValueError when the cluster (or that node) has too few
+  CPUs or GPUs for them."""
+  strategy, have, where = None, ray.cluster_resources(), 'the Ray cluster'
+  if node_ip:
+    node = node_with_address(node_ip)
+    strategy = scheduling_strategies.NodeAffinitySchedulingStrategy(node['NodeID'], soft=False)
+    have, where = node.get('Resources', {}), f'node {node_ip} (generation.remote.node_ip)'
   for kind, each, key in (('CPU', cpus, 'cpus_per_generator'),
                           ('GPU', gpus, 'gpus_per_generator')):
     if each * num_generators > have.get(kind, 0):
       raise ValueError(f'config.generation.num_generators: {num_generators} generators x '
                        f'generation.remote.{key}={each} need {each * num_generators} {kind}s; '
-                       f'the Ray cluster has {have.get(kind, 0):g}')
+                       f'{where} has {have.get(kind, 0):g}')
   actor_cls = ray.remote(concurrency_groups=generator_lib.CONCURRENCY_GROUPS)(
       generator_lib.Generator)
   members = []
@@ -71,7 +88,8 @@ def create(spec: generator_lib.GeneratorSpec, num_generators: int, *, cpus: int,
     for i in range(num_generators):
       name = f'generator-{i}'
       handle = actor_cls.options(name=name, num_cpus=cpus, num_gpus=gpus,
-                                 max_restarts=max_restarts, max_task_retries=0).remote(spec, name)
+                                 max_restarts=max_restarts, max_task_retries=0,
+                                 scheduling_strategy=strategy).remote(spec, name)
       members.append(Member(i, name, handle, info={}))
   except BaseException:
     for m in members:

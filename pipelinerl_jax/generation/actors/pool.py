@@ -38,12 +38,15 @@ class RayGenerators(api.Engine):
   def __init__(self, spec: generator_lib.GeneratorSpec, model_config, *, num_generators: int,
                params, version: int, cpus_per_generator: int = 1, gpus_per_generator: int = 0,
                max_restarts: int = 3, session=None, poll_s: float = 0.05,
-               start_timeout_s: float = 600.0, cores: placement.CoreAllocator | None = None):
-    """Starts the actors and sends them `params` as `version`; returns once all serve.
-    `session` (a `cluster.Session`) is closed by `close()`. `cores`: the allocator other actors
-    of the run (trainer processes) took their cores from."""
+               start_timeout_s: float = 600.0, cores: placement.CoreAllocator | None = None,
+               node_ip: str = ''):
+    """Starts the actors (all on the Ray node with address `node_ip`, if given) and sends them
+    `params` as `version`; returns once all serve. `session` (a `cluster.Session`) is closed by
+    `close()`. `cores`: the allocator other actors of the run (trainer processes) took their
+    cores from."""
     self.spec, self.poll_s, self._session = spec, poll_s, session
     self._lock = threading.RLock()
+    self._stopped = threading.Event()  # the heartbeats end with the pool
     self._routing = routing_lib.Routing(num_generators)
     self._unplaced: dict[str, api.Request] = {}  # no actor served when these came
     self._cores = cores or placement.CoreAllocator()
@@ -55,7 +58,9 @@ class RayGenerators(api.Engine):
         cpus_per_generator, max_restarts)
     try:
       self._members += members_lib.create(spec, num_generators, cpus=cpus_per_generator,
-                                          gpus=gpus_per_generator, max_restarts=max_restarts)
+                                          gpus=gpus_per_generator, max_restarts=max_restarts,
+                                          node_ip=node_ip)
+      threading.Thread(target=self._heartbeats, name='generator-heartbeats', daemon=True).start()
       for m in self._members:  # placement first: nothing heavy starts before the pinning
         members_lib.locate(m, start_timeout_s)
         self._restarts.place(m)
@@ -130,6 +135,7 @@ class RayGenerators(api.Engine):
     if self._closed:
       return
     self._closed = True
+    self._stopped.set()
     try:
       for m in self._members:
         try:
@@ -186,6 +192,17 @@ class RayGenerators(api.Engine):
     return cores
 
   # --- internals -------------------------------------------------------------------------------
+
+  def _heartbeats(self) -> None:
+    """Tells every actor the run is there, a few times per its heartbeat timeout (its own
+    thread: the actor loop may wait for the trainer for long). Fire and forget: a call to an
+    actor that is restarting or gone fails without anyone waiting for it."""
+    every_s = min(1.0, self.spec.heartbeat_timeout_s / 5)
+    while not self._stopped.wait(every_s):
+      with self._lock:
+        handles = [m.handle for m in self._members]
+      for handle in handles:
+        handle.heartbeat.remote()
 
   def _check_open(self):
     if self._closed:

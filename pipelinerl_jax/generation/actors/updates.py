@@ -24,6 +24,7 @@ import jax
 import numpy as np
 import ray
 
+from pipelinerl_jax import cluster
 from pipelinerl_jax.generation.actors import generator as generator_lib
 from pipelinerl_jax.generation.actors import members as members_lib
 from pipelinerl_jax.generation.transport import layout
@@ -49,6 +50,10 @@ class Updates:
       # torch's cuda:0 and JAX's first device are the first visible GPU.
       self.sender = collective.Sender('cuda:0' if spec.transport == 'nccl' else 'cpu')
       self._gather_device = jax.local_devices()[0]
+      # Where the groups' stores and the trainer's gloo rank listen: as the generators reach
+      # this host.
+      self.address = (cluster.interface_address(spec.interface) if spec.interface
+                      else ray.util.get_node_ip_address())
 
   def publish(self, params: Any, version: int) -> None:
     """Object store: copies `params` to host and into the object store before returning (the
@@ -105,7 +110,7 @@ class Updates:
     from pipelinerl_jax.generation.transport import collective
     self.drop(m)
     rendezvous = collective.Rendezvous(self.spec.transport, self.spec.transport_timeout_s,
-                                       host=ray.util.get_node_ip_address())
+                                       host=self.address)
     try:
       joined = m.handle.join.remote(rendezvous.endpoint)
       m.comm = rendezvous.connect(device='cuda:0' if self.spec.transport == 'nccl' else None)

@@ -402,14 +402,25 @@ class GlooCommunicator:
   """`broadcast` over a torch ProcessGroupGloo built on its own TCPStore. No default process
   group is created (`torch.distributed.is_initialized()` stays False), so the trainer process
   keeps no global torch.distributed state and can hold one group per generator. Gloo runs the
-  same wire protocol as NCCL on CPU, so CI exercises the real cross-process path."""
+  same wire protocol as NCCL on CPU, so CI exercises the real cross-process path.
 
-  def __init__(self, store, rank: int, world_size: int, timeout_s: float):
+  `address`: where this rank's gloo listens. Given, because torch's default is the address the
+  host name resolves to (GLOO_SOCKET_IFNAME aside), which on a host whose /etc/hosts maps its
+  name to 127.0.1.1 the other host cannot reach. None: torch's default."""
+
+  def __init__(self, store, rank: int, world_size: int, timeout_s: float,
+               address: str | None = None):
     import torch.distributed as dist
     self._dist = dist
     self.store = store
-    self.pg = dist.ProcessGroupGloo(dist.PrefixStore('pipelinerl_jax/weights', store), rank,
-                                    world_size, _backstop(timeout_s))
+    prefixed = dist.PrefixStore('pipelinerl_jax/weights', store)
+    if address is None:
+      self.pg = dist.ProcessGroupGloo(prefixed, rank, world_size, _backstop(timeout_s))
+    else:
+      options = dist.ProcessGroupGloo._Options()
+      options._devices = [dist.ProcessGroupGloo.create_device(hostname=address)]
+      options._timeout = _backstop(timeout_s)
+      self.pg = dist.ProcessGroupGloo(prefixed, rank, world_size, options)
 
   def broadcast(self, tensor: torch.Tensor, src: int) -> None:
     if self.pg is None:
@@ -475,7 +486,8 @@ class Rendezvous:
   """Trainer side of one group; `connect` blocks until the generator joins. Every (re)started
   generator gets a new one: a new port, so a dead generator's group is never reused. `close`
   releases the port and the store if `connect` never made a communicator (which then owns
-  them: `destroy` it)."""
+  them: `destroy` it). `host`: this host's address as the generator reaches it, where the
+  group's store and (gloo) the trainer's rank listen."""
 
   def __init__(self, backend: str, timeout_s: float, host: str = '127.0.0.1',
                communicator: Callable | None = None):
@@ -501,7 +513,8 @@ class Rendezvous:
     if server is None:
       raise RuntimeError('this rendezvous was used or closed; make a new one')
     if self.backend == 'gloo':
-      return GlooCommunicator(server, 0, self.endpoint.world_size, self.timeout_s)
+      return GlooCommunicator(server, 0, self.endpoint.world_size, self.timeout_s,
+                              address=self.endpoint.host)
     from vllm.distributed.utils import StatelessProcessGroup
     e = self.endpoint
     group = StatelessProcessGroup.create(host=e.host, port=e.port, rank=0,
@@ -516,13 +529,14 @@ class Rendezvous:
 
 
 def join(endpoint: Endpoint, rank: int, timeout_s: float, device=None,
-         communicator: Callable | None = None) -> Communicator:
-  """Generator side: this rank's communicator in the group `endpoint` names."""
+         communicator: Callable | None = None, address: str | None = None) -> Communicator:
+  """Generator side: this rank's communicator in the group `endpoint` names; over gloo, this
+  rank listens on `address` (this host's, as the trainer reaches it; None: torch's default)."""
   if endpoint.backend == 'gloo':
     from torch.distributed import TCPStore
     store = TCPStore(endpoint.host, endpoint.port, endpoint.world_size, False,
                      timeout=_backstop(timeout_s))
-    return GlooCommunicator(store, rank, endpoint.world_size, timeout_s)
+    return GlooCommunicator(store, rank, endpoint.world_size, timeout_s, address=address)
   from vllm.distributed.utils import StatelessProcessGroup
   group = StatelessProcessGroup.create(host=endpoint.host, port=endpoint.port, rank=rank,
                                        world_size=endpoint.world_size,
