@@ -20,10 +20,11 @@ engine decodes one token at a time over its paged cache, the trainer a whole row
 Learning: per seed, one PipelineRL run of the preset per routing ('replay', 'recompute'), the
 seeds the outer loop, each stopped by the same wall-clock cap or sample budget; per run the time
 and samples to the target reward (10-step trailing mean), the final reward, and the means over
-its steps of abs_logp_diff, ESS, frac_is_capped and moe/routes_differ. Tables, a JSON file and
-two PNGs: the learning curves (reward vs time and samples, ESS, lag; median and min-max band
-over seeds) and the mismatch over the runs (abs_logp_diff, moe/routes_differ). Nothing here asserts a figure; `--smoke` (an untrained
-model, 3 steps, small batches) only runs the code paths.
+its steps of abs_logp_diff, ESS, frac_is_capped and moe/routes_differ, and the largest
+moe/routes_used_differ of a step (0 under replay). Tables, a JSON file and two PNGs: the
+learning curves (reward vs time and samples, ESS, lag; median and min-max band over seeds) and
+the mismatch over the runs (abs_logp_diff, moe/routes_differ). Nothing here asserts a figure;
+`--smoke` (an untrained model, 3 steps, small batches) only runs the code paths.
 """
 
 from __future__ import annotations
@@ -62,7 +63,9 @@ RUN_COLUMNS = (('routing', 'name', 's'), ('seed', 'seed', 'd'), ('steps', 'steps
                ('t->target', 't_target', '.0f'), ('samples->target', 's_target', ',d'),
                ('reward_final', 'reward_final', '.3f'), ('|logpi-logmu|', 'abs_logp_diff', '.2e'),
                ('ess', 'ess_mean', '.4f'), ('capped', 'frac_is_capped', '.4f'),
-               ('routes_differ', 'routes_differ', '.4f'), ('train_step_s', 'train_step_s', '.2f'),
+               ('routes_differ', 'routes_differ', '.4f'),
+               ('used_differ_max', 'routes_used_differ_max', '.4f'),
+               ('train_step_s', 'train_step_s', '.2f'),
                ('load', 'load', '.1f'))
 
 
@@ -153,6 +156,8 @@ def run_row(summary: dict, records: list[dict], target: float) -> dict:
   return dict(summary, t_target=reached and reached['time_s'],
               s_target=reached and reached['samples'], abs_logp_diff=mean('abs_logp_diff'),
               ess_mean=summary['ess']['mean'], routes_differ=mean('moe/routes_differ'),
+              routes_used_differ_max=max((r['moe/routes_used_differ'] for r in records),
+                                         default=float('nan')),
               load=(summary['load_before'] + summary['load_after']) / 2)
 
 
