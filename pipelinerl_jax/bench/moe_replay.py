@@ -19,7 +19,8 @@ engine decodes one token at a time over its paged cache, the trainer a whole row
 
 Learning: per seed, one PipelineRL run of the preset per routing ('replay', 'recompute'), the
 seeds the outer loop, each stopped by the same wall-clock cap or sample budget; per run the time
-and samples to the target reward (10-step trailing mean), the final reward, and the means over
+and samples to the target reward (10-step trailing mean), the final reward, the line fitted to
+the per-step reward (slope per 100 steps, its standard error), and the means over
 its steps of abs_logp_diff, ESS, frac_is_capped and moe/routes_differ, and the largest
 moe/routes_used_differ of a step (0 under replay). Tables, a JSON file and two PNGs: the
 learning curves (reward vs time and samples, ESS, lag; median and min-max band over seeds) and
@@ -61,7 +62,11 @@ MISMATCH_COLUMNS = (('dtype', 'dtype', 's'), ('lag', 'lag', 'd'), ('routing', 'r
 RUN_COLUMNS = (('routing', 'name', 's'), ('seed', 'seed', 'd'), ('steps', 'steps', 'd'),
                ('samples', 'samples', ',d'), ('run_s', 'time_s', '.0f'),
                ('t->target', 't_target', '.0f'), ('samples->target', 's_target', ',d'),
-               ('reward_final', 'reward_final', '.3f'), ('|logpi-logmu|', 'abs_logp_diff', '.2e'),
+               ('reward_final', 'reward_final', '.3f'),
+               ('line_first', 'reward_line_first', '.3f'),
+               ('line_last', 'reward_line_last', '.3f'),
+               ('slope/100', 'reward_slope', '+.3f'), ('se', 'reward_slope_se', '.3f'),
+               ('|logpi-logmu|', 'abs_logp_diff', '.2e'),
                ('ess', 'ess_mean', '.4f'), ('capped', 'frac_is_capped', '.4f'),
                ('routes_differ', 'routes_differ', '.4f'),
                ('used_differ_max', 'routes_used_differ_max', '.4f'),
@@ -150,10 +155,27 @@ def mismatch(model_dir: str, snapshots: dict[int, dict], *, prompts: int, group_
 # Learning runs.
 
 
+def reward_trend(records: list[dict]) -> dict:
+  """The least-squares line of the per-step reward against the step: its slope per 100 steps,
+  the slope's standard error, and the line's values at the first and the last step (a rise a
+  10-step mean would hide in the noise of 128 samples a step)."""
+  if len(records) < 3:
+    return dict(reward_slope=float('nan'), reward_slope_se=float('nan'),
+                reward_line_first=float('nan'), reward_line_last=float('nan'))
+  step = np.array([r['step'] for r in records], np.float64)
+  reward = np.array([r['reward_mean'] for r in records], np.float64)
+  slope, intercept = np.polyfit(step, reward, 1)
+  residual = reward - (slope * step + intercept)
+  se = np.sqrt(residual.var(ddof=2) / ((step - step.mean()) ** 2).sum())
+  return dict(reward_slope=100 * float(slope), reward_slope_se=100 * float(se),
+              reward_line_first=float(slope * step[0] + intercept),
+              reward_line_last=float(slope * step[-1] + intercept))
+
+
 def run_row(summary: dict, records: list[dict], target: float) -> dict:
   mean = lambda key: float(np.mean([r[key] for r in records])) if records else float('nan')
   reached = summary['to_target'][f'{target:g}']
-  return dict(summary, t_target=reached and reached['time_s'],
+  return dict(summary, **reward_trend(records), t_target=reached and reached['time_s'],
               s_target=reached and reached['samples'], abs_logp_diff=mean('abs_logp_diff'),
               ess_mean=summary['ess']['mean'], routes_differ=mean('moe/routes_differ'),
               routes_used_differ_max=max((r['moe/routes_used_differ'] for r in records),
