@@ -2,6 +2,7 @@
 
   tiny             the CPU demo (the default): arithmetic on a tiny locally built model
   tiny_lora        the same with LoRA: rank-8 adapters on every projection, the base frozen
+  tiny_moe         the CPU demo's model as a mixture of experts (docs/moe.md)
   reasoning        the paper's regime on CPU: long worked solutions (~20-150 tokens) that span
                    several weight updates each; 15 minutes of RL on 2 cores (docs/results.md)
   tools            multi-turn: 2-digit products with a calculator tool the warm-started model
@@ -12,6 +13,7 @@
                    the JAX engine in one process
   qwen3_8b_lora_1xgpu  Qwen3-8B with LoRA on one 80 GB GPU: trainer and JAX engine share the
                    frozen bf16 base (one copy)
+  qwen3_30b_a3b    Qwen3-30B-A3B (a mixture of experts) on 24 GPUs of 80 GB: 16 train, 8 vLLM
 
 The GPU presets leave the model and the data as placeholders; set them on the command line:
   --config.model.path=/models/Qwen2.5-Math-1.5B \\
@@ -65,6 +67,27 @@ def tiny_lora():
   c.model.lora.rank = 8
   c.model.lora.alpha = 32.0
   c.optimizer.lr = 2e-3
+  return c
+
+
+def tiny_moe():
+  """`tiny` with a mixture of experts: the demo model as a Qwen3-MoE, 8 experts of width 32 in
+  each of its 2 layers, 4 per token, renormalized gates (as many expert weights as `tiny`'s MLP
+  has weights: on a CPU, XLA computes a grouped matmul as a masked product over every expert),
+  built and SFT-warmed as `tiny`'s is, on more examples; model.moe_routing picks routing replay
+  (docs/moe.md)."""
+  c = tiny()
+  demo = c.model.demo
+  demo.architecture = 'qwen3_moe'
+  demo.num_experts, demo.num_experts_per_tok, demo.moe_intermediate_size = 8, 4, 32
+  demo.norm_topk_prob = True
+  # Experts each see a share of the tokens: on tiny's 1,000 examples the warm start memorizes
+  # them before it generalizes. A quarter of the problems (RL draws from the rest) and 2,000
+  # examples.
+  c.task.sft_pool_mod = 4
+  demo.sft_examples = 2000
+  # At tiny's 3e-4 the reward of this model fell well below the warm start's (docs/moe.md).
+  c.optimizer.lr = 1e-4
   return c
 
 
@@ -212,6 +235,42 @@ def paper_7b():
   return c
 
 
+def qwen3_30b_a3b():
+  """Qwen3-30B-A3B (a mixture of experts: 30.5B params, 3.3B active a token; configs/models/
+  Qwen3-30B-A3B) on math, full fine-tuning with fp32 master weights, on 80 GB GPUs: the
+  smallest layout the memory plan finds (docs/moe.md). 16 GPUs train, rows and experts split
+  4 x 4 (train.mesh 1,4,1,4: fsdp x expert); 8 generate with vLLM, one GPU each (3 hosts of 8).
+  Routing is recomputed: routing replay needs the JAX engine's routes, and the JAX engine holds
+  the whole model and the next update on one device, 2 x 61 GB in bf16, which no 80 GB GPU
+  holds (the memory plan refuses it in one line; on 141 GB GPUs it fits:
+  --config.model.moe_routing=replay --config.generation.backend=jax). Not run on GPUs."""
+  c = config_lib.base_config()
+  _math_task(c)
+  _gpu_model(c)
+  _gpu_placement(c)
+  c.train.mesh = '1,4,1,4'
+  c.generation.num_generators = 8
+  # vLLM holds 61 GB of bf16 weights on each 80 GB GPU: an update reaches it one tensor at a
+  # time through Ray's object store, where nccl would stage a whole second copy on the GPU.
+  c.generation.remote.weight_transport = 'object_store'
+  c.generation.max_prompt_len = 512
+  c.generation.max_new_tokens = 3072
+  c.generation.slots_per_generator = 64
+  c.generation.num_slots = 0
+  c.rl.batch_size = 512             # 64 prompts x 8 samples per step
+  c.rl.group_size = 8
+  c.rl.max_lag = 8
+  c.rl.total_steps = 1000
+  c.optimizer.lr = 1e-6             # Adam, constant
+  c.train.seq_len = 8192
+  # One 8k row per GPU per micro-batch (memory plan: what is left beside params, Adam and
+  # gradients of 30.5B params over 16 GPUs).
+  c.train.micro_batch_rows = 1
+  c.task.reward.overlong_max_len = 3072
+  c.task.reward.overlong_buffer = 512
+  return c
+
+
 def qwen3_1p7b_1xgpu():
   """Qwen3-1.7B (or -1.7B-Base), full fine-tuning on one GPU: the trainer and the JAX engine in
   one process on the same device, the engine decoding between the trainer's steps and taking
@@ -350,6 +409,7 @@ def _gpu_model(c):
   c.log.progress = True
 
 
-PRESETS = {'tiny': tiny, 'tiny_lora': tiny_lora, 'reasoning': reasoning, 'tools': tools,
-           'qwen1p5b_8xh100': qwen1p5b_8xh100, 'paper_7b': paper_7b,
-           'qwen3_1p7b_1xgpu': qwen3_1p7b_1xgpu, 'qwen3_8b_lora_1xgpu': qwen3_8b_lora_1xgpu}
+PRESETS = {'tiny': tiny, 'tiny_lora': tiny_lora, 'tiny_moe': tiny_moe, 'reasoning': reasoning,
+           'tools': tools, 'qwen1p5b_8xh100': qwen1p5b_8xh100, 'paper_7b': paper_7b,
+           'qwen3_1p7b_1xgpu': qwen3_1p7b_1xgpu, 'qwen3_8b_lora_1xgpu': qwen3_8b_lora_1xgpu,
+           'qwen3_30b_a3b': qwen3_30b_a3b}

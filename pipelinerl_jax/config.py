@@ -116,12 +116,20 @@ class _Section:
 
 @dataclasses.dataclass(frozen=True)
 class DemoModelConfig(_Section):
-  """The demo model built when `model.path` is '' (demo/warmstart.py): a small Qwen2 (or Qwen3)
-  over a character tokenizer, SFT-warmed on a fixed set of the task's SFT-pool problems."""
-  # The HF format it is saved in: 'qwen2' (q/k/v biases) or 'qwen3' (per-head q/k norms, no
-  # biases).
-  architecture: Literal['qwen2', 'qwen3'] = 'qwen2'
+  """The demo model built when `model.path` is '' (demo/warmstart.py): a small Qwen2 (or Qwen3,
+  or Qwen3-MoE) over a character tokenizer, SFT-warmed on a fixed set of the task's SFT-pool
+  problems."""
+  # The HF format it is saved in: 'qwen2' (q/k/v biases), 'qwen3' (per-head q/k norms, no
+  # biases) or 'qwen3_moe' (Qwen3 with a mixture of experts for MLPs, the fields below).
+  architecture: Literal['qwen2', 'qwen3', 'qwen3_moe'] = 'qwen2'
   tie_embeddings: bool = False    # the lm_head is the embedding table (Qwen3 up to 4B)
+  # qwen3_moe: experts per MoE layer, experts per token, each expert's width, renormalized top-k
+  # gates, and the layers that keep a dense MLP of intermediate_size.
+  num_experts: int = 8
+  num_experts_per_tok: int = 4
+  moe_intermediate_size: int = 32
+  norm_topk_prob: bool = True
+  mlp_only_layers: tuple[int, ...] = ()
   hidden_size: int = 64
   intermediate_size: int = 256
   num_layers: int = 2
@@ -155,6 +163,16 @@ class DemoModelConfig(_Section):
     _check(self.lr > 0, 'lr', f'must be > 0, got {self.lr}')
     _check(self.num_heads % self.num_kv_heads == 0, 'num_kv_heads',
            f'{self.num_kv_heads} must divide num_heads={self.num_heads}')
+    _check(1 <= self.num_experts_per_tok <= self.num_experts, 'num_experts_per_tok',
+           f'must be in 1..num_experts={self.num_experts}, got {self.num_experts_per_tok}')
+    _check(self.moe_intermediate_size >= 1, 'moe_intermediate_size',
+           f'must be >= 1, got {self.moe_intermediate_size}')
+    _check(all(0 <= i < self.num_layers for i in self.mlp_only_layers), 'mlp_only_layers',
+           f'must be layer indices below num_layers={self.num_layers}, got '
+           f'{self.mlp_only_layers}')
+
+  MOE_FIELDS = ('num_experts', 'num_experts_per_tok', 'moe_intermediate_size', 'norm_topk_prob',
+                'mlp_only_layers')
 
 
 # The linear maps of a decoder layer that LoRA can adapt (models/lora.py), as HF names them.
@@ -204,6 +222,14 @@ class ModelSettings(_Section):
   attention: Literal['blockwise', 'dense', 'cudnn'] = 'blockwise'
   attention_block_q: int = 1024
   attention_block_kv: int = 1024
+  # Mixture-of-experts models (models/moe.py). Routing of the trained tokens: 'recompute' (the
+  # trainer's own router picks each token's experts) or 'replay' (a model token goes to the
+  # experts the sampler used for it, recorded by the JAX engine; the gates still come from
+  # the trainer's router, so it learns); prompt and observation tokens are always routed afresh.
+  moe_routing: Literal['recompute', 'replay'] = 'recompute'
+  # How the experts are computed: 'ragged' (tokens sorted by expert, one grouped matmul per
+  # projection) or 'dense' (every expert on every token: the reference, X / Xk times the work).
+  moe_dispatch: Literal['ragged', 'dense'] = 'ragged'
   demo: DemoModelConfig = DemoModelConfig()
   lora: LoraSettings = LoraSettings()
 
@@ -558,6 +584,10 @@ class LossConfig(_Section):
   kl_coef: float = 0.0            # k3 estimator to the reference log-probs
   kl_log_ratio_clamp: float = 5.0  # |log ref - log pi| clamped before exp in k3 (no overflow)
   entropy_coef: float = 0.0       # bonus: loss -= coef * sum(entropy) / denominator
+  # Mixture-of-experts models: weight of the load-balancing loss (transformers' router aux
+  # loss; a model's config.json router_aux_loss_coef is not applied). 0 = off: it is logged
+  # either way (moe/aux_loss).
+  router_aux_coef: float = 0.0
 
   def _check_values(self):
     _check(self.is_cap > 0, 'is_cap', f'must be > 0 (inf disables truncation), got {self.is_cap}')
@@ -570,6 +600,8 @@ class LossConfig(_Section):
            f'must be > 0, got {self.kl_log_ratio_clamp}')
     _check(0 <= self.entropy_coef < math.inf, 'entropy_coef',
            f'must be finite and >= 0, got {self.entropy_coef}')
+    _check(0 <= self.router_aux_coef < math.inf, 'router_aux_coef',
+           f'must be finite and >= 0, got {self.router_aux_coef}')
 
 
 @dataclasses.dataclass(frozen=True)
@@ -646,7 +678,8 @@ class TrainConfig(_Section):
   micro_batch_rows: int = 0       # > 0: packed rows per micro-batch on each data-parallel shard
                                   # instead (what bounds activation memory); the number of
                                   # micro-batches then follows the batch (a power of two)
-  mesh: str = '1,-1,1'            # data,fsdp,tensor sizes; -1 = the remaining devices
+  mesh: str = '1,-1,1'            # data,fsdp,tensor[,expert] sizes (expert 1 when left out;
+                                  # > 1 splits an MoE model's experts); -1 = the remaining devices
   overlong: Literal['error', 'truncate'] = 'error'  # samples longer than seq_len: 'truncate'
                                                     # cuts and counts them
   # Samples per packed row at most (packing starts another row): the width G of the batch's
@@ -680,15 +713,17 @@ class TrainConfig(_Section):
     sizes = self.mesh_sizes
     _check(sizes is not None and all(s >= 1 or s == -1 for s in sizes)
            and list(sizes).count(-1) <= 1, 'mesh',
-           f"must be 'data,fsdp,tensor' sizes like '1,-1,1', got {self.mesh!r}")
+           f"must be 'data,fsdp,tensor' or 'data,fsdp,tensor,expert' sizes like '1,-1,1', got "
+           f'{self.mesh!r}')
 
   @property
-  def mesh_sizes(self) -> tuple[int, int, int] | None:
+  def mesh_sizes(self) -> tuple[int, int, int, int] | None:
+    """(data, fsdp, tensor, expert); None when `mesh` is not 3 or 4 integers."""
     try:
       sizes = tuple(int(s) for s in self.mesh.split(','))
     except ValueError:
       return None
-    return sizes if len(sizes) == 3 else None
+    return sizes + (1,) if len(sizes) == 3 else sizes if len(sizes) == 4 else None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -768,6 +803,10 @@ class Config(_Section):
     _check(not self.cluster.address or not g.remote.devices, 'generation.remote.devices',
            f'picks GPUs for a local Ray start; cluster.address={self.cluster.address!r} joins a '
            'cluster whose GPUs `ray start` gave it (CUDA_VISIBLE_DEVICES=... ray start ...)')
+    _check(self.model.moe_routing == 'recompute' or g.backend == 'jax', 'model.moe_routing',
+           f"'replay' needs the experts each token was routed to, which the JAX engine records "
+           f"and backend {g.backend!r} does not return here: use backend 'jax' or "
+           "moe_routing 'recompute'")
     _check(g.num_slots >= rl.group_size, 'generation.num_slots',
            f'H={g.num_slots} must hold at least one group (rl.group_size={rl.group_size})')
     _check(g.generator_slots >= rl.group_size, 'generation.num_generators',
@@ -798,6 +837,10 @@ class Config(_Section):
            'start a Ray cluster in the allocation: tools/slurm_multihost.sh)')
     _check(not self.model.lora.enabled or tr.num_processes == 1, 'model.lora',
            f'LoRA trains in one trainer process (train.num_processes={tr.num_processes})')
+    _check(not (self.model.lora.enabled and not self.model.path
+                and self.model.demo.architecture == 'qwen3_moe'), 'model.lora',
+           "LoRA on a mixture-of-experts model (model.demo.architecture='qwen3_moe') is not "
+           'supported; set model.lora.rank=0')
     _check(d.coordinator_port == 0 or (tr.num_processes > 1 and g.placement == 'ray'),
            'train.distributed.coordinator_port',
            "is the port of the coordinator the run starts itself (trainer processes as Ray "

@@ -81,6 +81,7 @@ class Episode:
   tokens: list[int] = dataclasses.field(default_factory=list)
   logprobs: list[float] = dataclasses.field(default_factory=list)
   versions: list[int] = dataclasses.field(default_factory=list)
+  routes: list[np.ndarray] = dataclasses.field(default_factory=list)  # MoE: [Ls, Xk] a token
   loss_mask: list[int] = dataclasses.field(default_factory=list)
   turn_lengths: list[int] = dataclasses.field(default_factory=list)
   reward: float = 0.0
@@ -190,6 +191,8 @@ def on_turn(episode: Episode, completion: api.Completion, *,
   episode.tokens += [int(t) for t in completion.tokens]
   episode.logprobs += [float(x) for x in completion.logprobs]
   episode.versions += [int(v) for v in completion.versions]
+  if completion.routes is not None:
+    episode.routes += list(completion.routes)
   episode.loss_mask += [1] * n
   episode.turn_lengths.append(n)
   episode.finish_reason = completion.finish_reason
@@ -222,6 +225,8 @@ def on_turn(episode: Episode, completion: api.Completion, *,
   episode.tokens += ids
   episode.logprobs += [0.0] * len(ids)
   episode.versions += [version] * len(ids)
+  if episode.routes:  # observation tokens are never replayed: zeros hold their places
+    episode.routes += [np.zeros_like(episode.routes[-1])] * len(ids)
   episode.loss_mask += [0] * len(ids)
   return next_request(episode, limits)
 
@@ -233,6 +238,7 @@ def completion(episode: Episode) -> api.Completion:
                         tokens=np.asarray(episode.tokens, np.int32),
                         logprobs=np.asarray(episode.logprobs, np.float32),
                         versions=np.asarray(episode.versions, np.int64),
+                        routes=np.stack(episode.routes) if episode.routes else None,
                         finish_reason=episode.finish_reason, metadata=episode.metadata)
 
 

@@ -61,7 +61,8 @@ adapters and its KV cache, and vLLM adds its LoRA slot, the adapters at its padd
                       share is 0
 
 generator device (the JAX engine, backend 'jax': the first device the mesh leaves free, or
-device 0 beside the trainer, whose terms it then adds to)
+device 0 beside the trainer, whose terms it then adds to; placement 'ray': one device per
+generator beside the mesh, each with its share of the slots)
   weights             its params, in the compute dtype
   update              the next published copy, held beside them until the engine swaps it in
                       between two token steps
@@ -99,6 +100,7 @@ from pipelinerl_jax import train
 from pipelinerl_jax.generation import budget
 from pipelinerl_jax.models import hf_io
 from pipelinerl_jax.models import lora as lora_lib
+from pipelinerl_jax.models import moe as moe_lib
 from pipelinerl_jax.models import transformer
 from pipelinerl_jax.pipeline import trainer as trainer_lib
 
@@ -149,10 +151,10 @@ def _sharded_bytes(shapes, shardings) -> int:
              for x, sh in zip(leaves, shards))
 
 
-def mesh_sizes(mesh: str, num_devices: int) -> tuple[int, int, int]:
-  """train.mesh 'data,fsdp,tensor' with -1 resolved as `sharding.make_mesh` would on a host of
-  `num_devices` (-1 takes every device, leaving none to generators)."""
-  sizes = [int(s) for s in mesh.split(',')]
+def mesh_sizes(mesh: str, num_devices: int) -> tuple[int, int, int, int]:
+  """train.mesh 'data,fsdp,tensor[,expert]' with -1 resolved as `sharding.make_mesh` would on a
+  host of `num_devices` (-1 takes every device, leaving none to generators)."""
+  sizes = [int(s) for s in mesh.split(',')] + [1] * (mesh.count(',') == 2)
   if -1 in sizes:
     known = math.prod(s for s in sizes if s != -1)
     sizes[sizes.index(-1)] = num_devices // known
@@ -173,14 +175,22 @@ def worst_case_rows(config: config_lib.Config, data_parallel: int) -> tuple[int,
   return rows, rows // (num_micro * data_parallel)
 
 
-def _layer_bytes_per_token(m: transformer.ModelConfig) -> int:
+def _layer_bytes_per_token(m: transformer.ModelConfig, moe: bool = False, ep: int = 1) -> int:
   """Intermediates of one decoder layer per token (no attention scores), as transformer.py makes
-  them: fp32 norm inputs and RoPE, the rest in the compute dtype."""
+  them: fp32 norm inputs and RoPE, the rest in the compute dtype. An MoE layer (models/moe.py):
+  router logits and fp32 probabilities, and for each of the Xk assignments the token gathered,
+  the expert's gate, up and activation and its output; split over an expert axis of `ep`, the
+  gathered rows and the shares before the reduce-scatter (ep rows of D for each of its own)."""
   dt = _bytes(m.dtype)
   d, f, dh = m.hidden_size, m.intermediate_size, m.head_dim
   h, k = m.num_heads, m.num_kv_heads
-  in_dtype = 2 * d + (h + 2 * k) * dh + h * dh + 3 * d + 4 * f  # norms, qkv, attn, o, residuals, mlp
+  mlp = 4 * f
   in_fp32 = 2 * d + (h + k) * dh                                # norm x32, rotated q and k
+  if moe:
+    xk, width = m.num_experts_per_tok, m.moe_intermediate_size
+    mlp = m.num_experts + xk * (2 * d + 3 * width) + 2 * ep * d
+    in_fp32 += 2 * m.num_experts
+  in_dtype = 2 * d + (h + 2 * k) * dh + h * dh + 3 * d + mlp  # norms, qkv, attn, o, residuals, mlp
   if m.qk_norm:  # Qwen3: q and k normalized per head (fp32 inside the norm)
     in_dtype += (h + k) * dh
     in_fp32 += (h + k) * dh
@@ -207,7 +217,7 @@ def _attention_bytes(m: transformer.ModelConfig, rows: int, t: int,
 def trainer_memory(m: transformer.ModelConfig, config: config_lib.Config,
                    mesh: AbstractMesh) -> tuple[dict[str, int], dict[str, Any]]:
   """The trainer device's terms for the config's worst-case batch (`worst_case_rows`)."""
-  data_parallel = mesh.shape['data'] * mesh.shape['fsdp']
+  data_parallel = sharding_lib.data_parallel_size(mesh)
   rows, rows_per_micro = worst_case_rows(config, data_parallel)
   memory, facts = train_step_memory(m, config.optimizer, mesh, rows // data_parallel,
                                     rows_per_micro, config.train.seq_len,
@@ -251,28 +261,43 @@ def train_step_memory(m: transformer.ModelConfig, optimizer_config: config_lib.O
     pb = dt  # what fsdp gathers is the base
   d, v, l = m.hidden_size, m.vocab_size, m.num_layers
 
-  per_layer_params = (m.num_params - v * d * (1 if m.tie_embeddings else 2) - d) // l
+  ep = mesh.shape['expert'] if 'expert' in mesh.shape else 1
+  moe_layers = len(m.moe_layers)
+  experts = 3 * d * m.moe_intermediate_size * m.num_experts  # one MoE layer's expert weights
+  # A gathered layer holds the experts of its device's expert group only (models/moe.py).
+  layer_params = (m.num_params - v * d * (1 if m.tie_embeddings else 2) - d
+                  - moe_layers * experts) // l
+  if moe_layers:
+    layer_params += experts // ep
   gathered = 0
   if mesh.shape['fsdp'] > 1:
-    gathered = 3 * per_layer_params * pb + v * d * pb * (1 if m.tie_embeddings else 2)
+    gathered = 3 * layer_params * pb + v * d * pb * (1 if m.tie_embeddings else 2)
   attn_saved, attn_work = _attention_bytes(m, rows_per_micro, t, max_segments_per_row)
-  layer = _layer_bytes_per_token(m) * tokens
+  kinds = [(l - moe_layers, False), (moe_layers, True)]  # (layers, MoE) of each kind
+  per_token = {moe: _layer_bytes_per_token(m, moe, ep) for n, moe in kinds if n}
+  layer = max(per_token.values()) * tokens
   if m.remat:
     # Each layer's input, and what the policy keeps (transformer.REMAT_POLICIES): attention's
-    # q, k, v, output and statistics; 'dots' also the o-projection and MLP matmul outputs.
+    # q, k, v, output and statistics; 'dots' also the o-projection and MLP (dense: the three
+    # projections'; MoE: the router's, the grouped matmuls are recomputed) outputs.
     kept = 0
     if m.remat_policy in ('attention', 'dots'):
       kept = tokens * 2 * (m.num_heads + m.num_kv_heads) * m.head_dim * dt + attn_saved
-    if m.remat_policy == 'dots':
-      kept += tokens * (2 * d + 2 * m.intermediate_size) * dt
     saved = l * (tokens * d * dt + kept)
+    if m.remat_policy == 'dots':
+      mlp = {False: 2 * m.intermediate_size, True: m.num_experts}
+      saved += sum(n * tokens * (2 * d + mlp[moe]) * dt for n, moe in kinds)
   else:
-    saved = l * (layer + attn_saved)
+    saved = sum(n * tokens * per_token[moe] for n, moe in kinds if n) + l * attn_saved
   chunk = min(LOGITS_CHUNK, t)
   logits = 2 * rows_per_micro * chunk * v * 4 + tokens * d * 4
+  # An MoE model's batch also carries the sampler's routes, one byte an id up to 256 experts.
+  routes = (moe_layers * m.num_experts_per_tok
+            * np.dtype(moe_lib.route_dtype(m.num_experts)).itemsize)
   memory = dict(params=param_bytes, adam=opt_bytes, grads=2 * param_bytes, gathered=gathered,
                 saved=saved, layer=layer, attention=attn_work, logits=logits,
-                batch=rows_per_shard * (t * BATCH_BYTES_PER_TOKEN + 8 * max_segments_per_row))
+                batch=rows_per_shard * (t * (BATCH_BYTES_PER_TOKEN + routes)
+                                        + 8 * max_segments_per_row))
   if lora is not None:
     # The adapters' x A of every projection, saved for the backward pass: [tokens, U] each.
     memory['saved'] += l * len(lora.targets) * tokens * lora.rank * dt
@@ -328,6 +353,9 @@ def generator_memory(m: transformer.ModelConfig, config: config_lib.Config,
   else:  # each tensor reaches the GPU on its own, from the host
     staging = budget.largest_tensor_bytes(shapes, m.param_dtype)
   d, f = m.hidden_size, m.intermediate_size
+  if m.is_moe:  # the MLP width a token uses: its experts', or a dense layer's
+    f = max(m.num_experts_per_tok * m.moe_intermediate_size,
+            f if len(m.moe_layers) < m.num_layers else 0)
   q_kv = (m.num_heads + 2 * m.num_kv_heads) * m.head_dim
   profile = VLLM_BATCHED_TOKENS * (4 * f + 4 * d + q_kv) * sb
   activations = (profile + slots * m.vocab_size * 4
@@ -409,8 +437,10 @@ def plan(config: ml_collections.ConfigDict | config_lib.Config, hf_config: dict,
     wire = m.param_dtype
   trainer.update(publishing_memory(m, config, trainer['adapters' if lora else 'params'], wire,
                                    mesh.size))
-  facts.update(mesh=','.join(map(str, sizes)), train_devices=mesh.size, device_bytes=device_bytes,
-               params=m.num_params)
+  # Three sizes when there is no expert axis, as such a mesh is written.
+  shown = sizes if sizes[3] > 1 else sizes[:3]
+  facts.update(mesh=','.join(map(str, shown)), train_devices=mesh.size, device_bytes=device_bytes,
+               params=m.num_params, active_params=m.num_active_params)
 
   if facts['replicated_on_fsdp']:
     name, shape = facts['replicated_on_fsdp'][0]
@@ -427,11 +457,12 @@ def plan(config: ml_collections.ConfigDict | config_lib.Config, hf_config: dict,
 
   generator = {}
   if g.backend == 'jax':
-    # The JAX engine (the module doc's terms), on the first device the mesh leaves free (or on
-    # device 0, beside the trainer).
+    # The JAX engine (the module doc's terms). Placement 'inline': on the first device the mesh
+    # leaves free (or on device 0, beside the trainer); 'ray': one device per generator, beside
+    # the mesh, each with its share of the slots.
     page_bytes = budget.kv_page_bytes(m.num_layers, m.num_kv_heads, m.head_dim, g.kv_page_size,
                                       m.dtype)
-    pages = budget.kv_pool_pages(num_slots=g.num_slots, max_seq_len=g.max_seq_len,
+    pages = budget.kv_pool_pages(num_slots=g.generator_slots, max_seq_len=g.max_seq_len,
                                  page_size=g.kv_page_size, page_bytes=page_bytes,
                                  pool_mb=g.kv_pool_mb)
     facts['generator_devices'] = 1 if mesh.size < num_devices else 0
@@ -451,13 +482,26 @@ def plan(config: ml_collections.ConfigDict | config_lib.Config, hf_config: dict,
     # The trash page holds no sequence; a full-length sequence takes whole pages.
     facts.update(kv_pool_tokens=(pages - 1) * g.kv_page_size,
                  kv_pool_full_sequences=(pages - 1) // -(-g.max_seq_len // g.kv_page_size),
-                 slots_per_generator=g.num_slots)
-    if mesh.size > num_devices:
-      problems.append(f'train.mesh={config.train.mesh} needs {mesh.size} devices, the host has '
-                      f'{num_devices}')
-    elif not facts['generator_devices'] and sum(trainer.values()) + engine > device_bytes:
-      problems.append(f'device 0 holds the trainer and the JAX engine: '
-                      f'{(sum(trainer.values()) + engine) / GIB:.1f} GiB > {device_gib:g} GiB')
+                 slots_per_generator=g.generator_slots)
+    if g.placement == 'ray':
+      facts['generator_devices'] = g.num_generators
+      if mesh.size + g.num_generators > num_devices:
+        problems.append(f'train.mesh={config.train.mesh} takes {mesh.size} of {num_devices} '
+                        f'devices, {g.num_generators} generator(s) need one each')
+      if engine > device_bytes:
+        problems.append(f'a generator device holds the JAX engine: {engine / GIB:.1f} GiB > '
+                        f'{device_gib:g} GiB')
+    else:
+      facts['generator_devices'] = 1 if mesh.size < num_devices else 0
+      if mesh.size > num_devices:
+        problems.append(f'train.mesh={config.train.mesh} needs {mesh.size} devices, the host '
+                        f'has {num_devices}')
+      elif not facts['generator_devices'] and sum(trainer.values()) + engine > device_bytes:
+        problems.append(f'device 0 holds the trainer and the JAX engine: '
+                        f'{(sum(trainer.values()) + engine) / GIB:.1f} GiB > {device_gib:g} GiB')
+      elif engine > device_bytes:
+        problems.append(f'the device of the JAX engine needs {engine / GIB:.1f} GiB > '
+                        f'{device_gib:g} GiB')
   else:
     # placement 'ray': one GPU per generator actor, beside the mesh; 'inline': in the trainer's
     # process, on its device 0.
@@ -507,8 +551,11 @@ def read_hf_config(path: str | os.PathLike) -> tuple[dict, str]:
 def format_plan(p: Plan) -> str:
   """A table of GiB per device by term, the derived figures, then FITS or the one-line refusal."""
   f = p.facts
-  lines = [f"trainer: {f['train_devices']} device(s), mesh {f['mesh']} (data,fsdp,tensor); "
-           f"{f['params'] / 1e9:.2f}B params; worst case {f['rows_per_step']} rows per step, "
+  active = (f" ({f['active_params'] / 1e9:.2f}B active)"
+            if f.get('active_params', f['params']) != f['params'] else '')
+  lines = [f"trainer: {f['train_devices']} device(s), mesh {f['mesh']} "
+           f"(data,fsdp,tensor,expert); {f['params'] / 1e9:.2f}B params{active}; worst case "
+           f"{f['rows_per_step']} rows per step, "
            f"{f['micro_batches']} micro-batch(es) of {f['rows_per_micro_batch']} row(s) per "
            f'device']
   width = max(len(k) for k in [*p.trainer, *p.generator, 'total'])

@@ -20,8 +20,13 @@ The packer also hands over each row's samples as spans, `segment_starts` / `segm
 -1 / 0), so a fused attention kernel gets its segment offsets without recomputing them from the
 per-token ids. G = `max_segments` when set (rows then hold at most that many samples), else T.
 
+A mixture-of-experts sample may carry its routes: for each completion token, the experts the
+sampler sent the forward pass that drew it through, in each MoE layer ([C, Ls, Xk]). They are
+packed at the position whose target is that token (where its log mu goes), as `routes`
+[R, T, Ls, Xk] (0 elsewhere), for the trainer to replay (models/moe.py).
+
 Shape letters: R rows, T positions per row, M micro-batches, P prompt, C completion tokens, G
-sample slots per row.
+sample slots per row, Ls MoE layers, Xk experts per token.
 """
 
 from __future__ import annotations
@@ -50,6 +55,9 @@ class Sample:
   # model tokens (a one-turn sample). Observation tokens carry log mu 0 and the version of the
   # token before them in the arrays above; packing ignores both.
   loss_mask: np.ndarray | None = None
+  # [C, Ls, Xk] unsigned ints: the experts each completion token's forward pass was routed to
+  # in each MoE layer (an MoE model's JAX engine records them; observation tokens hold 0).
+  routes: np.ndarray | None = None
 
   def __post_init__(self):
     def as_1d(name, kind):
@@ -86,6 +94,12 @@ class Sample:
         raise ValueError(f'Sample.{name} has non-finite values')
     if self.loss_mask is not None and not np.all((self.loss_mask == 0) | (self.loss_mask == 1)):
       raise ValueError('Sample.loss_mask must hold only 0 (observation) and 1 (model token)')
+    if self.routes is not None:
+      routes = np.asarray(self.routes)
+      if routes.ndim != 3 or routes.shape[0] != c or routes.dtype.kind != 'u':
+        raise ValueError(f'Sample.routes must be unsigned ints [C={c}, Ls, Xk], got '
+                         f'{routes.dtype} {routes.shape}')
+      object.__setattr__(self, 'routes', routes)
     if not math.isfinite(self.advantage):
       raise ValueError(f'Sample.advantage must be finite, got {self.advantage}')
 
@@ -161,9 +175,10 @@ def pack_samples(samples: Sequence[Sample], seq_len: int, *, num_rows: int | Non
 
   Returns (batch, stats). batch keys: tokens, targets, positions, segment_ids, loss_mask,
   behaviour_logprobs, advantages, versions, sample_index, segment_starts and segment_lengths
-  ([R, G]), and ref_logprobs when every sample has them. Off the loss positions the per-token
-  fields are 0 (versions -1, sample_index -1 on padding). `max_segments` > 0 caps the samples
-  of a row (G = max_segments); 0 leaves rows uncapped (G = seq_len).
+  ([R, G]), and ref_logprobs and routes ([R, T, Ls, Xk]) when every sample has them. Off the
+  loss positions the per-token fields are 0 (versions -1, sample_index -1 on padding).
+  `max_segments` > 0 caps the samples of a row (G = max_segments); 0 leaves rows uncapped
+  (G = seq_len).
   """
   if (seq_len < 1 or row_multiple < 1 or (num_rows is not None and num_rows < 0)
       or max_segments < 0):
@@ -171,11 +186,16 @@ def pack_samples(samples: Sequence[Sample], seq_len: int, *, num_rows: int | Non
                      f'got {seq_len}, {row_multiple}, {num_rows}, {max_segments}')
   if overlong not in _OVERLONG_MODES:
     raise ValueError(f'overlong={overlong!r}; expected one of {_OVERLONG_MODES}')
-  has_ref = [s.ref_logprobs is not None for s in samples]
-  if any(has_ref) and not all(has_ref):
-    # Dropping the reference for the whole batch would silently turn off the KL term.
-    missing = [i for i, h in enumerate(has_ref) if not h]
-    raise ValueError(f'ref_logprobs given for some samples but missing for samples {missing[:8]}')
+  for field in ('ref_logprobs', 'routes'):
+    has = [getattr(s, field) is not None for s in samples]
+    if any(has) and not all(has):
+      # Dropping them for the whole batch would silently turn off the KL term, or replay.
+      missing = [i for i, h in enumerate(has) if not h]
+      raise ValueError(f'{field} given for some samples but missing for samples {missing[:8]}')
+  if samples and samples[0].routes is not None:
+    shapes = {(s.routes.shape[1:], s.routes.dtype) for s in samples}
+    if len(shapes) > 1:
+      raise ValueError(f'Sample.routes differ in shape or dtype across samples: {sorted(shapes)}')
 
   kept_B = _kept_positions(samples, seq_len, overlong)
   row_B, offset_B, segment_B, used = _first_fit_decreasing(kept_B, seq_len, max_segments)
@@ -195,8 +215,10 @@ def pack_samples(samples: Sequence[Sample], seq_len: int, *, num_rows: int | Non
       'segment_starts': np.full((rows, max_segments or seq_len), -1, np.int32),
       'segment_lengths': np.zeros((rows, max_segments or seq_len), np.int32),
   }
-  if samples and all(has_ref):
+  if samples and samples[0].ref_logprobs is not None:
     batch['ref_logprobs'] = np.zeros(shape, np.float32)
+  if samples and samples[0].routes is not None:
+    batch['routes'] = np.zeros(shape + samples[0].routes.shape[1:], samples[0].routes.dtype)
 
   num_loss = 0
   for i, s in enumerate(samples):
@@ -221,6 +243,8 @@ def pack_samples(samples: Sequence[Sample], seq_len: int, *, num_rows: int | Non
     batch['versions'][r, loss] = np.where(model_C, s.versions[:c], -1)
     if 'ref_logprobs' in batch:
       batch['ref_logprobs'][r, loss] = np.where(model_C, s.ref_logprobs[:c], 0.0)
+    if 'routes' in batch:
+      batch['routes'][r, loss] = np.where(model_C[:, None, None], s.routes[:c], 0)
     num_loss += int(model_C.sum())
 
   full_B = np.array([s.prompt_tokens.size + s.completion_tokens.size - 1 for s in samples],

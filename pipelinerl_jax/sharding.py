@@ -1,7 +1,10 @@
 """Device mesh and partitioning: the one place that decides where every array lives.
 
 Mesh axes: 'data' (pure data parallel: params replicated), 'fsdp' (data parallel with params,
-gradients and optimizer state sharded), 'tensor' (Megatron-style split of heads / MLP width).
+gradients and optimizer state sharded), 'tensor' (Megatron-style split of heads / MLP width),
+'expert' (a mixture of experts' experts split across devices; for everything else it is one
+more data-parallel axis: rows are split over it, and an MoE layer exchanges them so that each
+device runs its own experts on every token routed there, models/moe.py).
 Params are placed by regex rules over their '/'-joined pytree path; a rule names a mesh axis for
 each dimension. A dimension that the axis size does not divide is left unsplit rather than
 failing, so tiny test models run on any mesh. FSDP only stores a slice of each parameter and
@@ -23,8 +26,8 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-MESH_AXES = ('data', 'fsdp', 'tensor')
-BATCH_AXES = ('data', 'fsdp')  # rows of a packed batch are split over both data axes
+MESH_AXES = ('data', 'fsdp', 'tensor', 'expert')
+BATCH_AXES = ('data', 'fsdp', 'expert')  # rows of a packed batch are split over these
 
 # Dimension layouts follow pipelinerl_jax/models/transformer.py (stacked layers lead with L).
 PARAM_RULES: Sequence[tuple[str, tuple]] = (
@@ -36,18 +39,22 @@ PARAM_RULES: Sequence[tuple[str, tuple]] = (
     (r'attn/(q|k)_norm/scale$', ()),                              # [L, Dh]
     (r'mlp/(gate|up)_proj/kernel$', (None, 'fsdp', 'tensor')),    # [L, D, F]
     (r'mlp/down_proj/kernel$', (None, 'tensor', 'fsdp')),         # [L, F, D]
+    (r'moe/router/kernel$', (None, 'fsdp', None)),                # [L, D, X]
+    (r'moe/(gate|up)_proj/kernel$', (None, 'expert', 'fsdp', 'tensor')),  # [L, X, D, I]
+    (r'moe/down_proj/kernel$', (None, 'expert', 'tensor', 'fsdp')),       # [L, X, I, D]
     (r'lm_head/kernel$', ('fsdp', 'tensor')),                     # [D, V]
     (r'.*', ()),                                                  # norms: replicated
 )
 
 
-def make_mesh(data: int = 1, fsdp: int = -1, tensor: int = 1, devices=None) -> Mesh:
-  """A (data, fsdp, tensor) mesh over the first data*fsdp*tensor devices; one size may be -1
-  to take all remaining devices."""
+def make_mesh(data: int = 1, fsdp: int = -1, tensor: int = 1, expert: int = 1,
+              devices=None) -> Mesh:
+  """A (data, fsdp, tensor, expert) mesh over the first data*fsdp*tensor*expert devices; one
+  size may be -1 to take all remaining devices."""
   devices = list(jax.devices() if devices is None else devices)
-  sizes = [data, fsdp, tensor]
+  sizes = [data, fsdp, tensor, expert]
   if sizes.count(-1) > 1:
-    raise ValueError(f'mesh: at most one of data/fsdp/tensor may be -1, got {sizes}')
+    raise ValueError(f'mesh: at most one of data/fsdp/tensor/expert may be -1, got {sizes}')
   known = int(np.prod([s for s in sizes if s != -1]))
   if -1 in sizes:
     if len(devices) % known:
@@ -55,7 +62,7 @@ def make_mesh(data: int = 1, fsdp: int = -1, tensor: int = 1, devices=None) -> M
     sizes[sizes.index(-1)] = len(devices) // known
   needed = int(np.prod(sizes))
   if needed > len(devices):
-    raise ValueError(f'mesh: data*fsdp*tensor = {sizes} needs {needed} devices, '
+    raise ValueError(f'mesh: data*fsdp*tensor*expert = {sizes} needs {needed} devices, '
                      f'{len(devices)} available')
   # A smaller mesh takes the first devices; the rest stay free (e.g. for generation).
   return Mesh(np.asarray(devices[:needed]).reshape(sizes), MESH_AXES)
@@ -78,6 +85,8 @@ def spec_for(path: str, shape: tuple[int, ...], mesh: Mesh, rules=PARAM_RULES) -
   axes = tuple(axes) + (None,) * (len(shape) - len(axes))
   if len(axes) != len(shape):
     raise ValueError(f'partition rule {pattern!r} has {len(axes)} axes for {path} of shape {shape}')
+  # An axis the mesh lacks (a mesh made without 'expert') is as good as one of size 1.
+  axes = tuple(a if a in mesh.shape else None for a in axes)
   kept = [a if a is not None and dim % mesh.shape[a] == 0 else None for a, dim in zip(axes, shape)]
   fsdp = mesh.shape['fsdp']
   if 'fsdp' in axes and 'fsdp' not in kept and fsdp > 1:
@@ -113,9 +122,15 @@ def replicated_on_fsdp(params, mesh: Mesh, min_fraction: float = 0.01,
   return found
 
 
+def batch_axes(mesh: Mesh) -> tuple[str, ...]:
+  """The axes of BATCH_AXES that `mesh` has (all of them on a mesh from `make_mesh`)."""
+  return tuple(a for a in BATCH_AXES if a in mesh.shape)
+
+
 def batch_sharding(mesh: Mesh, leading_dims: int = 0) -> NamedSharding:
-  """Packed rows split over (data, fsdp); `leading_dims` unsplit axes (e.g. micro-batches) first."""
-  return NamedSharding(mesh, P(*([None] * leading_dims), BATCH_AXES))
+  """Packed rows split over (data, fsdp, expert); `leading_dims` unsplit axes (e.g.
+  micro-batches) first."""
+  return NamedSharding(mesh, P(*([None] * leading_dims), batch_axes(mesh)))
 
 
 def local_block(sharding: NamedSharding, shape: tuple[int, ...], axis: int) -> slice:
@@ -135,4 +150,5 @@ def replicated(mesh: Mesh) -> NamedSharding:
 
 
 def data_parallel_size(mesh: Mesh) -> int:
-  return mesh.shape['data'] * mesh.shape['fsdp']
+  """Devices the rows of a batch are split over (data x fsdp x expert)."""
+  return int(np.prod([mesh.shape[a] for a in batch_axes(mesh)]))

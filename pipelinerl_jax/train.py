@@ -1,7 +1,10 @@
 """The trainer's numeric core: `train_step(state, batch) -> (state, metrics)`, pure and jitted.
 
 The batch is packed rows split into micro-batches, every array [M, R, T] (see packing.py), and
-the rows' sample spans [M, R, G].
+the rows' sample spans [M, R, G]; for a mixture-of-experts model also the experts the sampler
+routed each model token to, `routes` [M, R, T, Ls, Xk] (when every sample has them): the
+trainer replays them (`moe_routing='replay'`: models/moe.py) or only compares its own routes
+with them.
 Gradients are accumulated over the M micro-batches with `lax.scan`; the loss of each is
 normalized by totals over the whole batch, so the accumulated gradient is exactly the
 full-batch gradient. A non-finite loss, gradient, updated param or optimizer moment skips the
@@ -28,6 +31,7 @@ from pipelinerl_jax import config as config_lib
 from pipelinerl_jax import losses
 from pipelinerl_jax import sharding as sharding_lib
 from pipelinerl_jax.models import lora as lora_lib
+from pipelinerl_jax.models import moe as moe_lib
 from pipelinerl_jax.models import transformer
 
 # Per-token arrays [M, R, T], then the packer's spans of each row's samples [M, R, G] (which
@@ -36,6 +40,8 @@ TOKEN_KEYS = ('tokens', 'targets', 'positions', 'segment_ids', 'loss_mask', 'beh
               'advantages')
 SPAN_KEYS = ('segment_starts', 'segment_lengths')
 BATCH_KEYS = TOKEN_KEYS + SPAN_KEYS
+OPTIONAL_KEYS = ('routes',)  # a batch holds them when its samples do
+MOE_ROUTING = ('recompute', 'replay')
 
 
 @flax.struct.dataclass
@@ -88,18 +94,38 @@ def batch_totals(batch) -> tuple[jax.Array, jax.Array]:
 
 def make_train_step(model_config: transformer.ModelConfig, loss_config: config_lib.LossConfig,
                     optimizer: optax.GradientTransformation, schedule: optax.Schedule,
-                    temperature: float = 1.0, lora_scale: float | None = None) -> Callable:
+                    temperature: float = 1.0, lora_scale: float | None = None, *, mesh=None,
+                    moe_routing: str = 'recompute') -> Callable:
   """Returns the pure `train_step(state, batch) -> (state, metrics)`; with `lora_scale` (alpha /
-  rank) `train_step(state, batch, base)`, whose state's params are the adapters."""
+  rank) `train_step(state, batch, base)`, whose state's params are the adapters.
 
-  def micro_loss(trainable, micro, num_samples, num_tokens, base):
+  An MoE model's experts run on `mesh` (the step's; None: wherever XLA places them), its
+  routes are `moe_routing`: 'recompute' (the trainer's own) or 'replay' (a model token goes to
+  the experts the sampler used, from the batch's `routes`); its load-balancing loss, weighted by
+  `loss_config.router_aux_coef`, and routing metrics join the loss and metrics."""
+  if moe_routing not in MOE_ROUTING:
+    raise ValueError(f'moe_routing={moe_routing!r} is not one of {MOE_ROUTING}')
+  batch_axes = () if mesh is None else sharding_lib.batch_axes(mesh)
+
+  def micro_loss(trainable, micro, num_samples, num_tokens, num_real, base):
     params = trainable if base is None else lora_lib.Adapted(base, trainable, lora_scale)
     spans = tuple(micro[k] for k in SPAN_KEYS) if SPAN_KEYS[0] in micro else None
-    logp_RxT, entropy_RxT = transformer.token_logprobs(
+    sampler_routes = micro.get('routes')
+    sampled_RxT = micro['loss_mask'] > 0
+    replay = sampler_routes is not None and moe_routing == 'replay'
+    logp_RxT, entropy_RxT, routes = transformer.token_logprobs_routed(
         params, model_config, micro['tokens'], micro['targets'], micro['positions'],
-        micro['segment_ids'], temperature=temperature, spans=spans)
-    return losses.policy_loss(logp_RxT, entropy_RxT, micro, loss_config,
-                              num_samples=num_samples, num_tokens=num_tokens)
+        micro['segment_ids'], temperature=temperature, spans=spans,
+        routes_RxTxLsxXk=sampler_routes if replay else None,
+        replay_RxT=sampled_RxT if replay else None, mesh=mesh, batch_axes=batch_axes)
+    loss, stats = losses.policy_loss(logp_RxT, entropy_RxT, micro, loss_config,
+                                     num_samples=num_samples, num_tokens=num_tokens)
+    if routes is not None:
+      aux, moe_stats = moe_lib.routing_stats(routes, micro['segment_ids'] != 0, num_real,
+                                             sampler_routes, sampled_RxT)
+      loss = loss + loss_config.router_aux_coef * aux
+      stats = {**stats, **jax.lax.stop_gradient(moe_stats)}
+    return loss, stats
 
   grad_fn = jax.value_and_grad(micro_loss, has_aux=True)  # gradients of the trainable only
 
@@ -107,9 +133,10 @@ def make_train_step(model_config: transformer.ModelConfig, loss_config: config_l
     if (base is None) != (lora_scale is None):
       raise ValueError('train_step: the base is passed with LoRA (lora_scale), and only then')
     num_samples, num_tokens = batch_totals(batch)
+    num_real = jnp.sum(batch['segment_ids'] != 0).astype(jnp.float32)
     first = jax.tree.map(lambda x: x[0], batch)
     _, stats_shape = jax.eval_shape(micro_loss, state.params, first, num_samples, num_tokens,
-                                    base)
+                                    num_real, base)
     # Zeros are neutral for sums; -inf for maxima (combine_stats takes the max of '_max' keys).
     stats0 = {k: jnp.full(v.shape, -jnp.inf if k.endswith('_max') else 0, v.dtype)
               for k, v in stats_shape.items()}
@@ -117,7 +144,8 @@ def make_train_step(model_config: transformer.ModelConfig, loss_config: config_l
 
     def accumulate(carry, micro):
       grads_acc, loss_acc, stats_acc = carry
-      (loss, stats), grads = grad_fn(state.params, micro, num_samples, num_tokens, base)
+      (loss, stats), grads = grad_fn(state.params, micro, num_samples, num_tokens, num_real,
+                                     base)
       return (jax.tree.map(jnp.add, grads_acc, grads), loss_acc + loss,
               losses.combine_stats(stats_acc, stats)), None
 
@@ -134,6 +162,8 @@ def make_train_step(model_config: transformer.ModelConfig, loss_config: config_l
                              params=keep(new_params, state.params),
                              opt_state=keep(new_opt_state, state.opt_state))
     metrics = dict(losses.finalize_metrics(stats))
+    if 'moe_aux_loss' in stats:
+      metrics.update(moe_lib.routing_metrics(stats))
     metrics.update(loss=loss, grad_norm=grad_norm, lr=schedule(state.step),
                    skipped=1 - ok.astype(jnp.int32), num_samples=num_samples,
                    num_tokens=num_tokens)

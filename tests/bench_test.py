@@ -1,6 +1,6 @@
 """Benchmarks: --quick / --smoke runs end to end (train step, generation, log-prob agreement,
-learning speed), the FLOP count the train-step bench reports, and the throughput model
-calibrated on a learning-speed run (bench/throughput_model.py, learning_speed --report)."""
+learning speed, one MoE layer), the FLOP count the train-step bench reports, and the throughput
+model calibrated on a learning-speed run (bench/throughput_model.py, learning_speed --report)."""
 
 import functools
 import json
@@ -535,3 +535,20 @@ def test_step_profile_counts_loop_matmuls_and_splits_kernel_time_by_scope():
   assert p['kernels'] > 0 and p['kernel_s'] == pytest.approx(sum(p['seconds'].values()))
   assert p['seconds']['attention'] > 0 and p['seconds']['matmul'] > 0
   assert p['seconds']['lm_head'] == 0 and sum(p['shares'].values()) == pytest.approx(1)
+
+
+def test_moe_layer_quick_holds_the_grouped_path_to_the_reference(tmp_path):
+  """bench.moe_layer --quick on half of the experts (one device of an expert axis of 2, the
+  other half's assignments dropped): both paths timed, and the grouped path's output and every
+  gradient within fp32 rounding of the dense reference's."""
+  from pipelinerl_jax.bench import moe_layer
+  out = tmp_path / 'moe_layer.json'
+  moe_layer.main(['--quick', '--expert_split=2', '--repeats=1', f'--out={out}'])
+  report = json.loads(out.read_text())
+  assert [r['path'] for r in report['timings']] == ['ragged', 'dense']
+  assert all(r['seconds'] > 0 for r in report['timings'])
+  assert report['experts_held'] == moe_layer.QUICK['experts'] // 2 and report['finite']
+  diffs = report['relative_difference']
+  assert set(diffs) == {'loss', 'grad_x', 'grad_gates', 'grad_w_gate', 'grad_w_up',
+                        'grad_w_down'}
+  assert max(diffs.values()) < 1e-5, diffs

@@ -1,6 +1,7 @@
 """LoRA: B = 0 is the base, only adapters train, the JAX engine serves adapters on the trainer's
 base (log mu = the trainer's, updates mid-sequence, no drift), orbax resume, PEFT export, a run."""
 
+import dataclasses
 import json
 import os
 
@@ -288,6 +289,16 @@ def test_lora_settings_errors_name_the_key():
   c.model.lora.rank, c.train.num_processes = 8, 2
   with pytest.raises(ValueError, match='config.model.lora: LoRA trains in one trainer process'):
     config_lib.validate(c, runnable=False)
+  # A mixture of experts: refused by the config for the demo's, by the adapters' shapes for a
+  # model dir's (its experts are stacked weights, its layers scanned in runs of one kind).
+  c = config_lib.base_config()
+  c.model.lora.rank, c.model.demo.architecture = 8, 'qwen3_moe'
+  with pytest.raises(ValueError, match='config.model.lora: LoRA on a mixture-of-experts model'):
+    config_lib.validate(c, runnable=False)
+  moe_config = dataclasses.replace(CONFIG, num_experts=4, num_experts_per_tok=2,
+                                   moe_intermediate_size=16, moe_layers=(0,))
+  with pytest.raises(ValueError, match='model.lora: LoRA on a mixture-of-experts model'):
+    lora_lib.shapes(moe_config, LORA)
 
 
 def test_adapters_over_a_collective_reach_a_generators_engine_whole(model_dir):

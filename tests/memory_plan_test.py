@@ -209,7 +209,8 @@ def test_trainer_estimate_is_within_a_small_factor_of_xla_on_cpu(attention, rema
   c.rl.group_size, c.rl.batch_size = 1, 2
   m = hf_io.config_from_hf(TINY_HF, param_dtype='float32', dtype=dtype, remat=remat,
                            attention=attention, attention_block_q=256, attention_block_kv=256)
-  terms, facts = memory_plan.trainer_memory(m, c, AbstractMesh((1, 1, 1), sharding_lib.MESH_AXES))
+  terms, facts = memory_plan.trainer_memory(m, c, AbstractMesh((1, 1, 1, 1),
+                                                                sharding_lib.MESH_AXES))
   assert (facts['rows_per_micro_batch'], facts['micro_batches']) == (1, 2)
   planned = sum(terms.values())
   actual = compiled_peak_bytes(m, 1, seq_len, 2)
@@ -285,7 +286,7 @@ def test_plan_is_just_above_the_peaks_measured_on_an_h100():
   import json
   from pipelinerl_jax.bench import train_step as train_bench
   report = json.loads(H100_RUN.read_text())
-  mesh = AbstractMesh((1, 1, 1), sharding_lib.MESH_AXES)
+  mesh = AbstractMesh((1, 1, 1, 1), sharding_lib.MESH_AXES)
   for item in report['sections']['train']['items']:
     m = dataclasses.replace(train_bench.MODEL_PRESETS[item['model']], dtype=item['dtype'],
                             remat=item['remat'])
@@ -311,6 +312,32 @@ def test_the_remat_policy_and_cudnn_statistics_change_the_saved_activations():
   m = plan.facts
   stats = 28 * m['rows_per_micro_batch'] * c.train.max_segments_per_row * 12 * 8192 * 4
   assert plan.trainer['saved'] > saved['attention'] + stats * 0.5
+
+
+def test_qwen3_30b_a3b_takes_17_gpus_of_80gb_and_replay_a_141gb_generator():
+  """The MoE preset: 16 GPUs train (experts split 4 ways) and one generates; 8 trainer GPUs
+  hold too little for params, Adam and gradients. Routing replay's JAX engine holds the model
+  and the next update on its GPU: refused on 80 GB, placed on 141 GB."""
+  hf_config, source = memory_plan.read_hf_config(ROOT / 'configs/models/Qwen3-30B-A3B')
+  config = config_lib.load_preset('qwen3_30b_a3b')
+  config.generation.num_generators = 1
+  plan = lambda c, n, gib: memory_plan.plan(c, hf_config, num_devices=n, device_gib=gib,
+                                            source=source)
+  p = plan(config, 17, 80)
+  assert p.fits, p.refusal
+  f = p.facts
+  assert (f['train_devices'], f['generator_devices'], f['mesh']) == (16, 1, '1,4,1,4')
+  assert round(f['params'] / 1e9, 1) == 30.5 and round(f['active_params'] / 1e9, 1) == 3.4
+  config.train.mesh = '1,2,1,4'
+  assert 'a trainer device needs' in plan(config, 9, 80).refusal
+  config.train.mesh = '1,4,1,4'
+  config.model.moe_routing, config.generation.backend = 'replay', 'jax'
+  refused = plan(config, 17, 80)
+  assert refused.problems == (
+      f"a generator device holds the JAX engine: {refused.generator_total / 2**30:.1f} GiB > "
+      '80 GiB',)
+  assert refused.generator['update'] == f['params'] * 2  # the next params, in bf16
+  assert plan(config, 17, 141).fits
 
 
 def test_the_one_gpu_qwen3_preset_fits_an_80_and_a_141_gb_card():

@@ -24,7 +24,7 @@ def shapes(config):
 
 
 def specs(config, fsdp, tensor=1):
-  mesh = AbstractMesh((1, fsdp, tensor), sharding_lib.MESH_AXES)
+  mesh = AbstractMesh((1, fsdp, tensor, 1), sharding_lib.MESH_AXES)
   params = shapes(config)
   return {sharding_lib.path_str(p): (x.shape, sharding_lib.spec_for(sharding_lib.path_str(p),
                                                                    x.shape, mesh))
@@ -35,7 +35,7 @@ def specs(config, fsdp, tensor=1):
 @pytest.mark.parametrize('fsdp', [2, 4, 8])
 def test_every_qwen_matrix_shards_over_fsdp_on_its_width(name, fsdp):
   config = QWEN[name]
-  mesh = AbstractMesh((1, fsdp, 1), sharding_lib.MESH_AXES)
+  mesh = AbstractMesh((1, fsdp, 1, 1), sharding_lib.MESH_AXES)
   assert sharding_lib.replicated_on_fsdp(shapes(config), mesh, min_fraction=0.0005) == []
   matrices = {p: v for p, v in specs(config, fsdp).items() if p.endswith(('kernel', 'embedding'))}
   assert len(matrices) == 9 - config.tie_embeddings
@@ -51,7 +51,7 @@ def test_fsdp_falls_back_to_a_dimension_it_divides():
   assert got['lm_head/kernel'][1] == P(None, 'fsdp')
   # q_proj [28, 3584, 3584]: nothing divides by 6, so it stays whole and is reported.
   assert 'fsdp' not in got['layers/attn/q_proj/kernel'][1]
-  mesh = AbstractMesh((1, 6, 1), sharding_lib.MESH_AXES)
+  mesh = AbstractMesh((1, 6, 1, 1), sharding_lib.MESH_AXES)
   whole = dict(sharding_lib.replicated_on_fsdp(shapes(QWEN['Qwen2.5-7B']), mesh))
   assert 'layers/attn/q_proj/kernel' in whole and 'embed/embedding' not in whole
 
@@ -62,7 +62,7 @@ def test_fallback_never_takes_a_dimension_the_tensor_axis_holds():
   assert got['layers/mlp/gate_proj/kernel'][1] == P(None, None, 'fsdp')
   # tensor=2 holds F (8960 % 2 == 0): fsdp has no free dimension left (L = 28 is not one).
   spec = sharding_lib.spec_for('layers/mlp/gate_proj/kernel', (28, 1536, 8960),
-                               AbstractMesh((1, 5, 2), sharding_lib.MESH_AXES))
+                               AbstractMesh((1, 5, 2, 1), sharding_lib.MESH_AXES))
   assert spec == P(None, None, 'tensor')
 
 

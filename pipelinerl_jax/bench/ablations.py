@@ -508,6 +508,21 @@ def divergence(behaviour: Sequence[np.ndarray], target: Sequence[np.ndarray],
               ess=float(w.sum() ** 2 / (w.size * (w ** 2).sum())), tokens=int(mu.size))
 
 
+def task_requests(model_dir: str, task, num_prompts: int, samples_per_prompt: int,
+                  max_new_tokens: int, seed: int) -> tuple[Any, list[api.Request]]:
+  """(the model's tokenizer, requests): `num_prompts` of the task's problems, each
+  `samples_per_prompt` times with its own seed, sampled at temperature 1."""
+  from transformers import AutoTokenizer
+
+  tokenizer = AutoTokenizer.from_pretrained(model_dir)
+  problems = task.problems(seed)
+  prompts = [tokenizer.encode(next(problems).prompt, add_special_tokens=False)
+             for _ in range(num_prompts)]
+  sampling = api.SamplingParams(temperature=1.0, max_tokens=max_new_tokens)
+  return tokenizer, [api.Request(f'{i}/{j}', p, sampling, seed=seed * 1_000_003 + i * 1000 + j)
+                     for i, p in enumerate(prompts) for j in range(samples_per_prompt)]
+
+
 def stale_kv_experiment(model_dir: str, snapshots: dict[int, Any], task, *,
                         num_prompts: int = 64, samples_per_prompt: int = 8,
                         update_after: Sequence[int] = (1, 4, 8), max_new_tokens: int = 12,
@@ -523,16 +538,9 @@ def stale_kv_experiment(model_dir: str, snapshots: dict[int, Any], task, *,
   Tokens before the switch are identical in the three; `*_after` columns measure only tokens
   sampled after it, where stale and recomputed KV differ.
   """
-  from transformers import AutoTokenizer
-
-  tokenizer = AutoTokenizer.from_pretrained(model_dir)
+  tokenizer, requests = task_requests(model_dir, task, num_prompts, samples_per_prompt,
+                                      max_new_tokens, seed)
   model_config = hf_io.load_config(model_dir)
-  problems = task.problems(seed)
-  prompts = [tokenizer.encode(next(problems).prompt, add_special_tokens=False)
-             for _ in range(num_prompts)]
-  sampling = api.SamplingParams(temperature=1.0, max_tokens=max_new_tokens)
-  requests = [api.Request(f'{i}/{j}', p, sampling, seed=seed * 1_000_003 + i * 1000 + j)
-              for i, p in enumerate(prompts) for j in range(samples_per_prompt)]
   rows = []
   old = jax.device_put(snapshots[0])
   for lag in sorted(d for d in snapshots if d > 0):

@@ -63,7 +63,9 @@ class Request:
 @dataclasses.dataclass
 class Completion:
   """tokens / logprobs / versions: one entry per generated token (int32, float32 log mu,
-  int64 policy version)."""
+  int64 policy version). `routes` (a mixture-of-experts model, engines that record them): the
+  experts each token's forward pass was sent to in each MoE layer, [C, Ls, Xk] unsigned ints;
+  None otherwise."""
   request_id: str
   prompt_tokens: list[int]
   tokens: np.ndarray
@@ -71,6 +73,7 @@ class Completion:
   versions: np.ndarray
   finish_reason: FinishReason
   metadata: dict[str, Any]
+  routes: np.ndarray | None = None
 
 
 class Engine(abc.ABC):
@@ -210,11 +213,12 @@ class QueuedEngine(Engine):
 @dataclasses.dataclass
 class SequenceRecord:
   """The host record of one request being decoded: its tokens so far, each with log mu and the
-  policy version that drew it."""
+  policy version that drew it (and, where recorded, its routes [Ls, Xk])."""
   request: Request
   tokens: list[int] = dataclasses.field(default_factory=list)
   logprobs: list[float] = dataclasses.field(default_factory=list)
   versions: list[int] = dataclasses.field(default_factory=list)
+  routes: list[np.ndarray] = dataclasses.field(default_factory=list)
 
   def append(self, token: int, logprob: float, version: int) -> None:
     self.tokens.append(token)
@@ -227,7 +231,8 @@ class SequenceRecord:
                       tokens=np.asarray(self.tokens, np.int32),
                       logprobs=np.asarray(self.logprobs, np.float32),
                       versions=np.asarray(self.versions, np.int64),
-                      finish_reason=reason, metadata=r.metadata)
+                      finish_reason=reason, metadata=r.metadata,
+                      routes=np.stack(self.routes) if self.routes else None)
 
 
 def generate(engine: Engine, requests: Sequence[Request]) -> list[Completion]:

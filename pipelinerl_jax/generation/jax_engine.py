@@ -9,7 +9,10 @@ slot's decode inputs; models/paged_attention.py has the pool's layout):
   * `decode_step` runs that input for all H slots at once (a slot that is not decoding has a
     block table of trash pages, so its writes land nowhere), samples, and makes the sampled token
     the next input.
-So a step yields exactly one token per decoding slot, the first generated token included.
+So a step yields exactly one token per decoding slot, the first generated token included. For
+a mixture-of-experts model the step also reports, per slot, the experts its input was routed to
+in every MoE layer: the routes of the forward pass that drew the token, recorded beside its log
+mu (`api.Completion.routes`) for the trainer to replay.
 
 `JaxEngine` is the mutable shell: current params and version, the pending queue, which sequence
 sits in which slot, the page allocator (`PagePool`) and each sequence's pages. One `step()`:
@@ -79,6 +82,7 @@ from pipelinerl_jax.generation import api
 from pipelinerl_jax.generation import budget
 from pipelinerl_jax.generation import sampling
 from pipelinerl_jax.models import lora as lora_lib
+from pipelinerl_jax.models import moe as moe_lib
 from pipelinerl_jax.models import paged_attention
 from pipelinerl_jax.models import transformer
 
@@ -217,8 +221,8 @@ def prefill(params, state: DecodeState, chunk: Chunk, *, config: transformer.Mod
                                         to_pages(state.pool.v, own.v))
   else:  # chunks of several positions read through the XLA gather (the kernels serve T = 1)
     xla = dataclasses.replace(config, decode_attention='xla')
-    _, pool = transformer.decode_paged(params, xla, chunk.tokens, positions_RxT, state.pool,
-                                       chunk.table)
+    _, pool, _ = transformer.decode_paged(params, xla, chunk.tokens, positions_RxT, state.pool,
+                                          chunk.table)
   ints = chunk.ints
   seeds_Rx2 = jax.lax.bitcast_convert_type(ints[:, SEED_HI:SEED_LO + 1], jnp.uint32)
   rows = Slots(tokens=ints[:, LAST_TOKEN], positions=ints[:, NEXT_POSITION],
@@ -233,8 +237,9 @@ def prefill(params, state: DecodeState, chunk: Chunk, *, config: transformer.Mod
 def decode_step(params, state: DecodeState, table_HxW: jax.Array, *,
                 config: transformer.ModelConfig, filtered: bool
                 ) -> tuple[DecodeState, jax.Array]:
-  """One token for every slot: returns (state, drawn [2, H] int32): the tokens, and their log mu
-  as the bits of an fp32 (`unpack_drawn`), so the host fetches one array per step.
+  """One token for every slot: returns (state, drawn [2 + Ls·Xk, H] int32): the tokens, their
+  log mu as the bits of an fp32, and for an MoE model each slot's experts in its Ls MoE layers
+  (`unpack_drawn`), so the host fetches one array per step.
 
   A slot reads the first W entries of its table row (W = table_HxW's width). The head multiplies
   in the model's dtype with fp32 accumulation (bf16 on GPUs: the weights are read once, in half
@@ -242,8 +247,8 @@ def decode_step(params, state: DecodeState, table_HxW: jax.Array, *,
   """
   TRACES['decode_step'] += 1
   s = state.slots
-  h_Hx1xD, pool = transformer.decode_paged(params, config, s.tokens[:, None],
-                                           s.positions[:, None], state.pool, table_HxW)
+  h_Hx1xD, pool, experts_LsxHx1xXk = transformer.decode_paged(
+      params, config, s.tokens[:, None], s.positions[:, None], state.pool, table_HxW)
   logits_HxV = transformer.logits(params, config, h_Hx1xD, fp32_head=False)[:, 0]
   keys_H = jax.vmap(jax.random.fold_in)(s.rng, s.steps)
   if filtered:
@@ -252,13 +257,24 @@ def decode_step(params, state: DecodeState, table_HxW: jax.Array, *,
     tokens_H, logprobs_H = sampling.sample(keys_H, logits_HxV, s.temperature)
   slots = s._replace(tokens=tokens_H, positions=jnp.minimum(s.positions + 1, PARKED),
                      steps=s.steps + 1)
-  drawn_2xH = jnp.stack([tokens_H, jax.lax.bitcast_convert_type(logprobs_H, jnp.int32)])
-  return DecodeState(pool, slots), drawn_2xH
+  drawn = jnp.stack([tokens_H, jax.lax.bitcast_convert_type(logprobs_H, jnp.int32)])
+  if experts_LsxHx1xXk is not None:
+    h = tokens_H.shape[0]
+    experts = experts_LsxHx1xXk[:, :, 0].transpose(0, 2, 1).reshape(-1, h).astype(jnp.int32)
+    drawn = jnp.concatenate([drawn, experts])
+  return DecodeState(pool, slots), drawn
 
 
-def unpack_drawn(drawn_2xH: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-  """A decode step's output on the host: (tokens [H] int32, log mu [H] fp32)."""
-  return drawn_2xH[0], drawn_2xH[1].view(np.float32)
+def unpack_drawn(drawn: np.ndarray, config: transformer.ModelConfig
+                 ) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+  """A decode step's output on the host: (tokens [H] int32, log mu [H] fp32, routes
+  [H, Ls, Xk] in `moe.route_dtype`, or None for a dense model)."""
+  routes = None
+  if config.is_moe:
+    h = drawn.shape[1]
+    routes = drawn[2:].reshape(len(config.moe_layers), config.num_experts_per_tok, h)
+    routes = routes.transpose(2, 0, 1).astype(moe_lib.route_dtype(config.num_experts))
+  return drawn[0], drawn[1].view(np.float32), routes
 
 
 @functools.partial(jax.jit, static_argnames=('scale', 'dtype'))
@@ -384,7 +400,7 @@ class _Sequence(api.SequenceRecord):
 
 
 class _Dispatched(NamedTuple):
-  drawn_2xH: jax.Array      # tokens and log mu (`unpack_drawn`)
+  drawn: jax.Array          # tokens, log mu (and routes): `unpack_drawn`
   slots: list[int]          # the slots that decoded in it
   seqs: list                # the sequence in each of them
   index: int                # decode steps dispatched before it
@@ -977,11 +993,11 @@ class JaxEngine(api.QueuedEngine):
       table = self._table_dev[width] = self._table[:, :width].copy()
     elif isinstance(table, np.ndarray):  # unchanged since the last step: keep it there
       table = self._table_dev[width] = jax.device_put(table, self._device)
-    self._state, drawn_2xH = decode_step(
+    self._state, drawn = decode_step(
         self._params, self._state, table, config=self.model_config, filtered=self._filtered > 0)
     decoded = np.flatnonzero(decoding).tolist()
     slots = self._slots
-    self._pending.append(_Dispatched(drawn_2xH, decoded, list(map(slots.__getitem__, decoded)),
+    self._pending.append(_Dispatched(drawn, decoded, list(map(slots.__getitem__, decoded)),
                                      self._dispatched, self._version))
     self._dispatched += 1
     self._counts['decode_steps'] += 1
@@ -1003,10 +1019,11 @@ class JaxEngine(api.QueuedEngine):
     self._collected = True
     if len(batch) > 1:  # all transfers under way before the first wait
       for d in batch:
-        d.drawn_2xH.copy_to_host_async()
+        d.drawn.copy_to_host_async()
     finished, appended = [], 0
     for d in batch:
-      tokens_H, logprobs_H = unpack_drawn(np.asarray(d.drawn_2xH))  # no pytree device_get
+      tokens_H, logprobs_H, routes_H = unpack_drawn(np.asarray(d.drawn),  # no pytree device_get
+                                                    self.model_config)
       tokens, logprobs = tokens_H.tolist(), logprobs_H.tolist()
       index, version = d.index, d.version
       for slot, seq in zip(d.slots, d.seqs):
@@ -1016,6 +1033,8 @@ class JaxEngine(api.QueuedEngine):
         drawn.append(token)
         seq.logprobs.append(logprobs[slot])
         seq.versions.append(version)
+        if routes_H is not None:
+          seq.routes.append(routes_H[slot])
         appended += 1
         if token in seq.stop_ids:
           reason = 'stop'

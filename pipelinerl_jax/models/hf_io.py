@@ -22,13 +22,14 @@ import math
 import os
 import re
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Iterator, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 
+from pipelinerl_jax.models import transformer
 from pipelinerl_jax.models.transformer import ModelConfig, RopeScaling
 
 CONFIG_FILE = 'config.json'
@@ -47,6 +48,7 @@ class _Family:
   qk_norm: bool
   max_positions: int
   head_dim: int | None = None  # None: hidden_size / num_attention_heads
+  moe: bool = False            # Qwen3-MoE's experts (`_moe_from_hf`)
 
 
 _FAMILIES = {
@@ -54,11 +56,16 @@ _FAMILIES = {
     'Qwen3ForCausalLM': _Family('qwen3', qkv_bias=False, qk_norm=True, max_positions=32768,
                                 head_dim=128),
     'LlamaForCausalLM': _Family('llama', qkv_bias=False, qk_norm=False, max_positions=2048),
+    'Qwen3MoeForCausalLM': _Family('qwen3_moe', qkv_bias=False, qk_norm=True,
+                                   max_positions=32768, moe=True),
 }
 _ARCHITECTURES = tuple(_FAMILIES)
 _MODEL_TYPES = {family.model_type: arch for arch, family in _FAMILIES.items()}
 _OVERRIDABLE = ('param_dtype', 'dtype', 'lm_head_fp32', 'remat', 'remat_policy', 'attention',
-                'attention_block_q', 'attention_block_kv')
+                'attention_block_q', 'attention_block_kv', 'moe_dispatch')
+# transformers' Qwen3MoeConfig defaults, for fields a config.json leaves out.
+_MOE_DEFAULTS = dict(num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768,
+                     norm_topk_prob=False, decoder_sparse_step=1)
 
 _ST_DTYPES = {
     'F64': np.dtype(np.float64), 'F32': np.dtype(np.float32), 'F16': np.dtype(np.float16),
@@ -85,8 +92,9 @@ def check_model_dir(model_dir: str, key: str) -> str:
 def load_config(model_dir: str | os.PathLike, **overrides) -> ModelConfig:
   """ModelConfig from `model_dir/config.json`.
 
-  Overrides set the numerics only: param_dtype, dtype, lm_head_fp32, remat, remat_policy and
-  the attention implementation (attention, attention_block_q, attention_block_kv).
+  Overrides set the numerics only: param_dtype, dtype, lm_head_fp32, remat, remat_policy, the
+  attention implementation (attention, attention_block_q, attention_block_kv) and how an MoE
+  model's experts are computed (moe_dispatch).
   """
   path = Path(model_dir) / CONFIG_FILE
   if not path.is_file():
@@ -187,6 +195,8 @@ def config_from_hf(hf: dict, source: str = CONFIG_FILE, **overrides) -> ModelCon
     head_dim = hidden // heads
   max_positions = field('max_position_embeddings', family.max_positions)
   theta, scaling = _rope_from_hf(hf, max_positions, fail)
+  num_layers = field('num_hidden_layers')
+  moe = _moe_from_hf(hf, num_layers, field, fail) if family.moe else {}
 
   unknown = set(overrides) - set(_OVERRIDABLE)
   if unknown:
@@ -198,7 +208,7 @@ def config_from_hf(hf: dict, source: str = CONFIG_FILE, **overrides) -> ModelCon
       vocab_size=field('vocab_size'),
       hidden_size=hidden,
       intermediate_size=field('intermediate_size'),
-      num_layers=field('num_hidden_layers'),
+      num_layers=num_layers,
       num_heads=heads,
       num_kv_heads=field('num_key_value_heads', heads),
       head_dim=head_dim,
@@ -210,7 +220,52 @@ def config_from_hf(hf: dict, source: str = CONFIG_FILE, **overrides) -> ModelCon
       tie_embeddings=field('tie_word_embeddings', False, bool),
       max_position_embeddings=max_positions,
       architecture=arch,
+      **moe,
       **overrides)
+
+
+def _moe_from_hf(hf, num_layers, field, fail) -> dict:
+  """The ModelConfig fields of Qwen3-MoE's experts. A layer i is MoE when it is not in
+  mlp_only_layers and (i + 1) % decoder_sparse_step == 0 (and num_experts > 0), as in
+  transformers; transformers 5 writes num_experts as num_local_experts."""
+  named = {k: hf[k] for k in ('num_experts', 'num_local_experts') if hf.get(k) is not None}
+  if len(set(named.values())) > 1:
+    fail(f'num_experts={named["num_experts"]} and num_local_experts='
+         f'{named["num_local_experts"]} disagree')
+  key = next(iter(named), 'num_experts')
+  get = lambda name, kind=int: field(name, _MOE_DEFAULTS[name], kind)
+  num_experts = field(key, _MOE_DEFAULTS['num_experts'])
+  top_k, width, step = (get('num_experts_per_tok'), get('moe_intermediate_size'),
+                        get('decoder_sparse_step'))
+  if num_experts < 0:
+    fail(f'{key}={num_experts} must be >= 0')
+  if step < 1:
+    fail(f'decoder_sparse_step={step} must be >= 1')
+  dense_only = hf.get('mlp_only_layers') or []
+  if not isinstance(dense_only, list) or not all(
+      isinstance(i, int) and not isinstance(i, bool) and 0 <= i < num_layers for i in dense_only):
+    fail(f'mlp_only_layers={dense_only!r} must be a list of layer indices below '
+         f'num_hidden_layers={num_layers}')
+  layers = tuple(i for i in range(num_layers)
+                 if num_experts > 0 and i not in dense_only and (i + 1) % step == 0)
+  if layers and not 1 <= top_k <= num_experts:
+    fail(f'num_experts_per_tok={top_k} must be in 1..{key}={num_experts}')
+  if layers and width < 1:
+    fail(f'moe_intermediate_size={width} must be >= 1')
+  return dict(num_experts=num_experts, num_experts_per_tok=top_k, moe_intermediate_size=width,
+              norm_topk_prob=bool(field('norm_topk_prob', False, bool)), moe_layers=layers)
+
+
+def _moe_to_hf(c: ModelConfig) -> dict:
+  """Qwen3-MoE's config.json fields for `c`: the MoE layers as decoder_sparse_step (the largest
+  step that gives them) or, failing that, step 1 with the dense layers in mlp_only_layers."""
+  layers = set(c.moe_layers)
+  steps = [s for s in range(c.num_layers, 0, -1)
+           if layers == {i for i in range(c.num_layers) if (i + 1) % s == 0}]
+  step, dense_only = (steps[0], []) if steps else (1, sorted(set(range(c.num_layers)) - layers))
+  return dict(num_experts=c.num_experts, num_experts_per_tok=c.num_experts_per_tok,
+              moe_intermediate_size=c.moe_intermediate_size, norm_topk_prob=c.norm_topk_prob,
+              decoder_sparse_step=step, mlp_only_layers=dense_only, output_router_logits=False)
 
 
 def _architecture(hf, fail) -> str:
@@ -273,6 +328,8 @@ def hf_config(config: ModelConfig, dtype: str = 'bfloat16', extra: dict | None =
     raise ValueError(f'{c.architecture} has qkv_bias={family.qkv_bias}, '
                      f'qk_norm={family.qk_norm}; config has qkv_bias={c.qkv_bias}, '
                      f'qk_norm={c.qk_norm}')
+  if c.is_moe and not family.moe:
+    raise ValueError(f'{c.architecture} has no experts; config has moe_layers={c.moe_layers}')
   rope = {'rope_theta': c.rope_theta, 'rope_type': 'default'}
   if c.rope_scaling is not None:
     s = c.rope_scaling
@@ -298,14 +355,17 @@ def hf_config(config: ModelConfig, dtype: str = 'bfloat16', extra: dict | None =
       'dtype': dtype,
       'torch_dtype': dtype,  # the key transformers < 4.56 reads
   }
-  if family.model_type in ('qwen2', 'qwen3'):
+  if family.model_type in ('qwen2', 'qwen3', 'qwen3_moe'):
     ours.update(use_sliding_window=False, sliding_window=None)
+  if family.moe:
+    ours.update(_moe_to_hf(c))
   if not family.qkv_bias:
     ours.update(attention_bias=False)
   if family.model_type == 'llama':
     ours.update(mlp_bias=False)
   # Keys that would contradict ours (legacy rope fields, a quantization we did not apply).
-  stale = {'rope_scaling', 'rope_theta', 'quantization_config', 'layer_types', 'max_window_layers'}
+  stale = {'rope_scaling', 'rope_theta', 'quantization_config', 'layer_types', 'max_window_layers',
+           'num_local_experts'}
   kept = {k: v for k, v in (extra or {}).items() if k not in stale}
   return {**kept, **ours}
 
@@ -317,63 +377,106 @@ def hf_config(config: ModelConfig, dtype: str = 'bfloat16', extra: dict | None =
 @dataclasses.dataclass(frozen=True)
 class TensorSpec:
   """One pytree leaf and the HF tensor(s) it comes from."""
-  hf_name: str                # per-layer names hold '{i}', the layer index
+  hf_name: str                # per-layer names hold '{i}', the layer index (and '{e}', the expert)
   path: tuple[str, ...]       # keys into the params pytree
-  shape: tuple[int, ...]      # the leaf's shape (leading L when stacked)
+  shape: tuple[int, ...]      # the leaf's shape (leading L when stacked, then X with experts)
   stacked: bool = False       # one HF tensor per layer, stacked on axis 0 of the leaf
   transposed: bool = False    # HF Linear weight is [out, in]; a Dense kernel is [in, out]
+  first_layer: int = 0        # the model layer of the leaf's row 0 (runs of layers, see
+                              # transformer.layer_groups)
+  experts: bool = False       # also one HF tensor per expert, stacked on axis 1 (MoE)
 
   @property
   def hf_shape(self) -> tuple[int, ...]:
-    shape = self.shape[1:] if self.stacked else self.shape
+    shape = self.shape[1 + self.experts:] if self.stacked else self.shape
     return shape[::-1] if self.transposed else shape
 
-  def name(self, layer: int | None = None) -> str:
-    return self.hf_name.format(i=layer) if self.stacked else self.hf_name
+  def indices(self) -> list:
+    """Every HF tensor's index into the leaf, in checkpoint order: None (the whole leaf), a row
+    j, or (j, expert) for expert weights."""
+    if not self.stacked:
+      return [None]
+    if self.experts:
+      return [(j, e) for j in range(self.shape[0]) for e in range(self.shape[1])]
+    return list(range(self.shape[0]))
+
+  def name(self, index=None) -> str:
+    """The HF name of the tensor at `index` (see `indices`)."""
+    if not self.stacked:
+      return self.hf_name
+    j, e = index if self.experts else (index, None)
+    return self.hf_name.format(i=self.first_layer + j, e=e)
 
 
 def name_map(config: ModelConfig) -> list[TensorSpec]:
   """Every leaf of the params pytree in checkpoint order; q/k/v and gate/up stay adjacent."""
   c = config
-  d, f, l = c.hidden_size, c.intermediate_size, c.num_layers
+  d, f = c.hidden_size, c.intermediate_size
   widths = {'q': c.num_heads * c.head_dim, 'k': c.num_kv_heads * c.head_dim,
             'v': c.num_kv_heads * c.head_dim}
-  layer = lambda hf, path, shape, **kw: TensorSpec(f'model.layers.{{i}}.{hf}', ('layers', *path),
-                                                   (l, *shape), stacked=True, **kw)
   specs = [TensorSpec('model.embed_tokens.weight', ('embed', 'embedding'), (c.vocab_size, d))]
-  specs += [layer(f'self_attn.{p}_proj.weight', ('attn', f'{p}_proj', 'kernel'), (d, n),
-                  transposed=True) for p, n in widths.items()]
-  if c.qkv_bias:
-    specs += [layer(f'self_attn.{p}_proj.bias', ('attn', f'{p}_proj', 'bias'), (n,))
-              for p, n in widths.items()]
-  specs.append(layer('self_attn.o_proj.weight', ('attn', 'o_proj', 'kernel'), (widths['q'], d),
-                     transposed=True))
-  if c.qk_norm:
-    specs += [layer(f'self_attn.{p}_norm.weight', ('attn', f'{p}_norm', 'scale'), (c.head_dim,))
-              for p in 'qk']
-  specs += [
-      layer('mlp.gate_proj.weight', ('mlp', 'gate_proj', 'kernel'), (d, f), transposed=True),
-      layer('mlp.up_proj.weight', ('mlp', 'up_proj', 'kernel'), (d, f), transposed=True),
-      layer('mlp.down_proj.weight', ('mlp', 'down_proj', 'kernel'), (f, d), transposed=True),
-      layer('input_layernorm.weight', ('input_norm', 'scale'), (d,)),
-      layer('post_attention_layernorm.weight', ('post_attn_norm', 'scale'), (d,)),
-      TensorSpec('model.norm.weight', ('final_norm', 'scale'), (d,)),
-  ]
+  for group in transformer.layer_groups(c):
+    layer = lambda hf, path, shape, **kw: TensorSpec(
+        f'model.layers.{{i}}.{hf}', (group.name, *path), (group.count, *shape), stacked=True,
+        first_layer=group.first, **kw)
+    specs += [layer(f'self_attn.{p}_proj.weight', ('attn', f'{p}_proj', 'kernel'), (d, n),
+                    transposed=True) for p, n in widths.items()]
+    if c.qkv_bias:
+      specs += [layer(f'self_attn.{p}_proj.bias', ('attn', f'{p}_proj', 'bias'), (n,))
+                for p, n in widths.items()]
+    specs.append(layer('self_attn.o_proj.weight', ('attn', 'o_proj', 'kernel'),
+                       (widths['q'], d), transposed=True))
+    if c.qk_norm:
+      specs += [layer(f'self_attn.{p}_norm.weight', ('attn', f'{p}_norm', 'scale'),
+                      (c.head_dim,)) for p in 'qk']
+    if group.moe:
+      x, i = c.num_experts, c.moe_intermediate_size
+      expert = lambda p, shape: layer(f'mlp.experts.{{e}}.{p}.weight', ('moe', p, 'kernel'),
+                                      (x, *shape), transposed=True, experts=True)
+      specs += [layer('mlp.gate.weight', ('moe', 'router', 'kernel'), (d, x), transposed=True),
+                expert('gate_proj', (d, i)), expert('up_proj', (d, i)),
+                expert('down_proj', (i, d))]
+    else:
+      specs += [
+          layer('mlp.gate_proj.weight', ('mlp', 'gate_proj', 'kernel'), (d, f), transposed=True),
+          layer('mlp.up_proj.weight', ('mlp', 'up_proj', 'kernel'), (d, f), transposed=True),
+          layer('mlp.down_proj.weight', ('mlp', 'down_proj', 'kernel'), (f, d), transposed=True)]
+    specs += [layer('input_layernorm.weight', ('input_norm', 'scale'), (d,)),
+              layer('post_attention_layernorm.weight', ('post_attn_norm', 'scale'), (d,))]
+  specs.append(TensorSpec('model.norm.weight', ('final_norm', 'scale'), (d,)))
   if not c.tie_embeddings:
     specs.append(TensorSpec('lm_head.weight', ('lm_head', 'kernel'), (d, c.vocab_size),
                             transposed=True))
   return specs
 
 
-def checkpoint_order(config: ModelConfig) -> Iterator[tuple[str, TensorSpec, int | None]]:
-  """(hf_name, spec, layer) for every HF tensor: leading globals, then layer by layer (each
-  layer's tensors together, fused parts adjacent), then trailing globals. Loading, saving and
-  every weight transport walk the model in this order."""
-  for stacked, group in itertools.groupby(name_map(config), key=lambda s: s.stacked):
-    group = list(group)
-    for i in (range(config.num_layers) if stacked else [None]):
-      for spec in group:
-        yield spec.name(i), spec, i
+def checkpoint_order(config: ModelConfig) -> Iterator[tuple[str, TensorSpec, Any]]:
+  """(hf_name, spec, index) for every HF tensor (index into the leaf: `TensorSpec.indices`):
+  leading globals, then layer by layer (each layer's tensors together, fused parts adjacent; an
+  MoE layer's experts one after the other, each its gate, up and down), then trailing globals.
+  Loading, saving and every weight transport walk the model in this order."""
+  specs = name_map(config)
+  stacked = [s for s in specs if s.stacked]
+  yield from ((s.name(), s, None) for s in specs[:specs.index(stacked[0])])
+  for layer in range(config.num_layers):
+    here = [s for s in stacked if s.first_layer <= layer < s.first_layer + s.shape[0]]
+    for is_expert, run in itertools.groupby(here, key=lambda s: s.experts):
+      run = list(run)
+      j = layer - run[0].first_layer
+      indices = [(j, e) for e in range(config.num_experts)] if is_expert else [j]
+      for index in indices:
+        yield from ((s.name(index), s, index) for s in run)
+  yield from ((s.name(), s, None) for s in specs[specs.index(stacked[-1]) + 1:])
+
+
+def assemble(spec: TensorSpec, tensor_of) -> np.ndarray:
+  """The leaf of `spec` (host numpy) from its HF tensors, `tensor_of(hf_name)` -> array in HF
+  layout: the inverse of `hf_tensors` for one leaf."""
+  parts = [np.asarray(tensor_of(spec.name(index))) for index in spec.indices()]
+  parts = [p.T if spec.transposed else p for p in parts]
+  if not spec.stacked:
+    return np.array(parts[0])
+  return np.stack(parts).reshape(spec.shape)
 
 
 def leaf_at(params, path: tuple[str, ...]):
@@ -387,17 +490,18 @@ def hf_tensors(params, config: ModelConfig, dtype: Any = None) -> Iterator[tuple
   """Yields (hf_name, array in HF layout), one layer at a time, fused groups adjacent.
 
   Arrays stay where the params are (jax arrays on device: ready for `torch.from_dlpack`); each
-  is one layer's slice, transposed to [out, in] where HF uses Linear weights, cast to `dtype`.
+  is one layer's (or one expert's) slice, transposed to [out, in] where HF uses Linear weights,
+  cast to `dtype`.
   """
   dtype = None if dtype is None else jnp.dtype(dtype)
-  for name, spec, i in checkpoint_order(config):
-    yield name, _hf_layout(leaf_at(params, spec.path), i, spec.transposed, dtype)
+  for name, spec, index in checkpoint_order(config):
+    yield name, _hf_layout(leaf_at(params, spec.path), index, spec.transposed, dtype)
 
 
 @functools.partial(jax.jit, static_argnames=('transposed', 'dtype'))
-def _hf_layout(x, layer, transposed, dtype):
-  # Jitted with a traced layer index: one compile per leaf shape rather than per layer.
-  x = x if layer is None else x[layer]
+def _hf_layout(x, index, transposed, dtype):
+  # Jitted with a traced index: one compile per leaf shape rather than per layer (and expert).
+  x = x if index is None else x[index]
   x = x.T if transposed else x
   return x if dtype is None else x.astype(dtype)
 
@@ -479,12 +583,35 @@ def write_safetensors(path: str | os.PathLike, arrays: list[tuple[str, np.ndarra
 # Loading and saving.
 
 
-def _locate_tensors(model_dir: Path) -> tuple[dict[str, tuple[Path, dict, int]], Path]:
-  """{hf_name: (file, header entry, data start)} and the file that lists the tensors."""
+class _Located(NamedTuple):
+  """Where an HF tensor's bytes are: a file's header entry, and `part`, the index of this tensor
+  in that entry when the file holds it inside a larger one (transformers 5's fused experts)."""
+  file: Path
+  entry: dict
+  data_start: int
+  part: tuple | None = None
+
+  @property
+  def shape(self) -> tuple[int, ...]:
+    shape = tuple(self.entry['shape'])
+    return shape if self.part is None else np.empty(shape, np.bool_)[self.part].shape
+
+
+# transformers 5's in-memory layout of a Qwen3-MoE layer's experts, which
+# `save_pretrained(save_original_format=False)` writes: gate and up of every expert in one
+# [X, 2I, D] tensor, down in one [X, D, I]. The Hub's files (and save_pretrained's default) hold
+# one tensor per expert and projection, the names `name_map` uses.
+_FUSED_EXPERTS = re.compile(r'^(model\.layers\.\d+\.mlp\.experts)\.(gate_up_proj|down_proj)$')
+
+
+def _locate_tensors(model_dir: Path) -> tuple[dict[str, _Located], Path]:
+  """{hf_name: where its bytes are} and the file that lists the tensors; fused expert tensors
+  are listed as the per-expert tensors they hold (the fused names too)."""
   single, index = model_dir / SINGLE_FILE, model_dir / INDEX_FILE
   if single.is_file():
     header, start = read_safetensors_header(single)
-    return {name: (single, entry, start) for name, entry in header.items()}, single
+    located = {name: _Located(single, entry, start) for name, entry in header.items()}
+    return _unfused(located), single
   if not index.is_file():
     raise FileNotFoundError(f'{model_dir}: neither {SINGLE_FILE} nor {INDEX_FILE} exists')
   try:
@@ -500,12 +627,30 @@ def _locate_tensors(model_dir: Path) -> tuple[dict[str, tuple[Path, dict, int]],
     header, start = read_safetensors_header(shard)
     for name, entry in header.items():
       if weight_map.get(name) == shard_name:
-        located[name] = (shard, entry, start)
+        located[name] = _Located(shard, entry, start)
   for name, shard_name in weight_map.items():
     if name not in located:
       raise ValueError(f'{model_dir / shard_name}: tensor {name!r} is listed in {index.name} but '
                        'missing from this shard')
-  return located, index
+  return _unfused(located), index
+
+
+def _unfused(located: dict[str, _Located]) -> dict[str, _Located]:
+  """`located` plus, for every fused expert tensor (`_FUSED_EXPERTS`), the per-expert tensors
+  it holds, as parts of it (a tensor listed under its own name wins)."""
+  out = dict(located)
+  for name, where in located.items():
+    match = _FUSED_EXPERTS.match(name)
+    if not match or len(where.entry['shape']) != 3:
+      continue
+    prefix, kind = match.groups()
+    num_experts, rows, _ = where.entry['shape']
+    halves = ({'gate_proj': slice(0, rows // 2), 'up_proj': slice(rows // 2, rows)}
+              if kind == 'gate_up_proj' else {'down_proj': slice(None)})
+    for e in range(num_experts):
+      for proj, rows_of in halves.items():
+        out.setdefault(f'{prefix}.{e}.{proj}.weight', where._replace(part=(e, rows_of)))
+  return out
 
 
 def load_params(model_dir: str | os.PathLike, config: ModelConfig, shardings=None) -> dict:
@@ -521,13 +666,16 @@ def load_params(model_dir: str | os.PathLike, config: ModelConfig, shardings=Non
   for name, spec, _ in checkpoint_order(config):
     if name not in located:
       raise ValueError(f'{listing}: tensor {name!r} is missing (implied by {CONFIG_FILE})')
-    file, entry, start = located[name]
-    if tuple(entry['shape']) != spec.hf_shape:
-      raise ValueError(f'{file}: tensor {name!r} has shape {tuple(entry["shape"])} but '
+    where = located[name]
+    if where.shape != spec.hf_shape:
+      shown = name if where.part is None else f'{name} (in {where.file.name}: {where.entry})'
+      raise ValueError(f'{where.file}: tensor {shown!r} has shape {where.shape} but '
                        f'{CONFIG_FILE} implies {spec.hf_shape}')
-    source[name] = located[name]
+    source[name] = where
   tied_head = {'lm_head.weight'} if config.tie_embeddings else set()  # some tied files keep it
-  unused = sorted(set(located) - set(source) - tied_head)
+  read = {id(where.entry) for where in source.values()}  # a fused tensor is read in parts
+  unused = sorted(n for n, w in located.items()
+                  if w.part is None and id(w.entry) not in read and n not in tied_head)
   if unused:
     logging.warning('%s: ignoring %d tensors not in the model, e.g. %s', listing, len(unused),
                     unused[:3])
@@ -537,10 +685,11 @@ def load_params(model_dir: str | os.PathLike, config: ModelConfig, shardings=Non
   mmaps = {}  # one read-only mapping per file, dropped when loading is done
 
   def view(name, transposed):
-    file, entry, start = source[name]
-    if file not in mmaps:
-      mmaps[file] = np.memmap(file, dtype=np.uint8, mode='r')
-    x = _tensor_view(mmaps[file], entry, start)
+    where = source[name]
+    if where.file not in mmaps:
+      mmaps[where.file] = np.memmap(where.file, dtype=np.uint8, mode='r')
+    x = _tensor_view(mmaps[where.file], where.entry, where.data_start)
+    x = x if where.part is None else x[where.part]
     return x.T if transposed else x  # still a view: nothing is read yet
 
   params = {}
@@ -560,7 +709,12 @@ def _slice_reader(spec: TensorSpec, view, dtype):
     index = tuple(index) + (slice(None),) * (len(spec.shape) - len(index))
     shape = tuple(len(range(*s.indices(n))) for s, n in zip(index, spec.shape))
     out = np.empty(shape, dtype)
-    if spec.stacked:
+    if spec.stacked and spec.experts:  # only this slice's layers and experts are touched
+      layers, experts = (range(*index[a].indices(spec.shape[a])) for a in (0, 1))
+      for j, i in enumerate(layers):
+        for f, e in enumerate(experts):
+          out[j, f] = view(spec.name((i, e)), spec.transposed)[index[2:]]
+    elif spec.stacked:
       layers = range(*index[0].indices(spec.shape[0]))
       for j, i in enumerate(layers):  # only this slice's layers are touched
         out[j] = view(spec.name(i), spec.transposed)[index[1:]]

@@ -1,17 +1,17 @@
 """LoRA: a low-rank delta on the projections of every layer, kept apart from the frozen base.
 
-For a targeted projection with kernel W [I, O] (models/transformer.py's [in, out] layout):
+For a targeted projection with kernel W [Di, Do] (models/transformer.py's [in, out] layout):
 
-  y = x W + s (x A) B,    s = alpha / r,   A [I, U] random,   B [U, O] zeros
+  y = x W + s (x A) B,    s = alpha / r,   A [Di, Ra] random, B [Ra, Do] zeros
 
 computed unmerged, so that B = 0 gives exactly the base model's outputs, and so that the base can
-be shared, read-only, by the trainer and an inline generation engine. Shape letters: U is the
-adapter rank r, I and O a projection's input and output widths (the README's table).
+be shared, read-only, by the trainer and an inline generation engine. Shape letters: Ra is the
+adapter rank r, Di and Do a projection's input and output widths (the README's table).
 
 Adapters are their own pytree, with the base's paths and an `a` and `b` leaf under each targeted
 projection, stacked over layers like the base's kernels:
 
-  layers/attn/{q,k,v,o}_proj/{a [L, I, U], b [L, U, O]}
+  layers/attn/{q,k,v,o}_proj/{a [L, Di, Ra], b [L, Ra, Do]}
   layers/mlp/{gate,up,down}_proj/{a, b}
 
 `Adapted(base, adapters, scale)` is what every model function takes as `params` to run with
@@ -21,8 +21,8 @@ them (an export, a generator without a LoRA kernel): always from the pristine ba
 so nothing drifts however many updates were merged before.
 
 The PEFT names (`peft_name`) are the ones `peft.PeftModel.save_pretrained` writes for a Qwen2 /
-Llama model: `base_model.model.model.layers.{i}.self_attn.q_proj.lora_A.weight` [U, I] and
-`...lora_B.weight` [O, U], B without the scale (PEFT applies alpha / r itself).
+Llama model: `base_model.model.model.layers.{i}.self_attn.q_proj.lora_A.weight` [Ra, Di] and
+`...lora_B.weight` [Do, Ra], B without the scale (PEFT applies alpha / r itself).
 """
 
 from __future__ import annotations
@@ -85,8 +85,8 @@ class AdapterSpec:
   """One targeted projection: where its kernel and adapters sit, and their widths."""
   target: str                  # 'q_proj', ...
   path: tuple[str, ...]        # ('layers', 'attn', 'q_proj'): the kernel is path + ('kernel',)
-  in_features: int             # I
-  out_features: int            # O
+  in_features: int             # Di
+  out_features: int            # Do
 
   def peft_name(self, layer: int, which: str) -> str:
     """PEFT's tensor name of layer `layer`'s A ('a') or B ('b')."""
@@ -116,6 +116,11 @@ def merged_targets(lora: LoraConfig) -> tuple[str, ...]:
 def specs(model_config, lora: LoraConfig) -> list[AdapterSpec]:
   """The targeted projections of `model_config` (a transformer.ModelConfig), in TARGETS order."""
   c = model_config
+  if getattr(c, 'moe_layers', ()):
+    # Its layers are scanned in runs of one kind (transformer.layer_groups) and its experts are
+    # stacked weights, not projections: adapters here cover the layers of a dense model.
+    raise ValueError(f'model.lora: LoRA on a mixture-of-experts model ({c.num_experts} experts '
+                     f'in {len(c.moe_layers)} layers) is not supported; set model.lora.rank=0')
   d, f = c.hidden_size, c.intermediate_size
   q, kv = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
   widths = {'q_proj': (d, q), 'k_proj': (d, kv), 'v_proj': (d, kv), 'o_proj': (q, d),
@@ -124,7 +129,7 @@ def specs(model_config, lora: LoraConfig) -> list[AdapterSpec]:
 
 
 def shapes(model_config, lora: LoraConfig) -> dict[tuple[str, ...], tuple[int, ...]]:
-  """{leaf path: shape} of every adapter leaf (a [L, I, U], b [L, U, O])."""
+  """{leaf path: shape} of every adapter leaf (a [L, Di, Ra], b [L, Ra, Do])."""
   l, r = model_config.num_layers, lora.rank
   out = {}
   for s in specs(model_config, lora):
@@ -163,7 +168,7 @@ def _flat_paths(tree, prefix=()):
 
 def init_adapters(model_config, lora: LoraConfig, rng: jax.Array, dtype: Any = jnp.float32
                   ) -> dict:
-  """A uniform within +-1/sqrt(I) (x A then has x's scale), B zeros: the delta starts at 0."""
+  """A uniform within +-1/sqrt(Di) (x A then has x's scale), B zeros: the delta starts at 0."""
   flat = {}
   keys = jax.random.split(rng, len(lora.targets))
   for key, s in zip(keys, specs(model_config, lora)):
@@ -220,10 +225,10 @@ class Dense(nn.Dense):
     y = super().__call__(x)
     if not self.has_variable(COLLECTION, 'a'):
       return y
-    a_IxU = self.get_variable(COLLECTION, 'a')
-    b_UxO = self.get_variable(COLLECTION, 'b')  # already scaled by s (`variables`)
-    x, a_IxU, b_UxO = nn.dtypes.promote_dtype(x, a_IxU, b_UxO, dtype=self.dtype)
-    return y + (x @ a_IxU) @ b_UxO
+    a_DixRa = self.get_variable(COLLECTION, 'a')
+    b_RaxDo = self.get_variable(COLLECTION, 'b')  # already scaled by s (`variables`)
+    x, a_DixRa, b_RaxDo = nn.dtypes.promote_dtype(x, a_DixRa, b_RaxDo, dtype=self.dtype)
+    return y + (x @ a_DixRa) @ b_RaxDo
 
 
 @functools.partial(jax.jit, static_argnames=('scale', 'dtype'))
@@ -239,9 +244,9 @@ def merge(base, adapters, *, scale: float, dtype: Any = None):
     out_dtype = w.dtype if dtype is None else dtype
     if node is None or path[-1] != 'kernel' or 'a' not in node:
       return w.astype(out_dtype) if jnp.issubdtype(w.dtype, jnp.floating) else w
-    delta_LxIxO = jnp.einsum('liu,luo->lio', node['a'].astype(jnp.float32),
+    delta_LxDixDo = jnp.einsum('liu,luo->lio', node['a'].astype(jnp.float32),
                              node['b'].astype(jnp.float32))
-    return (w.astype(jnp.float32) + scale * delta_LxIxO).astype(out_dtype)
+    return (w.astype(jnp.float32) + scale * delta_LxDixDo).astype(out_dtype)
   keys = lambda p: tuple(k.key for k in p)
   return jax.tree_util.tree_map_with_path(lambda p, w: leaf(keys(p), w), base)
 
@@ -255,8 +260,8 @@ PEFT_WEIGHTS_FILE = 'adapter_model.safetensors'
 
 def peft_tensors(adapters, model_config, lora: LoraConfig, dtype: Any = None
                  ) -> Iterator[tuple[str, np.ndarray]]:
-  """(PEFT name, host array) of every adapter tensor, layer by layer: A as [U, I] and B as
-  [O, U] (torch Linear layout), B unscaled; in `dtype` (None: the adapters' own)."""
+  """(PEFT name, host array) of every adapter tensor, layer by layer: A as [Ra, Di] and B as
+  [Do, Ra] (torch Linear layout), B unscaled; in `dtype` (None: the adapters' own)."""
   host = {path: np.asarray(jax.device_get(x)) for path, x in leaves(adapters)}
   for i in range(model_config.num_layers):
     for s in specs(model_config, lora):

@@ -1,4 +1,4 @@
-"""Decoder-only LM in Flax (linen) covering Qwen2 / Qwen2.5, Qwen3 (dense) and Llama-3.
+"""Decoder-only LM in Flax (linen) covering Qwen2 / Qwen2.5, Qwen3 (dense and MoE) and Llama-3.
 
 Parameter pytree (layers stacked on a leading axis L by `nn.scan`; kernels are [in, out]):
 
@@ -10,12 +10,22 @@ Parameter pytree (layers stacked on a leading axis L by `nn.scan`; kernels are [
   layers/post_attn_norm/scale          [L, D]
   layers/mlp/{gate,up}_proj/kernel     [L, D, F]
   layers/mlp/down_proj/kernel          [L, F, D]
+  layers/moe/router/kernel             [L, D, X]              (an MoE layer's MLP, models/moe.py)
+  layers/moe/{gate,up}_proj/kernel     [L, X, D, I]
+  layers/moe/down_proj/kernel          [L, X, I, D]
   final_norm/scale                     [D]
   lm_head/kernel                       [D, V]                 (absent when embeddings are tied)
 
 Shape letters (the README's table): R rows, T query tokens, S key/cache positions, D model
 width, N query heads, K key/value heads, Q = N // K, Dh head dim, E rotary frequencies (Dh / 2),
-F MLP width, V vocab, L layers; J chunks of Tb positions (logits are made a chunk at a time).
+F MLP width, V vocab, L layers; J chunks of Tb positions (logits are made a chunk at a time);
+for mixtures of experts X experts, Xk experts per token, I expert width, Ls MoE layers.
+
+Layers are stacked and scanned in runs of one kind (`layer_groups`): a model whose layers are all
+dense or all MoE (Qwen3-30B-A3B: every layer MoE) is one scan over `layers`; a dense layer among
+MoE ones (Qwen3-MoE's `mlp_only_layers`, `decoder_sparse_step`) splits the stack into runs
+`layers_0`, `layers_1`, ..., each its own scan over its own stacked params. Runs keep one scan's
+compile time and memory layout for the common case and cost one more scan per change of kind.
 
 Every function that takes `params` also takes `lora.Adapted(base, adapters, scale)`: the same
 model with a low-rank delta on its projections (models/lora.py), computed unmerged.
@@ -43,6 +53,7 @@ import jax.numpy as jnp
 
 from pipelinerl_jax.models import attention as attention_lib
 from pipelinerl_jax.models import lora as lora_lib
+from pipelinerl_jax.models import moe as moe_lib
 from pipelinerl_jax.models import paged_attention
 
 
@@ -92,6 +103,16 @@ class ModelConfig:
   # Generation: how a decode step reads the paged KV cache (models/paged_attention.py); set by
   # the engine from generation.decode_attention.
   decode_attention: str = 'xla'   # 'xla' | 'pallas' | 'cudnn'
+  # Mixture of experts (Qwen3-MoE, models/moe.py): the layers in `moe_layers` replace their MLP
+  # by num_experts experts of width moe_intermediate_size, num_experts_per_tok per token;
+  # () = a dense model. `moe_dispatch`: 'ragged' (tokens sorted by expert, grouped matmul) or
+  # 'dense' (every expert on every token: the reference).
+  num_experts: int = 0
+  num_experts_per_tok: int = 0
+  moe_intermediate_size: int = 0
+  norm_topk_prob: bool = False
+  moe_layers: tuple[int, ...] = ()
+  moe_dispatch: str = 'ragged'
 
   def __post_init__(self):
     if self.attention not in attention_lib.IMPLEMENTATIONS:
@@ -110,17 +131,66 @@ class ModelConfig:
     if self.num_heads % self.num_kv_heads:
       raise ValueError(f'num_heads={self.num_heads} is not a multiple of '
                        f'num_kv_heads={self.num_kv_heads}')
+    layers = tuple(self.moe_layers)
+    object.__setattr__(self, 'moe_layers', layers)
+    if layers != tuple(sorted(set(layers))) or any(not 0 <= i < self.num_layers for i in layers):
+      raise ValueError(f'moe_layers={layers} must be distinct layer indices below '
+                       f'num_layers={self.num_layers}, in order')
+    if layers and not (self.num_experts >= 1 and 1 <= self.num_experts_per_tok <= self.num_experts
+                       and self.moe_intermediate_size >= 1):
+      raise ValueError(f'MoE layers need num_experts >= num_experts_per_tok >= 1 and '
+                       f'moe_intermediate_size >= 1, got {self.num_experts}, '
+                       f'{self.num_experts_per_tok}, {self.moe_intermediate_size}')
+    if self.moe_dispatch not in moe_lib.DISPATCHES:
+      raise ValueError(f'moe_dispatch={self.moe_dispatch!r} is not one of {moe_lib.DISPATCHES}')
+
+  @property
+  def is_moe(self) -> bool:
+    return bool(self.moe_layers)
 
   @property
   def num_params(self) -> int:
     d, f, v, l = self.hidden_size, self.intermediate_size, self.vocab_size, self.num_layers
     q, kv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-    per_layer = d * (q + 2 * kv) + q * d + 3 * d * f + 2 * d
+    per_layer = d * (q + 2 * kv) + q * d + 2 * d
     if self.qkv_bias:
       per_layer += q + 2 * kv
     if self.qk_norm:
       per_layer += 2 * self.head_dim
-    return v * d * (1 if self.tie_embeddings else 2) + l * per_layer + d
+    moe = len(self.moe_layers)
+    experts = self.num_experts * 3 * d * self.moe_intermediate_size + d * self.num_experts
+    return (v * d * (1 if self.tie_embeddings else 2) + l * per_layer + (l - moe) * 3 * d * f
+            + moe * experts + d)
+
+  @property
+  def num_active_params(self) -> int:
+    """Params a token uses: num_params less the experts it is not routed to."""
+    idle = self.num_experts - self.num_experts_per_tok
+    return self.num_params - len(self.moe_layers) * idle * 3 * self.hidden_size * (
+        self.moe_intermediate_size)
+
+
+class LayerGroup(NamedTuple):
+  """A run of consecutive layers of one kind, scanned together over params stacked under
+  `name`: layers first..first+count-1, MoE or dense."""
+  name: str
+  first: int
+  count: int
+  moe: bool
+
+
+def layer_groups(config: ModelConfig) -> tuple[LayerGroup, ...]:
+  """The model's runs of layers (see the module docstring): one group `layers` when every
+  layer is of one kind, else `layers_0`, `layers_1`, ... in order."""
+  moe = set(config.moe_layers)
+  runs = []
+  for i in range(config.num_layers):
+    if runs and runs[-1][2] == (i in moe):
+      runs[-1][1] += 1
+    else:
+      runs.append([i, 1, i in moe])
+  names = ['layers'] if len(runs) == 1 else [f'layers_{j}' for j in range(len(runs))]
+  return tuple(LayerGroup(n, first, count, kind) for n, (first, count, kind) in zip(names, runs))
 
 
 # What a rematerialized layer keeps for its backward pass besides its input (the rest is
@@ -302,54 +372,87 @@ class MLP(nn.Module):
 class DecoderLayer(nn.Module):
   """One pre-norm block. `nn.scan` calls it with carry (x, cache) where cache is None (training:
   segment ids say who attends to whom) or a `_CacheCarry` over all layers (generation: the
-  cache mask, or a paged cache's positions, do)."""
+  cache mask, or a paged cache's positions, do).
+
+  `moe`: the MLP is the experts (models/moe.py), which also take this layer's slice of the
+  replayed routes [R, T, Xk] (scanned) and the mask of tokens that replay them (broadcast), and
+  whose `LayerRoutes` the scan stacks; `mesh` / `batch_axes` place the experts."""
   config: ModelConfig
+  moe: bool = False
+  mesh: Any = None
+  batch_axes: tuple[str, ...] = ()
 
   @nn.compact
-  def __call__(self, carry, positions_RxT, segment_ids_RxT, mask_RxTxS, spans):
+  def __call__(self, carry, positions_RxT, segment_ids_RxT, mask_RxTxS, spans, replay_RxT,
+               routes_RxTxXk):
     x_RxTxD, cache = carry
     c = self.config
     norm = lambda name: RMSNorm(c.rms_norm_eps, c.dtype, c.param_dtype, name=name)
     h, cache = Attention(c, name='attn')(norm('input_norm')(x_RxTxD), positions_RxT,
                                          segment_ids_RxT, mask_RxTxS, cache, spans)
     x_RxTxD = x_RxTxD + h
-    x_RxTxD = x_RxTxD + MLP(c, name='mlp')(norm('post_attn_norm')(x_RxTxD))
+    routes = None
+    if self.moe:
+      tokens_RxT = None if segment_ids_RxT is None else segment_ids_RxT != 0
+      h, routes = moe_lib.MoE(c, self.mesh, self.batch_axes, name='moe')(
+          norm('post_attn_norm')(x_RxTxD), tokens_RxT, routes_RxTxXk, replay_RxT)
+    else:
+      h = MLP(c, name='mlp')(norm('post_attn_norm')(x_RxTxD))
+    x_RxTxD = x_RxTxD + h
     if cache is not None:
       cache = cache._replace(layer=cache.layer + 1)  # the next layer's index
-    return (x_RxTxD, cache), None
+    return (x_RxTxD, cache), routes
 
 
 class Transformer(nn.Module):
-  """Returns final-norm hidden states [R, T, D] and the updated cache (None without one).
+  """Returns final-norm hidden states [R, T, D], the updated cache (None without one) and, for
+  an MoE model, the `moe.LayerRoutes` of its Ls MoE layers stacked on a leading axis (else
+  None).
 
   Training rows pass `segment_ids_RxT` (and no cache), and for cuDNN attention `spans`, the
   packer's (segment_starts_RxG, segment_lengths_RxG); generation passes a dense cache and the
-  mask of cache slots each token sees, or a paged cache and each row's block table.
+  mask of cache slots each token sees, or a paged cache and each row's block table. An MoE model
+  may be handed the experts to replay, `routes_RxTxLsxXk`, for the tokens in `replay_RxT`.
+  `mesh` / `batch_axes`: where the experts run (models/moe.py, `expert_parallel`).
   """
   config: ModelConfig
+  mesh: Any = None
+  batch_axes: tuple[str, ...] = ()
 
   @nn.compact
   def __call__(self, tokens_RxT, positions_RxT, segment_ids_RxT=None, mask_RxTxS=None,
                cache: KVCache | paged_attention.PagedKVCache | None = None, table_RxW=None,
-               spans=None):
+               spans=None, routes_RxTxLsxXk=None, replay_RxT=None):
     c = self.config
     embed = nn.Embed(c.vocab_size, c.hidden_size, dtype=c.dtype, param_dtype=c.param_dtype,
                      embedding_init=nn.initializers.normal(0.02), name='embed')
     x_RxTxD = embed(tokens_RxT)
     layer_cls = (nn.remat(DecoderLayer, prevent_cse=False, policy=remat_policy(c.remat_policy))
                  if c.remat else DecoderLayer)
-    layers = nn.scan(layer_cls, variable_axes={'params': 0, lora_lib.COLLECTION: 0},
-                     split_rngs={'params': True},
-                     in_axes=(nn.broadcast,) * 4, length=c.num_layers)(c, name='layers')
     carry = None if cache is None else _CacheCarry(cache.k, cache.v, jnp.zeros((), jnp.int32),
                                                    table_RxW)
-    (x_RxTxD, new_caches), _ = layers((x_RxTxD, carry), positions_RxT, segment_ids_RxT,
-                                      mask_RxTxS, spans)
+    routes, moe_seen = [], 0
+    for group in layer_groups(c):
+      replayed = None  # this run's slice of the replayed routes, layers first: [n, R, T, Xk]
+      if group.moe and routes_RxTxLsxXk is not None:
+        replayed = jnp.moveaxis(routes_RxTxLsxXk[:, :, moe_seen:moe_seen + group.count], 2, 0)
+      layers = nn.scan(layer_cls, variable_axes={'params': 0, lora_lib.COLLECTION: 0},
+                       split_rngs={'params': True},
+                       in_axes=(nn.broadcast,) * 5 + (0,), length=group.count)(
+                           c, group.moe, self.mesh, self.batch_axes, name=group.name)
+      (x_RxTxD, carry), group_routes = layers(
+          (x_RxTxD, carry), positions_RxT, segment_ids_RxT, mask_RxTxS, spans,
+          replay_RxT if replayed is not None else None, replayed)
+      if group.moe:
+        routes.append(group_routes)
+        moe_seen += group.count
     x_RxTxD = RMSNorm(c.rms_norm_eps, c.dtype, c.param_dtype, name='final_norm')(x_RxTxD)
     if not c.tie_embeddings and self.is_initializing():
       # Created here so init makes it; applied by `logits`, which may run in fp32 / chunks.
       _dense(c.vocab_size, False, c, 'lm_head')(x_RxTxD)
-    return x_RxTxD, (None if cache is None else type(cache)(new_caches.k, new_caches.v))
+    new_cache = None if cache is None else type(cache)(carry.k, carry.v)
+    stacked = (jax.tree.map(lambda *a: jnp.concatenate(a), *routes) if routes else None)
+    return x_RxTxD, new_cache, stacked
 
 
 # ---------------------------------------------------------------------------------------------
@@ -373,8 +476,8 @@ def init_params(config: ModelConfig, rng: jax.Array) -> dict:
 
 def hidden_states(params, config: ModelConfig, tokens_RxT, positions_RxT, segment_ids_RxT,
                   spans=None):
-  h, _ = Transformer(config).apply(lora_lib.variables(params), tokens_RxT, positions_RxT,
-                                   segment_ids_RxT, spans=spans)
+  h, _, _ = Transformer(config).apply(lora_lib.variables(params), tokens_RxT, positions_RxT,
+                                      segment_ids_RxT, spans=spans)
   return h
 
 
@@ -443,6 +546,28 @@ def token_logprobs(params, config: ModelConfig, tokens_RxT, targets_RxT, positio
   the packer's (segment_starts_RxG, segment_lengths_RxG), which cuDNN attention needs.
   """
   h_RxTxD = hidden_states(params, config, tokens_RxT, positions_RxT, segment_ids_RxT, spans)
+  return head_logprobs(params, config, h_RxTxD, targets_RxT, temperature, chunk_size)
+
+
+def token_logprobs_routed(params, config: ModelConfig, tokens_RxT, targets_RxT, positions_RxT,
+                          segment_ids_RxT, *, routes_RxTxLsxXk=None, replay_RxT=None,
+                          mesh=None, batch_axes: tuple[str, ...] = (),
+                          temperature: float = 1.0, chunk_size: int = 1024, spans=None):
+  """`token_logprobs` and, for an MoE model, its layers' `moe.LayerRoutes` [Ls, ...] (None for
+  a dense model): (logp [R, T], entropy [R, T], routes). Tokens in `replay_RxT` go to the experts
+  of `routes_RxTxLsxXk` (routing replay); `mesh` / `batch_axes` place the experts."""
+  h_RxTxD, _, routes = Transformer(config, mesh, batch_axes).apply(
+      lora_lib.variables(params), tokens_RxT, positions_RxT, segment_ids_RxT, spans=spans,
+      routes_RxTxLsxXk=routes_RxTxLsxXk, replay_RxT=replay_RxT)
+  logp_RxT, entropy_RxT = head_logprobs(params, config, h_RxTxD, targets_RxT, temperature,
+                                        chunk_size)
+  return logp_RxT, entropy_RxT, routes
+
+
+def head_logprobs(params, config: ModelConfig, h_RxTxD, targets_RxT, temperature: float = 1.0,
+                  chunk_size: int = 1024):
+  """log pi(target) and the entropy at each position of final hidden states, chunk by chunk
+  (see `token_logprobs`)."""
   b, t, d = h_RxTxD.shape
   chunk = min(chunk_size, t)
   pad = (-t) % chunk
@@ -472,16 +597,18 @@ def decode(params, config: ModelConfig, tokens_RxT, positions_RxT, cache: KVCach
   Prefill is T = prompt length (pad with positions >= cache length); a decode step is T = 1.
   """
   mask = cache_mask(positions_RxT, cache.k.shape[2])
-  h, new_cache = Transformer(config).apply(lora_lib.variables(params), tokens_RxT,
-                                           positions_RxT, mask_RxTxS=mask, cache=cache)
+  h, new_cache, _ = Transformer(config).apply(lora_lib.variables(params), tokens_RxT,
+                                              positions_RxT, mask_RxTxS=mask, cache=cache)
   return logits(params, config, h), new_cache
 
 
 def decode_paged(params, config: ModelConfig, tokens_RxT, positions_RxT,
                  cache: paged_attention.PagedKVCache, table_RxW):
   """Runs T new tokens per row against a paged cache: returns (hidden states [R, T, D], new
-  cache). Row r's tokens go to the pages of `table_RxW[r]`; a position past the table (padding)
-  writes to the trash page. The table's width W bounds what a query reads: W * Z positions.
-  The caller makes the logits it needs (`logits`)."""
-  return Transformer(config).apply(lora_lib.variables(params), tokens_RxT, positions_RxT,
-                                   cache=cache, table_RxW=table_RxW)
+  cache, experts [Ls, R, T, Xk] each token was routed to in the Ls MoE layers, or None for a
+  dense model). Row r's tokens go to the pages of `table_RxW[r]`; a position past the table
+  (padding) writes to the trash page. The table's width W bounds what a query reads: W * Z
+  positions. The caller makes the logits it needs (`logits`)."""
+  h, new_cache, routes = Transformer(config).apply(
+      lora_lib.variables(params), tokens_RxT, positions_RxT, cache=cache, table_RxW=table_RxW)
+  return h, new_cache, None if routes is None else routes.used

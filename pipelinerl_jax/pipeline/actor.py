@@ -75,7 +75,8 @@ def make_group(group_id: int, problem: tasks_base.Problem, completions: list[api
   samples = [
       packing.Sample(prompt_tokens=np.asarray(c.prompt_tokens), completion_tokens=c.tokens,
                      behaviour_logprobs=c.logprobs, versions=c.versions,
-                     advantage=float(a), reward=float(r), group_id=group_id, loss_mask=m)
+                     advantage=float(a), reward=float(r), group_id=group_id, loss_mask=m,
+                     routes=c.routes)
       for (c, _, m), a, r in zip(kept, adv_G, rewards_G)]
   return stream_lib.Group(group_id=group_id, problem_id=problem.id, samples=samples,
                           rewards=rewards_G, statuses=statuses,

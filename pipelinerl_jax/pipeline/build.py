@@ -95,8 +95,16 @@ def build_learner(config: config_lib.Config, workdir: str, model_dir: str,
       lm_head_fp32=config.model.lm_head_fp32, remat=config.model.remat,
       remat_policy=config.model.remat_policy,
       attention=config.model.attention, attention_block_q=config.model.attention_block_q,
-      attention_block_kv=config.model.attention_block_kv)
+      attention_block_kv=config.model.attention_block_kv,
+      moe_dispatch=config.model.moe_dispatch)
+  if config.model.moe_routing == 'replay' and not model_config.is_moe:
+    raise ValueError(f"config.model.moe_routing: 'replay' routes a mixture of experts, and "
+                     f'{model_dir} ({model_config.architecture}) has no experts')
   mesh = sharding_lib.make_mesh(*config.train.mesh_sizes)
+  experts_split = mesh.shape['expert']
+  if model_config.is_moe and model_config.num_experts % experts_split:
+    raise ValueError(f'config.train.mesh: expert={experts_split} does not divide the '
+                     f"model's num_experts={model_config.num_experts}")
   optimizer = train.make_optimizer(config.optimizer)
   # Opening the checkpoints is the processes' first collective (orbax syncs them), where gloo
   # waits only 30 s for a peer; a trainer process on another host may start much later.
@@ -128,7 +136,8 @@ def build_learner(config: config_lib.Config, workdir: str, model_dir: str,
       train.make_train_step(model_config, config.loss, optimizer,
                             train.lr_schedule(config.optimizer),
                             temperature=config.generation.temperature or 1.0,
-                            lora_scale=None if lora is None else lora.scale),
+                            lora_scale=None if lora is None else lora.scale, mesh=mesh,
+                            moe_routing=config.model.moe_routing),
       state_sh, mesh, base=base)
   return Learner(model_config=model_config, mesh=mesh, state=state, train_step=train_step,
                  checkpoints=checkpoints, resumed=resumed, lora=lora, base=base)
@@ -263,7 +272,8 @@ def batch_placer(config: config_lib.TrainConfig, mesh) -> Callable:
   def put_batch(batch: dict[str, np.ndarray]):
     num_micro = packing.num_micro_batches(len(batch['tokens']), data_parallel,
                                           config.micro_batches, config.micro_batch_rows)
-    micro = packing.split_microbatches({k: batch[k] for k in train.BATCH_KEYS}, num_micro)
+    keys = train.BATCH_KEYS + tuple(k for k in train.OPTIONAL_KEYS if k in batch)
+    micro = packing.split_microbatches({k: batch[k] for k in keys}, num_micro)
     if jax.process_count() == 1:
       return jax.device_put(micro, {k: batch_sh for k in micro})
     # Several processes: each places the rows its devices hold. (device_put would first check

@@ -40,7 +40,7 @@ def train_memory_plan(config, rows: int, rows_per_micro: int, seq_len: int) -> d
   from pipelinerl_jax import config as config_lib
   from pipelinerl_jax import memory_plan
   from pipelinerl_jax import sharding as sharding_lib
-  mesh = AbstractMesh((1, 1, 1), sharding_lib.MESH_AXES)
+  mesh = AbstractMesh((1, 1, 1, 1), sharding_lib.MESH_AXES)
   terms, _ = memory_plan.train_step_memory(config, config_lib.OptimizerConfig(), mesh, rows,
                                            rows_per_micro, seq_len)
   return terms

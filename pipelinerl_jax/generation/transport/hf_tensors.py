@@ -92,14 +92,14 @@ def hf_torch_tensors(params, config: transformer.ModelConfig
   early has touched only what it read.
   """
   converted: dict[tuple[str, ...], torch.Tensor] = {}
-  for name, spec, i in hf_io.checkpoint_order(config):
+  for name, spec, index in hf_io.checkpoint_order(config):
     if spec.path not in converted:
       converted[spec.path] = leaf_to_torch(hf_io.leaf_at(params, spec.path))
     t = converted[spec.path]
     if tuple(t.shape) != spec.shape:
       raise ValueError(f'leaf {"/".join(spec.path)} has shape {tuple(t.shape)}, the config '
                        f'implies {spec.shape}')
-    t = t if i is None else t[i]
+    t = t if index is None else t[index]
     yield name, (t.T if spec.transposed else t)
 
 
@@ -125,10 +125,7 @@ def params_from_hf(tensors: Iterable[tuple[str, torch.Tensor]], config: transfor
                      if t.dtype == torch.bfloat16 else t.numpy())
   params: dict = {}
   for spec in hf_io.name_map(config):
-    parts = ([got[spec.name(i)] for i in range(config.num_layers)] if spec.stacked
-             else [got[spec.name()]])
-    parts = [to_np(t.T if spec.transposed else t) for t in parts]
-    leaf = np.stack(parts) if spec.stacked else np.array(parts[0])
+    leaf = hf_io.assemble(spec, lambda name: to_np(got[name]))
     node = params
     for key in spec.path[:-1]:
       node = node.setdefault(key, {})

@@ -55,7 +55,7 @@ def to_torch(adapters) -> dict[tuple[str, ...], torch.Tensor]:
 
 
 def from_peft(tensors, model_config, lora: lora_lib.LoraConfig) -> dict[tuple[str, ...], Any]:
-  """{leaf path: [L, ...] tensor} from PEFT-named (name, tensor) pairs (A [U, I], B [O, U] per
+  """{leaf path: [L, ...] tensor} from PEFT-named (name, tensor) pairs (A [Ra, Di], B [Do, Ra] per
   layer, what a collective transport carries): the `to_torch` form, one stacked copy."""
   got = dict(tensors)
   out = {}
@@ -75,7 +75,7 @@ class SlotWriter:
     modules = {name: m for name, m in model.named_modules() if hasattr(m, 'lora_a_stacked')}
     manager = worker.model_runner.lora_manager._adapter_manager
     self._slot = manager.lora_index_to_id.index(LORA_ID)
-    # (spec, layer) -> (A's destination [U, I], B's destination [O, U]) in the slot.
+    # (spec, layer) -> (A's destination [Ra, Di], B's destination [Do, Ra]) in the slot.
     self._dest = {}
     for s in lora_lib.specs(model_config, lora):
       name, part = _MODULE[s.target]
@@ -122,15 +122,15 @@ class MergeWriter:
     """(HF name, W + s (A B)^T) of every kernel sent, merged in fp32 from the kept base and cast
     to the serving dtype: never from an earlier merge, so nothing drifts."""
     for name, target, i in self._names:
-      w_OxI = self._base[name]
+      w_DoxDi = self._base[name]
       path = self._paths.get(target)
       if path is None:  # a fused sibling without an adapter
-        yield name, w_OxI.to(self.dtype)
+        yield name, w_DoxDi.to(self.dtype)
         continue
       # Where the kept base lives (the host): adapters from a GPU transport come over.
-      a_IxU = adapters[path + ('a',)][i].to(w_OxI.device, torch.float32)
-      b_UxO = adapters[path + ('b',)][i].to(w_OxI.device, torch.float32)
-      yield name, torch.addmm(w_OxI.float(), b_UxO.T, a_IxU.T,
+      a_DixRa = adapters[path + ('a',)][i].to(w_DoxDi.device, torch.float32)
+      b_RaxDo = adapters[path + ('b',)][i].to(w_DoxDi.device, torch.float32)
+      yield name, torch.addmm(w_DoxDi.float(), b_RaxDo.T, a_DixRa.T,
                               alpha=self.lora.scale).to(self.dtype)
 
 

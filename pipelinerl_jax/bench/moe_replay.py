@@ -1,0 +1,311 @@
+"""Routing replay on a mixture of experts: how it changes the train / sampler mismatch, and
+whether the tiny MoE learns with it and without it.
+
+  python -m pipelinerl_jax.bench.moe_replay [--seeds 0,1,2] [--budget_s 600]
+      [--budget_samples N] [--target 0.8] [--lags 1,2,4,8] [--set SECTION.FIELD=VALUE ...]
+      [--out PATH.json] [--smoke]
+      [--skip_learning] [--skip_mismatch]
+
+Both parts start from the warm-started demo MoE of the `tiny_moe` preset (configs/math.py).
+
+Mismatch: the JAX engine samples B = 256 completions under the warm start (policy 0), recording
+each token's log mu and routes; the policies of a short real pipeline run (`--lags`, optimizer
+steps later) then score the same tokens by a full forward as the trainer does, with the
+sampler's experts replayed and with their own. Per (dtype, lag, routing): the mean
+|log pi - log mu| of the model tokens (the trainer's `abs_logp_diff`), the normalized ESS of pi
+/ mu (paper eq. 6), and the share of (token, MoE layer) routes whose own top-k is not the
+sampler's. Lag 0 in bfloat16 is the engine-vs-trainer numerics alone (bf16 on both sides; the
+engine decodes one token at a time over its paged cache, the trainer a whole row at once).
+
+Learning: per seed, one PipelineRL run of the preset per routing ('replay', 'recompute'), the
+seeds the outer loop, each stopped by the same wall-clock cap or sample budget; per run the time
+and samples to the target reward (10-step trailing mean), the final reward, the line fitted to
+the per-step reward (slope per 100 steps, its standard error), and the means over
+its steps of abs_logp_diff, ESS, frac_is_capped and moe/routes_differ, and the largest
+moe/routes_used_differ of a step (0 under replay). Tables, a JSON file and two PNGs: the
+learning curves (reward vs time and samples, ESS, lag; median and min-max band over seeds) and
+the mismatch over the runs (abs_logp_diff, moe/routes_differ). Nothing here asserts a figure;
+`--smoke` (an untrained model, 3 steps, small batches) only runs the code paths.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import functools
+import json
+import os
+import pathlib
+import platform
+import tempfile
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from pipelinerl_jax import packing
+from pipelinerl_jax.bench import ablations
+from pipelinerl_jax.bench import learning_speed
+from pipelinerl_jax.demo import warmstart
+from pipelinerl_jax.generation import api
+from pipelinerl_jax.generation import jax_engine
+from pipelinerl_jax.models import hf_io
+from pipelinerl_jax.models import moe as moe_lib
+from pipelinerl_jax.models import transformer
+from pipelinerl_jax.pipeline import metrics as metrics_lib
+
+ROUTINGS = ('replay', 'recompute')
+PRESET = 'tiny_moe'
+MISMATCH_COLUMNS = (('dtype', 'dtype', 's'), ('lag', 'lag', 'd'), ('routing', 'routing', 's'),
+                    ('|logpi-logmu|', 'abs_logp_diff', '.2e'), ('ess', 'ess', '.4f'),
+                    ('routes_differ', 'routes_differ', '.4f'), ('tokens', 'tokens', 'd'))
+RUN_COLUMNS = (('routing', 'name', 's'), ('seed', 'seed', 'd'), ('steps', 'steps', 'd'),
+               ('samples', 'samples', ',d'), ('run_s', 'time_s', '.0f'),
+               ('t->target', 't_target', '.0f'), ('samples->target', 's_target', ',d'),
+               ('reward_final', 'reward_final', '.3f'),
+               ('line_first', 'reward_line_first', '.3f'),
+               ('line_last', 'reward_line_last', '.3f'),
+               ('slope/100', 'reward_slope', '+.3f'), ('se', 'reward_slope_se', '.3f'),
+               ('|logpi-logmu|', 'abs_logp_diff', '.2e'),
+               ('ess', 'ess_mean', '.4f'), ('capped', 'frac_is_capped', '.4f'),
+               ('routes_differ', 'routes_differ', '.4f'),
+               ('used_differ_max', 'routes_used_differ_max', '.4f'),
+               ('train_step_s', 'train_step_s', '.2f'),
+               ('load', 'load', '.1f'))
+
+
+# ---------------------------------------------------------------------------------------------
+# The mismatch of one batch of samples, scored by later policies.
+
+
+def sample_batch(model_dir: str, params, config: transformer.ModelConfig, *, prompts: int,
+                 group_size: int, max_tokens: int, seed: int) -> list[api.Completion]:
+  """`prompts` x `group_size` completions of the task's problems under `params`, temperature 1,
+  each token with its log mu and routes (the JAX engine's)."""
+  tokenizer, requests = ablations.task_requests(
+      model_dir, ablations.task_of(ablations.preset(PRESET)), prompts, group_size, max_tokens,
+      seed)
+  engine_config = jax_engine.EngineConfig(
+      num_slots=len(requests),
+      max_seq_len=max(len(r.prompt_tokens) for r in requests) + max_tokens,
+      eos_token_ids=(warmstart.eos_id(tokenizer),))
+  with jax_engine.JaxEngine(config, params, engine_config) as engine:
+    return api.generate(engine, requests)
+
+
+def packed(completions: list[api.Completion]) -> dict[str, np.ndarray]:
+  samples = [packing.Sample(prompt_tokens=c.prompt_tokens, completion_tokens=c.tokens,
+                            behaviour_logprobs=c.logprobs, versions=c.versions, advantage=0.0,
+                            routes=c.routes) for c in completions]
+  longest = max(len(c.prompt_tokens) + len(c.tokens) for c in completions)
+  batch, _ = packing.pack_samples(samples, seq_len=max(64, longest))
+  return batch
+
+
+def score(params, config: transformer.ModelConfig, batch: dict[str, np.ndarray], routing: str
+          ) -> dict[str, float]:
+  """The trainer's view of `batch` under `params`: mismatch to the sampler's log mu and how
+  many routes of the model tokens differ from the sampler's."""
+  on = batch['loss_mask'] > 0
+  replay = routing == 'replay'
+  logp, _, routes = _routed(params, *(jnp.asarray(batch[k]) for k in (
+      'tokens', 'targets', 'positions', 'segment_ids')),
+      jnp.asarray(batch['routes']) if replay else None, jnp.asarray(on) if replay else None,
+      config=config)
+  log_w = (np.asarray(logp) - batch['behaviour_logprobs'])[on].astype(np.float64)
+  w = np.exp(log_w)
+  sampler = jnp.moveaxis(jnp.asarray(batch['routes']), 2, 0)
+  differ = np.asarray(moe_lib.differing(routes.own, sampler))[:, on]
+  return dict(abs_logp_diff=float(np.mean(np.abs(log_w))),
+              ess=float(w.sum() ** 2 / (w.size * (w ** 2).sum())),
+              routes_differ=float(differ.mean()), tokens=int(on.sum()))
+
+
+@jax.jit
+def _cast(params, like):
+  return jax.tree.map(lambda x: x.astype(like.dtype), params)
+
+
+@functools.partial(jax.jit, static_argnames=('config',))
+def _routed(params, tokens, targets, positions, segment_ids, routes, replay, *, config):
+  return transformer.token_logprobs_routed(params, config, tokens, targets, positions,
+                                           segment_ids, routes_RxTxLsxXk=routes,
+                                           replay_RxT=replay)
+
+
+def mismatch(model_dir: str, snapshots: dict[int, dict], *, prompts: int, group_size: int,
+             max_tokens: int, seed: int = 1) -> list[dict]:
+  """Rows of (dtype, lag, routing): see the module docstring."""
+  config = hf_io.load_config(model_dir)
+  rows = []
+  for dtype in ('float32', 'bfloat16'):
+    c = dataclasses.replace(config, dtype=dtype)
+    p0 = snapshots[0]
+    batch = packed(sample_batch(model_dir, _cast(p0, jnp.zeros((), dtype)), c,
+                                prompts=prompts, group_size=group_size, max_tokens=max_tokens,
+                                seed=seed))
+    for lag in sorted(snapshots):
+      for routing in ROUTINGS:
+        rows.append(dict(dtype=dtype, lag=lag, routing=routing,
+                         **score(snapshots[lag], c, batch, routing)))
+  return rows
+
+
+# ---------------------------------------------------------------------------------------------
+# Learning runs.
+
+
+def reward_trend(records: list[dict]) -> dict:
+  """The least-squares line of the per-step reward against the step: its slope per 100 steps,
+  the slope's standard error, and the line's values at the first and the last step (a rise a
+  10-step mean would hide in the noise of 128 samples a step)."""
+  if len(records) < 3:
+    return dict(reward_slope=float('nan'), reward_slope_se=float('nan'),
+                reward_line_first=float('nan'), reward_line_last=float('nan'))
+  step = np.array([r['step'] for r in records], np.float64)
+  reward = np.array([r['reward_mean'] for r in records], np.float64)
+  slope, intercept = np.polyfit(step, reward, 1)
+  residual = reward - (slope * step + intercept)
+  se = np.sqrt(residual.var(ddof=2) / ((step - step.mean()) ** 2).sum())
+  return dict(reward_slope=100 * float(slope), reward_slope_se=100 * float(se),
+              reward_line_first=float(slope * step[0] + intercept),
+              reward_line_last=float(slope * step[-1] + intercept))
+
+
+def run_row(summary: dict, records: list[dict], target: float) -> dict:
+  mean = lambda key: float(np.mean([r[key] for r in records])) if records else float('nan')
+  reached = summary['to_target'][f'{target:g}']
+  return dict(summary, **reward_trend(records), t_target=reached and reached['time_s'],
+              s_target=reached and reached['samples'], abs_logp_diff=mean('abs_logp_diff'),
+              ess_mean=summary['ess']['mean'], routes_differ=mean('moe/routes_differ'),
+              routes_used_differ_max=max((r['moe/routes_used_differ'] for r in records),
+                                         default=float('nan')),
+              load=(summary['load_before'] + summary['load_after']) / 2)
+
+
+def plot_mismatch(results: list[dict], path: str, title: str):
+  """abs_logp_diff and moe/routes_differ vs samples, per routing: median and min-max band."""
+  import matplotlib.pyplot as plt
+  fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+  for routing in ROUTINGS:
+    runs = [r['records'] for r in results if r['name'] == routing and r['records']]
+    if not runs:
+      continue
+    xs = [[x['samples'] for x in rec] for rec in runs]
+    color = None
+    for ax, key in zip(axes, ('abs_logp_diff', 'moe/routes_differ')):
+      ys = [metrics_lib.smooth([x[key] for x in rec], ablations.SMOOTH_WINDOW) for rec in runs]
+      color = ablations._plot_band(ax, xs, ys, f'{routing} ({len(runs)} seeds)', color)
+  axes[0].set(title='|log pi - log mu| of trained tokens (mean of 10 steps)',
+              xlabel='samples trained on', yscale='log')
+  axes[1].set(title="share of routes whose own top-k is not the sampler's",
+              xlabel='samples trained on')
+  for ax in axes:
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+  fig.suptitle(title)
+  fig.tight_layout()
+  pathlib.Path(path).parent.mkdir(parents=True, exist_ok=True)
+  fig.savefig(path, dpi=110)
+
+
+def main(argv=None):
+  parser = argparse.ArgumentParser(description=__doc__.split('\n\n')[0])
+  parser.add_argument('--seeds', default='0,1,2', help='comma-separated RL seeds')
+  parser.add_argument('--budget_s', type=float, default=600.0, help='wall-clock cap per run')
+  parser.add_argument('--budget_samples', type=int, default=0,
+                      help='samples trained on per run (0 = only the time cap)')
+  parser.add_argument('--target', type=float, default=0.8, help='10-step mean reward target')
+  parser.add_argument('--lags', default='1,2,4,8', help='policies the mismatch part scores with')
+  parser.add_argument('--set', action='append', default=[], metavar='SECTION.FIELD=VALUE',
+                      help='config override for every run (after --smoke and the budget)')
+  parser.add_argument('--out', default='/tmp/pipelinerl_jax_bench/moe_replay.json')
+  parser.add_argument('--workdir', default='', help="run dirs ('' = a temporary dir)")
+  parser.add_argument('--cache_dir', default='', help="demo model cache ('' = the default)")
+  parser.add_argument('--smoke', action='store_true', help='seconds: an untrained model')
+  parser.add_argument('--skip_learning', action='store_true')
+  parser.add_argument('--skip_mismatch', action='store_true')
+  args = parser.parse_args(argv)
+  import matplotlib
+  matplotlib.use('Agg')
+  try:
+    seeds = learning_speed.parse_seeds(args.seeds)
+    lags = sorted({int(k) for k in args.lags.split(',') if k.strip()})
+    sets = learning_speed.parse_sets(args.set)
+  except ValueError as e:
+    parser.error(str(e))
+  base = ablations.preset(PRESET)
+  base.log.tensorboard = False
+  if args.cache_dir:
+    base.model.cache_dir = args.cache_dir
+  if args.smoke:
+    base = ablations.smoke(base, args.cache_dir)
+  else:
+    base.rl.max_time_s = args.budget_s
+    base.rl.total_steps = (max(1, args.budget_samples // base.rl.batch_size)
+                           if args.budget_samples else 10**7)
+  try:
+    base = ablations.override(base, **sets)
+  except (KeyError, TypeError) as e:
+    parser.error(f'--set: {e.args[0] if e.args else e}')
+  model_dir = ablations.model_dir_for(base)
+  workdir = args.workdir or tempfile.mkdtemp(prefix='moe_replay_')
+  print(f'device: {jax.devices()[0].device_kind} ({jax.default_backend()}), '
+        f'{os.cpu_count()} CPUs, jax {jax.__version__}; model {model_dir}; runs in {workdir}; '
+        f'load {os.getloadavg()[0]:.1f}', flush=True)
+  report = dict(device=str(jax.devices()[0]), backend=jax.default_backend(),
+                cpus=os.cpu_count(), host=platform.node(), jax=jax.__version__, args=vars(args),
+                preset=PRESET, model_dir=model_dir, seeds=seeds)
+  out = pathlib.Path(args.out)
+
+  if not args.skip_mismatch:
+    snapshot_steps = [1, 2] if args.smoke else lags
+    snapshots, _ = ablations.policy_snapshots(
+        ablations.override(base, seed=seeds[0]), os.path.join(workdir, 'snapshots'), model_dir,
+        snapshot_steps)
+    snapshots[0] = ablations.warm_start_params(model_dir)
+    sizes = dict(prompts=4, group_size=4) if args.smoke else dict(prompts=32, group_size=8)
+    rows = mismatch(model_dir, snapshots, max_tokens=base.generation.max_new_tokens, **sizes)
+    print('\nmismatch of one batch sampled under policy 0, scored by policy <lag>:')
+    print(ablations.table(rows, MISMATCH_COLUMNS), flush=True)
+    report['mismatch'] = rows
+
+  if not args.skip_learning:
+    targets = sorted({*learning_speed.THRESHOLDS, args.target})
+    results, rows = [], []
+    for seed in seeds:   # outer: load drift hits both routings alike
+      for routing in ROUTINGS:
+        print(f'--- {routing} seed {seed}', flush=True)
+        config = ablations.override(base, seed=seed, model__moe_routing=routing)
+        result = ablations.run_once(config, os.path.join(workdir, routing, f'seed{seed}'),
+                                    model_dir, name=routing)
+        results.append(result)
+        rows.append(dict(seed=seed, **run_row(ablations.summarize(result, targets),
+                                              result['records'], args.target)))
+    print()
+    print(ablations.table(rows, RUN_COLUMNS))
+    over = {routing: ablations.to_target_over_seeds([r for r in rows if r['name'] == routing],
+                                                    args.target) for routing in ROUTINGS}
+    for routing, o in over.items():
+      print(f"{routing}: reached {args.target:g} in {o['time_s_stats']['n']}/{len(seeds)} "
+            f"seeds, time to target {learning_speed.spread_cell(o['time_s_stats'], '.0f')} s, "
+            f"samples {learning_speed.spread_cell(o['samples_stats'], ',.0f')}")
+    seeds_text = f"seeds {','.join(map(str, seeds))} (median, min-max band)"
+    png = out.with_suffix('.png')
+    ablations.plot_comparison(
+        results, target=args.target, path=str(png),
+        title=f'{PRESET}: routing replay vs recompute, {seeds_text}, '
+              f'{os.cpu_count()} CPUs, {jax.default_backend()}')
+    mismatch_png = out.with_name(out.stem + '_mismatch.png')
+    plot_mismatch(results, str(mismatch_png), f'{PRESET}: train / sampler mismatch, '
+                  f'{seeds_text}')
+    report.update(runs=rows, to_target=over, png=str(png), mismatch_png=str(mismatch_png),
+                  curves={f"{r['name']}/seed{row['seed']}": learning_speed.curve(r['records'])
+                          for r, row in zip(results, rows)})
+  out.parent.mkdir(parents=True, exist_ok=True)
+  out.write_text(json.dumps(report, indent=1, default=str) + '\n')
+  print(f'\nwrote {out}')
+
+
+if __name__ == '__main__':
+  main()
