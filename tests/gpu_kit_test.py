@@ -447,6 +447,24 @@ def test_quick_lora_section_times_adapter_and_full_updates(tmp_path):
   assert 'quick jax' in proc.stdout
 
 
+def test_quick_moe_layer_section_checks_the_grouped_matmul_whole_and_split(tmp_path):
+  """`--sections=moe_layer --quick`: bench/moe_layer.py's grouped matmul against the dense
+  reference, whole and as one device's half of the experts."""
+  out = tmp_path / 'gpu.json'
+  proc = run_kit(['--quick', '--sections=moe_layer', f'--out={out}',
+                  f'--workdir={tmp_path / "w"}'], image_like_env(tmp_path / 'hider'), timeout=300)
+  assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+  report = json.loads(out.read_text())
+  got = items(report, 'moe_layer')
+  assert list(got) == [f'expert_split={k}' for k in presets.QUICK.moe_expert_splits]
+  for k, item in zip(presets.QUICK.moe_expert_splits, got.values()):
+    assert item['status'] == 'ok' and item['finite'] is True
+    assert item['experts_held'] == item['sizes']['experts'] // k
+    assert positive(item['ragged_s']) and positive(item['dense_s'])
+    assert item['max_relative_difference'] < 1e-4
+  assert 'expert_split=2' in proc.stdout
+
+
 # ---------------------------------------------------------------------------------------------
 # Pure helpers.
 
