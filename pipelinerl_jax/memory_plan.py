@@ -437,9 +437,7 @@ def plan(config: ml_collections.ConfigDict | config_lib.Config, hf_config: dict,
     wire = m.param_dtype
   trainer.update(publishing_memory(m, config, trainer['adapters' if lora else 'params'], wire,
                                    mesh.size))
-  # Three sizes when there is no expert axis, as such a mesh is written.
-  shown = sizes if sizes[3] > 1 else sizes[:3]
-  facts.update(mesh=','.join(map(str, shown)), train_devices=mesh.size, device_bytes=device_bytes,
+  facts.update(mesh=sharding_lib.mesh_text(sizes), train_devices=mesh.size, device_bytes=device_bytes,
                params=m.num_params, active_params=m.num_active_params)
 
   if facts['replicated_on_fsdp']:

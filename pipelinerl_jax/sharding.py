@@ -68,6 +68,13 @@ def make_mesh(data: int = 1, fsdp: int = -1, tensor: int = 1, expert: int = 1,
   return Mesh(np.asarray(devices[:needed]).reshape(sizes), MESH_AXES)
 
 
+def mesh_text(sizes) -> str:
+  """Mesh sizes as `train.mesh` writes them: 'data,fsdp,tensor', with ',expert' only when the
+  expert axis splits (a dense model's mesh reads as it always has)."""
+  sizes = [int(s) for s in sizes]
+  return ','.join(map(str, sizes if len(sizes) > 3 and sizes[3] > 1 else sizes[:3]))
+
+
 def path_str(path) -> str:
   """'layers/attn/q_proj/kernel' for a pytree key path (dict keys, attributes, indices)."""
   def part(k):

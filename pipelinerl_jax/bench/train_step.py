@@ -321,7 +321,7 @@ def bench_model(name: str, args: argparse.Namespace, mesh, memory_limit: int = 0
   devices = mesh.devices.ravel()
   result = dict(
       model=name, params=int(num_params), flop_params=flop_params(config),
-      mesh=','.join(str(mesh.shape[a]) for a in sharding_lib.MESH_AXES),
+      mesh=sharding_lib.mesh_text(mesh.shape[a] for a in sharding_lib.MESH_AXES),
       devices=len(devices), device_kind=devices[0].device_kind, dtype=args.dtype,
       remat=args.remat, remat_policy=args.remat_policy if args.remat else 'none',
       attention=args.attention, lm_head=args.lm_head, rows=args.rows, seq_len=args.seq_len,

@@ -89,7 +89,8 @@ def run_config(preset: str, model_dir: pathlib.Path, sizes, max_time_s: float, q
 def runner_for(preset: str) -> Callable[[section_lib.Section], None]:
   """The section's `run` for `preset`."""
   if preset not in PRESET_MODELS:
-    raise KeyError(f'no model shapes for one-GPU preset {preset!r} (known: {sorted(PRESET_MODELS)})')
+    raise KeyError(f'no model shapes for one-GPU preset {preset!r} '
+                   f'(known: {sorted(PRESET_MODELS)})')
   return lambda s: run_preset(s, preset)
 
 
@@ -122,7 +123,8 @@ def run_preset(s: section_lib.Section, preset: str) -> None:
   error = None
   t0 = time.perf_counter()
   try:
-    records = launch.run_experiment(config_lib.validate(c, runnable=False), str(run_dir))['records']
+    summary = launch.run_experiment(config_lib.validate(c, runnable=False), str(run_dir))
+    records = summary['records']
   except Exception as e:  # keep the steps that were logged
     error = section_lib.one_line(e)
     metrics = run_dir / 'metrics.jsonl'

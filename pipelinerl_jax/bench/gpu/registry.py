@@ -17,10 +17,10 @@ from typing import Any, Callable, NamedTuple
 from pipelinerl_jax.bench.gpu import collective
 from pipelinerl_jax.bench.gpu import e2e
 from pipelinerl_jax.bench.gpu import engine
+from pipelinerl_jax.bench.gpu import env
 from pipelinerl_jax.bench.gpu import lora
 from pipelinerl_jax.bench.gpu import moe_layer
 from pipelinerl_jax.bench.gpu import one_gpu
-from pipelinerl_jax.bench.gpu import env
 from pipelinerl_jax.bench.gpu import publish
 from pipelinerl_jax.bench.gpu import section as section_lib
 from pipelinerl_jax.bench.gpu import train
