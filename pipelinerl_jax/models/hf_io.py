@@ -29,6 +29,7 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 
+from pipelinerl_jax.models import lora as lora_lib
 from pipelinerl_jax.models import transformer
 from pipelinerl_jax.models.transformer import ModelConfig, RopeScaling
 
@@ -797,3 +798,18 @@ def _write_json(path: Path, obj):
   tmp = path.with_name(path.name + '.tmp')
   tmp.write_text(json.dumps(obj, indent=2, sort_keys=True) + '\n')
   os.replace(tmp, path)
+
+
+def save_peft(adapters, model_config: ModelConfig, lora: lora_lib.LoraConfig, out_dir,
+              base_model: str, dtype: Any = None) -> list[Path]:
+  """Writes a PEFT adapter dir that `peft.PeftModel.from_pretrained(<base model>, out_dir)` and
+  vLLM's LoRARequest load; returns the files written."""
+  out = Path(out_dir)
+  out.mkdir(parents=True, exist_ok=True)
+  weights, config = out / lora_lib.PEFT_WEIGHTS_FILE, out / lora_lib.PEFT_CONFIG_FILE
+  write_safetensors(weights, list(lora_lib.peft_tensors(adapters, model_config, lora, dtype)))
+  tmp = config.with_name(config.name + '.tmp')
+  tmp.write_text(json.dumps(lora_lib.peft_config(lora, base_model), indent=2, sort_keys=True)
+                 + '\n')
+  os.replace(tmp, config)
+  return [config, weights]

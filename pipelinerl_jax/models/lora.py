@@ -29,10 +29,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import json
 import math
-import os
-import pathlib
 from typing import Any, Iterator
 
 import flax
@@ -288,18 +285,3 @@ def peft_config(lora: LoraConfig, base_model: str) -> dict:
               r=lora.rank, lora_alpha=lora.alpha, target_modules=list(lora.targets),
               lora_dropout=0.0, bias='none', fan_in_fan_out=False, use_rslora=False,
               use_dora=False, init_lora_weights=True, inference_mode=True, modules_to_save=None)
-
-
-def save_peft(adapters, model_config, lora: LoraConfig, out_dir, base_model: str,
-              dtype: Any = None) -> list[pathlib.Path]:
-  """Writes a PEFT adapter dir that `peft.PeftModel.from_pretrained(<base model>, out_dir)` and
-  vLLM's LoRARequest load; returns the files written."""
-  from pipelinerl_jax.models import hf_io  # (hf_io imports the model, which imports this)
-  out = pathlib.Path(out_dir)
-  out.mkdir(parents=True, exist_ok=True)
-  weights, config = out / PEFT_WEIGHTS_FILE, out / PEFT_CONFIG_FILE
-  hf_io.write_safetensors(weights, list(peft_tensors(adapters, model_config, lora, dtype)))
-  tmp = config.with_name(config.name + '.tmp')
-  tmp.write_text(json.dumps(peft_config(lora, base_model), indent=2, sort_keys=True) + '\n')
-  os.replace(tmp, config)
-  return [config, weights]

@@ -433,8 +433,8 @@ class VllmEngine(api.QueuedEngine):
                                              serving)
       return
     with tempfile.TemporaryDirectory(prefix='lora-zero-') as d:
-      lora_lib.save_peft(self._zero_adapters(numpy=True), self.model_config, self.lora, d,
-                         base_model=str(self.model_dir))
+      hf_io.save_peft(self._zero_adapters(numpy=True), self.model_config, self.lora, d,
+                      base_model=str(self.model_dir))
       self._lora_request = LoRARequest('policy', lora_updates.LORA_ID, d)
       # Loaded and given its slot now, and pinned there: every request finds it, and no later
       # batch loads it from disk again (the slot is what updates overwrite).
