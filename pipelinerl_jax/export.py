@@ -78,7 +78,7 @@ def export_hf(checkpoint_dir: str | os.PathLike, model_dir: str | os.PathLike | 
                                          model_dir=str(model_dir))
     if format == 'peft':
       return hf_io.save_peft(adapted.adapters, model_config, lora, out_dir,
-                                base_model=str(model_dir.resolve()), dtype=dtype)
+                             base_model=str(model_dir.resolve()), dtype=dtype)
     params = lora_lib.merge(adapted.base, adapted.adapters, scale=adapted.scale)
     dtype = dtype or budget.serving_dtype(original) or param_dtype
   written = hf_io.save_params(params, model_config, out_dir, dtype=dtype, extra_config=original)
