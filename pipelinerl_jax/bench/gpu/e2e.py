@@ -6,7 +6,6 @@ budget."""
 
 from __future__ import annotations
 
-import json
 import math
 import pathlib
 import statistics
@@ -80,19 +79,9 @@ def run_preset(s: section_lib.Section, preset: str, share_s: float) -> None:
   c.rl.max_time_s = (min(z.e2e_rl_s, max(10.0, share_s - warmstart_s - 30.0)) if z.e2e_rl_s
                      else 0.0)
   rl_dir = pathlib.Path(s.args.workdir) / 'e2e' / f'{preset}-{int(time.time())}'
-  error = None
-  t0 = time.perf_counter()
-  try:
-    summary = launch.run_experiment(c, str(rl_dir), model_dir=model_dir)
-    records = summary['records']
-  except Exception as e:  # keep the steps that were logged
-    error = section_lib.one_line(e)
-    metrics = rl_dir / 'metrics.jsonl'
-    records = ([json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
-               if metrics.exists() else [])
-  rl_s = time.perf_counter() - t0
-  median = lambda key: (statistics.median(r[key] for r in records)
-                        if records and key in records[0] else None)
+  records, error, rl_s = section_lib.run_records(
+      lambda: launch.run_experiment(c, str(rl_dir), model_dir=model_dir), rl_dir)
+  median = lambda key: section_lib.median_of(records, key)
   fields = dict(preset=preset, warmstart_s=warmstart_s, rl_s=rl_s, max_time_s=c.rl.max_time_s,
                 batch_size=c.rl.batch_size, group_size=c.rl.group_size,
                 num_slots=c.generation.num_slots, **reward_summary(records),

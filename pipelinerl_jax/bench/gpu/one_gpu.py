@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import json
 import pathlib
-import statistics
 import time
 from typing import Any, Callable
 
@@ -120,19 +119,9 @@ def run_preset(s: section_lib.Section, preset: str) -> None:
   plan = memory_plan.plan(c, hf_config, num_devices=1,
                           device_gib=(limit or 80 * memory_plan.GIB) / memory_plan.GIB)
   run_dir = work / f'{preset}-{int(time.time())}'
-  error = None
-  t0 = time.perf_counter()
-  try:
-    summary = launch.run_experiment(config_lib.validate(c, runnable=False), str(run_dir))
-    records = summary['records']
-  except Exception as e:  # keep the steps that were logged
-    error = section_lib.one_line(e)
-    metrics = run_dir / 'metrics.jsonl'
-    records = ([json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
-               if metrics.exists() else [])
-  rl_s = time.perf_counter() - t0
-  median = lambda key: (statistics.median(r[key] for r in records)
-                        if records and key in records[0] else None)
+  records, error, rl_s = section_lib.run_records(
+      lambda: launch.run_experiment(config_lib.validate(c, runnable=False), str(run_dir)), run_dir)
+  median = lambda key: section_lib.median_of(records, key)
   fields = dict(preset=preset, model_s=model_s, rl_s=rl_s, max_time_s=max_time_s,
                 steps=len(records), max_new_tokens=c.generation.max_new_tokens,
                 plan_trainer_bytes=plan.trainer, plan_generator_bytes=plan.generator,

@@ -11,6 +11,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import pathlib
+import statistics
 import time
 import traceback
 from typing import Any, Callable
@@ -107,6 +109,27 @@ def _brief(item: dict) -> str:
                                                      'publish_over_copy', 'pointers_equal',
                                                      'reward_first', 'reward_last', 'tflops',
                                                      'gb_per_s'))
+
+
+def run_records(run: Callable[[], dict[str, Any]], workdir: pathlib.Path
+                ) -> tuple[list[dict[str, Any]], str | None, float]:
+  """Runs `run()` (a launch.run_experiment writing to `workdir`): its per-step records, its error
+  in one line (None if it ended), and its seconds; a run that failed keeps the steps it logged."""
+  t0 = time.perf_counter()
+  try:
+    records, error = run()['records'], None
+  except Exception as e:  # keep the steps that were logged
+    error = one_line(e)
+    metrics = workdir / 'metrics.jsonl'
+    records = ([json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
+               if metrics.exists() else [])
+  return records, error, time.perf_counter() - t0
+
+
+def median_of(records: list[dict[str, Any]], key: str) -> float | None:
+  """The median of `key` over a run's records (None when they lack it)."""
+  return (statistics.median(r[key] for r in records)
+          if records and key in records[0] else None)
 
 
 def device_memory(device) -> dict[str, Any]:
