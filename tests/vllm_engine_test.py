@@ -387,13 +387,30 @@ def test_kv_cache_info_and_served_model(engine, model):
                                 np.asarray(p0['embed']['embedding']))
 
 
+def test_a_running_engine_keeps_no_file_store_a_kill_would_leave(engine):
+  # vLLM met its one-rank process group through $TMPDIR/vllm_dist_<uuid>; only a clean exit
+  # would delete it, and generators get killed.
+  init_method = engine._worker.distributed_init_method
+  assert init_method.startswith('file://') and 'vllm_dist_' in init_method
+  assert not pathlib.Path(init_method.removeprefix('file://')).exists()
+  (r,) = requests('fs', n=1)  # and it still generates
+  engine.submit(r)
+  done = []
+  while not done:
+    done = engine.step()
+  assert done[0].request_id == r.request_id and len(done[0].tokens) == MAX_TOKENS
+
+
 def test_bench_quick_runs_and_reports_sync_over_memcpy(tmp_path):
-  out = tmp_path / 'ws.json'
+  out, tmp = tmp_path / 'ws.json', tmp_path / 'tmp'
+  tmp.mkdir()
   proc = subprocess.run(
       [sys.executable, '-m', 'pipelinerl_jax.bench.weight_sync', '--quick', f'--out={out}',
        f'--workdir={tmp_path}'], cwd=ROOT, capture_output=True, text=True, timeout=240,
-      env=xla_env.one_device())
+      env={**xla_env.one_device(), 'TMPDIR': str(tmp)})
   assert proc.returncode == 0, proc.stderr[-3000:]
+  # Each engine closed removed the file store vLLM met its process group through.
+  assert not list(tmp.glob('vllm_dist_*')), sorted(p.name for p in tmp.iterdir())
   report = json.loads(out.read_text())
   (row,) = report['rows']
   assert report['sync_over_memcpy']['quick'] == row['sync_over_memcpy'] > 0

@@ -155,6 +155,16 @@ def versions_from_spans(spans) -> list[int] | None:
   return out
 
 
+def _remove_file_store(worker) -> None:
+  """vLLM's in-process executor meets its one-rank process group through a file store
+  ($TMPDIR/vllm_dist_<uuid>) that only a clean exit deletes: a generator killed with -9 would
+  leave it behind. One rank has met once the engine is up, so the file goes now (the store
+  recreates it should it ever write again, and removes it at exit)."""
+  init_method = getattr(worker, 'distributed_init_method', None) or ''
+  if init_method.startswith('file://'):
+    Path(init_method.removeprefix('file://')).unlink(missing_ok=True)
+
+
 def _checkpoint_dtype(model_dir: Path) -> str:
   return budget.serving_dtype(json.loads((model_dir / hf_io.CONFIG_FILE).read_text())) or 'auto'
 
@@ -233,6 +243,7 @@ class VllmEngine(api.QueuedEngine):
     except AttributeError:
       raise RuntimeError('vLLM did not start in-process (no driver_worker); the engine needs '
                          'VLLM_ENABLE_V1_MULTIPROCESSING=0') from None
+    _remove_file_store(self._worker)
 
     self._head = _Fp32Head.attach(self._worker, self.model_config, dtype) \
         if config.lm_head_fp32 else None
