@@ -11,6 +11,7 @@ import torch or vllm.
 
 import ast
 import json
+import os
 import pathlib
 import shutil
 import subprocess
@@ -21,6 +22,8 @@ import zipfile
 import pytest
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
+
+import xla_env  # tests/ is on sys.path
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 PYPROJECT = tomllib.loads((ROOT / 'pyproject.toml').read_text())
@@ -297,8 +300,14 @@ atexit.register(lambda: print('LOADED=' + ','.join(
 
 
 def run_hidden(code: str, tmp_path) -> subprocess.CompletedProcess:
-  env = {'PATH': '/usr/bin:/bin', 'HOME': str(tmp_path), 'JAX_PLATFORMS': 'cpu', 'XLA_FLAGS': '',
-         'PYTHONPATH': str(ROOT), 'TOKENIZERS_PARALLELISM': 'false', 'HF_HUB_OFFLINE': '1'}
+  # A bare environment, but for the session's compilation cache and XLA at -O0 (what these
+  # runs check is which modules load, not speed).
+  env = {'PATH': '/usr/bin:/bin', 'HOME': str(tmp_path), 'JAX_PLATFORMS': 'cpu',
+         'XLA_FLAGS': xla_env.FAST_COMPILE, 'PYTHONPATH': str(ROOT),
+         'TOKENIZERS_PARALLELISM': 'false', 'HF_HUB_OFFLINE': '1',
+         **{k: os.environ[k] for k in ('JAX_COMPILATION_CACHE_DIR',
+                                       'JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS')
+            if k in os.environ}}
   return subprocess.run([sys.executable, '-c', HIDE + code], cwd=tmp_path, env=env,
                         capture_output=True, text=True, timeout=300)
 
