@@ -68,13 +68,15 @@ def run_variant(variant: str, args) -> dict:
     engine.close()
   # The trainer's two settings: all fp32, and bf16 compute (fp32 params) with an fp32 lm_head.
   trainer_bf16 = dataclasses.replace(config, dtype='bfloat16', lm_head_fp32=True)
+  # One program per trainer setting and sequence length, not an op-by-op trace per completion.
+  token_logprobs = jax.jit(transformer.token_logprobs, static_argnums=1)
   deltas = {'fp32': [], 'bf16': []}
   for c in completions:
     seq = jnp.array([c.prompt_tokens + c.tokens.tolist()])
     t = seq.shape[1] - 1
     for ref, cfg in (('fp32', config), ('bf16', trainer_bf16)):
-      lp, _ = transformer.token_logprobs(params, cfg, seq[:, :-1], seq[:, 1:],
-                                         jnp.arange(t)[None], jnp.ones((1, t), jnp.int32))
+      lp, _ = token_logprobs(params, cfg, seq[:, :-1], seq[:, 1:], jnp.arange(t)[None],
+                             jnp.ones((1, t), jnp.int32))
       deltas[ref].append(np.abs(c.logprobs - np.asarray(lp[0, len(c.prompt_tokens) - 1:])))
   out = dict(variant=variant, size=args.size, scale=args.scale, model_dir=str(model_dir))
   for ref, ds in deltas.items():
