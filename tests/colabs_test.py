@@ -90,6 +90,6 @@ def test_stale_vs_recomputed_kv(cache_dir, monkeypatch):
 def test_is_truncation(cache_dir, monkeypatch):
   results, outputs = execute('is_truncation.ipynb', cache_dir, monkeypatch)
   summaries = results['summaries']
-  check_summaries(summaries, ['c=1', 'c=2', 'c=5', 'c=inf'])
-  assert [s['is_cap'] for s in summaries] == [1.0, 2.0, 5.0, math.inf]
+  check_summaries(summaries, ['c=1', 'c=inf'])  # smoke mode's two values of c
+  assert [s['is_cap'] for s in summaries] == [1.0, math.inf]
   assert figures(outputs) >= 2
