@@ -808,8 +808,5 @@ def save_peft(adapters, model_config: ModelConfig, lora: lora_lib.LoraConfig, ou
   out.mkdir(parents=True, exist_ok=True)
   weights, config = out / lora_lib.PEFT_WEIGHTS_FILE, out / lora_lib.PEFT_CONFIG_FILE
   write_safetensors(weights, list(lora_lib.peft_tensors(adapters, model_config, lora, dtype)))
-  tmp = config.with_name(config.name + '.tmp')
-  tmp.write_text(json.dumps(lora_lib.peft_config(lora, base_model), indent=2, sort_keys=True)
-                 + '\n')
-  os.replace(tmp, config)
+  _write_json(config, lora_lib.peft_config(lora, base_model))
   return [config, weights]
