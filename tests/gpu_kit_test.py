@@ -617,3 +617,19 @@ def test_vllm_part_env_stays_offline_in_one_process():
 def test_logprob_deltas_over_groups():
   d = vllm_items.logprob_deltas([[-1.0, -2.0], [-3.0]], [[-1.5, -2.0], [-2.0]])
   assert d == dict(tokens=3, mean=pytest.approx(0.5), max=1.0)
+
+
+def test_run_records_keeps_the_logged_steps_of_a_run_that_failed(tmp_path):
+  lines = [dict(step=1, loss=3.0), dict(event='skipped_update'), dict(step=2, loss=1.0)]
+
+  def failing():
+    (tmp_path / 'metrics.jsonl').write_text(''.join(json.dumps(r) + '\n' for r in lines))
+    raise RuntimeError('generator lost\nsecond line')
+
+  records, error, seconds = section_lib.run_records(failing, tmp_path)
+  assert [r['step'] for r in records] == [1, 2]  # the step records, as a finished run returns
+  assert error == 'RuntimeError: generator lost' and seconds >= 0
+  assert section_lib.median_of(records, 'loss') == 2.0
+  assert section_lib.median_of(records, 'reward_mean') is None
+  records, error, _ = section_lib.run_records(lambda: dict(records=lines[:1]), tmp_path / 'none')
+  assert records == lines[:1] and error is None

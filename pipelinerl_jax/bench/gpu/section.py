@@ -18,6 +18,7 @@ import traceback
 from typing import Any, Callable
 
 from pipelinerl_jax import accelerators
+from pipelinerl_jax.pipeline import metrics as metrics_lib
 
 MEMORY_HEADROOM = 0.85       # a size is run only if its estimate fits in this share of memory
 
@@ -120,9 +121,8 @@ def run_records(run: Callable[[], dict[str, Any]], workdir: pathlib.Path
     records, error = run()['records'], None
   except Exception as e:  # keep the steps that were logged
     error = one_line(e)
-    metrics = workdir / 'metrics.jsonl'
-    records = ([json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
-               if metrics.exists() else [])
+    metrics = workdir / metrics_lib.METRICS_FILE
+    records = metrics_lib.read_metrics(str(metrics)) if metrics.exists() else []
   return records, error, time.perf_counter() - t0
 
 
