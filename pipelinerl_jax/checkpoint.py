@@ -40,7 +40,7 @@ import orbax.checkpoint as ocp
 from pipelinerl_jax import config as config_lib
 from pipelinerl_jax import train
 from pipelinerl_jax.models import hf_io
-from pipelinerl_jax.models import lora as lora_lib
+from pipelinerl_jax.models.layers import lora as lora_lib
 from pipelinerl_jax.models import transformer
 
 STATE, META = 'state', 'meta'

@@ -29,7 +29,7 @@ from absl import logging
 from pipelinerl_jax import checkpoint as checkpoint_lib
 from pipelinerl_jax.generation import budget
 from pipelinerl_jax.models import hf_io
-from pipelinerl_jax.models import lora as lora_lib
+from pipelinerl_jax.models.layers import lora as lora_lib
 
 FORMATS = ('hf', 'peft')
 

@@ -99,8 +99,8 @@ from pipelinerl_jax import sharding as sharding_lib
 from pipelinerl_jax import train
 from pipelinerl_jax.generation import budget
 from pipelinerl_jax.models import hf_io
-from pipelinerl_jax.models import lora as lora_lib
-from pipelinerl_jax.models import moe as moe_lib
+from pipelinerl_jax.models.layers import lora as lora_lib
+from pipelinerl_jax.models.layers import moe as moe_lib
 from pipelinerl_jax.models import transformer
 from pipelinerl_jax.pipeline import trainer as trainer_lib
 
@@ -177,7 +177,7 @@ def worst_case_rows(config: config_lib.Config, data_parallel: int) -> tuple[int,
 
 def _layer_bytes_per_token(m: transformer.ModelConfig, moe: bool = False, ep: int = 1) -> int:
   """Intermediates of one decoder layer per token (no attention scores), as transformer.py makes
-  them: fp32 norm inputs and RoPE, the rest in the compute dtype. An MoE layer (models/moe.py):
+  them: fp32 norm inputs and RoPE, the rest in the compute dtype. An MoE layer (models/layers/moe.py):
   router logits and fp32 probabilities, and for each of the Xk assignments the token gathered,
   the expert's gate, up and activation and its output; split over an expert axis of `ep`, the
   gathered rows and the shares before the reduce-scatter (ep rows of D for each of its own)."""
@@ -264,7 +264,7 @@ def train_step_memory(m: transformer.ModelConfig, optimizer_config: config_lib.O
   ep = mesh.shape['expert'] if 'expert' in mesh.shape else 1
   moe_layers = len(m.moe_layers)
   experts = 3 * d * m.moe_intermediate_size * m.num_experts  # one MoE layer's expert weights
-  # A gathered layer holds the experts of its device's expert group only (models/moe.py).
+  # A gathered layer holds the experts of its device's expert group only (models/layers/moe.py).
   layer_params = (m.num_params - v * d * (1 if m.tie_embeddings else 2) - d
                   - moe_layers * experts) // l
   if moe_layers:

@@ -4,7 +4,7 @@ Mesh axes: 'data' (pure data parallel: params replicated), 'fsdp' (data parallel
 gradients and optimizer state sharded), 'tensor' (Megatron-style split of heads / MLP width),
 'expert' (a mixture of experts' experts split across devices; for everything else it is one
 more data-parallel axis: rows are split over it, and an MoE layer exchanges them so that each
-device runs its own experts on every token routed there, models/moe.py).
+device runs its own experts on every token routed there, models/layers/moe.py).
 Params are placed by regex rules over their '/'-joined pytree path; a rule names a mesh axis for
 each dimension. A dimension that the axis size does not divide is left unsplit rather than
 failing, so tiny test models run on any mesh. FSDP only stores a slice of each parameter and

@@ -31,7 +31,7 @@ from pipelinerl_jax.bench.gpu import vllm
 from pipelinerl_jax.bench.gpu import vllm_items
 from pipelinerl_jax.generation.transport import hf_tensors
 from pipelinerl_jax.models import hf_io
-from pipelinerl_jax.models import lora as lora_lib
+from pipelinerl_jax.models.layers import lora as lora_lib
 from pipelinerl_jax.models import transformer
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent

@@ -19,7 +19,7 @@ from pipelinerl_jax import train
 from pipelinerl_jax.generation import api
 from pipelinerl_jax.generation import jax_engine
 from pipelinerl_jax.models import hf_io
-from pipelinerl_jax.models import lora as lora_lib
+from pipelinerl_jax.models.layers import lora as lora_lib
 from pipelinerl_jax.models import transformer
 from pipelinerl_jax.pipeline import launch
 from pipelinerl_jax.pipeline import metrics as metrics_lib

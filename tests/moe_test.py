@@ -25,7 +25,7 @@ from pipelinerl_jax.demo import warmstart
 from pipelinerl_jax.generation import api
 from pipelinerl_jax.generation import jax_engine
 from pipelinerl_jax.models import hf_io
-from pipelinerl_jax.models import moe as moe_lib
+from pipelinerl_jax.models.layers import moe as moe_lib
 from pipelinerl_jax.models import transformer as tfm
 from pipelinerl_jax.pipeline import build
 from pipelinerl_jax.pipeline import launch

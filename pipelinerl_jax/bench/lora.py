@@ -71,7 +71,7 @@ def random_params(config, seed: int):
 def adapters(config, lora, seed: int):
   """Adapters with a non-zero B (a trained policy's), in fp32 as the trainer holds them."""
   import jax
-  from pipelinerl_jax.models import lora as lora_lib
+  from pipelinerl_jax.models.layers import lora as lora_lib
   a = lora_lib.init_adapters(config, lora, jax.random.PRNGKey(seed))
   key = jax.random.PRNGKey(seed + 1)
   return jax.tree_util.tree_map_with_path(
@@ -123,7 +123,7 @@ def timed(fn, repeats: int) -> tuple[float, list[float]]:
 def run_jax(size: str, args) -> dict:
   import jax
   from pipelinerl_jax.generation import jax_engine
-  from pipelinerl_jax.models import lora as lora_lib
+  from pipelinerl_jax.models.layers import lora as lora_lib
   from pipelinerl_jax.pipeline import placements
   config, lora = model_config(size), lora_lib.LoraConfig(args.rank, 2.0 * args.rank)
   device = jax.devices()[0]
@@ -162,7 +162,7 @@ def run_jax(size: str, args) -> dict:
 def run_vllm(size: str, way: str, args) -> dict:
   from pipelinerl_jax.generation.vllm import engine as vllm_engine
   from pipelinerl_jax.models import hf_io
-  from pipelinerl_jax.models import lora as lora_lib
+  from pipelinerl_jax.models.layers import lora as lora_lib
   config, lora = model_config(size), lora_lib.LoraConfig(args.rank, 2.0 * args.rank)
   model_dir = pathlib.Path(args.workdir) / f'qwen2_{size}'
   if not (model_dir / hf_io.CONFIG_FILE).is_file():

@@ -73,7 +73,7 @@ def lora_config(spec: EngineSpec):
   """The spec's `lora.LoraConfig`, or None (imports JAX)."""
   if not spec.lora:
     return None
-  from pipelinerl_jax.models import lora as lora_lib
+  from pipelinerl_jax.models.layers import lora as lora_lib
   rank, alpha, targets = spec.lora
   return lora_lib.LoraConfig(rank=rank, alpha=alpha, targets=tuple(targets))
 
@@ -129,7 +129,7 @@ def make_engine(spec: EngineSpec, model_config, *, params=None, version: int = 0
     if params is None:
       raise ValueError('make_engine: the JAX engine needs params')
     from pipelinerl_jax.generation import jax_engine
-    from pipelinerl_jax.models import lora as lora_lib
+    from pipelinerl_jax.models.layers import lora as lora_lib
     if lora is not None and not isinstance(params, lora_lib.Adapted):
       if model_dir is None:
         raise ValueError('make_engine: a JAX engine given adapters alone needs model_dir (the '

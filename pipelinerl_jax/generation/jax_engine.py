@@ -2,7 +2,7 @@
 in-flight weight updates.
 
 Numerics are two pure jitted functions over an explicit `DecodeState` (the page pool and each
-slot's decode inputs; models/paged_attention.py has the pool's layout):
+slot's decode inputs; models/layers/paged_attention.py has the pool's layout):
   * `prefill` writes R context chunks into the pool through their rows' block tables; a row whose
     chunk ends its sequence's context makes its slot ready: the slot's next input is the
     sequence's last token.
@@ -81,9 +81,9 @@ import numpy as np
 from pipelinerl_jax.generation import api
 from pipelinerl_jax.generation import budget
 from pipelinerl_jax.generation import sampling
-from pipelinerl_jax.models import lora as lora_lib
-from pipelinerl_jax.models import moe as moe_lib
-from pipelinerl_jax.models import paged_attention
+from pipelinerl_jax.models.layers import lora as lora_lib
+from pipelinerl_jax.models.layers import moe as moe_lib
+from pipelinerl_jax.models.layers import paged_attention
 from pipelinerl_jax.models import transformer
 
 TRACES: collections.Counter = collections.Counter()  # function name -> times traced

@@ -29,7 +29,7 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 
-from pipelinerl_jax.models import lora as lora_lib
+from pipelinerl_jax.models.layers import lora as lora_lib
 from pipelinerl_jax.models import transformer
 from pipelinerl_jax.models.transformer import ModelConfig, RopeScaling
 

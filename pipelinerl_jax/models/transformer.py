@@ -10,7 +10,7 @@ Parameter pytree (layers stacked on a leading axis L by `nn.scan`; kernels are [
   layers/post_attn_norm/scale          [L, D]
   layers/mlp/{gate,up}_proj/kernel     [L, D, F]
   layers/mlp/down_proj/kernel          [L, F, D]
-  layers/moe/router/kernel             [L, D, X]              (an MoE layer's MLP, models/moe.py)
+  layers/moe/router/kernel             [L, D, X]              (an MoE layer's MLP, models/layers/moe.py)
   layers/moe/{gate,up}_proj/kernel     [L, X, D, I]
   layers/moe/down_proj/kernel          [L, X, I, D]
   final_norm/scale                     [D]
@@ -28,14 +28,14 @@ MoE ones (Qwen3-MoE's `mlp_only_layers`, `decoder_sparse_step`) splits the stack
 compile time and memory layout for the common case and cost one more scan per change of kind.
 
 Every function that takes `params` also takes `lora.Adapted(base, adapters, scale)`: the same
-model with a low-rank delta on its projections (models/lora.py), computed unmerged.
+model with a low-rank delta on its projections (models/layers/lora.py), computed unmerged.
 
 Two entry points share one module:
   * training rows: `token_logprobs` -- packed rows with segment ids; attention never crosses a
-    segment (models/attention.py: dense, or blockwise with memory linear in the row length);
+    segment (models/layers/attention.py: dense, or blockwise with memory linear in the row length);
     returns log pi(target) and the entropy of each position's distribution.
   * generation: `decode_paged` -- writes the new tokens' keys/values into a paged KV cache
-    (models/paged_attention.py) at their positions and attends to every position at or before
+    (models/layers/paged_attention.py) at their positions and attends to every position at or before
     each query's; the engine's path. `decode` does the same over a dense [L, R, S, K, Dh] cache:
     the reference the tests compare against.
 """
@@ -51,10 +51,10 @@ import jax
 from jax.ad_checkpoint import checkpoint_name
 import jax.numpy as jnp
 
-from pipelinerl_jax.models import attention as attention_lib
-from pipelinerl_jax.models import lora as lora_lib
-from pipelinerl_jax.models import moe as moe_lib
-from pipelinerl_jax.models import paged_attention
+from pipelinerl_jax.models.layers import attention as attention_lib
+from pipelinerl_jax.models.layers import lora as lora_lib
+from pipelinerl_jax.models.layers import moe as moe_lib
+from pipelinerl_jax.models.layers import paged_attention
 
 
 @dataclasses.dataclass(frozen=True)
@@ -100,10 +100,10 @@ class ModelConfig:
   attention: str = 'blockwise'    # 'dense' | 'blockwise' | 'cudnn'
   attention_block_q: int = 1024
   attention_block_kv: int = 1024
-  # Generation: how a decode step reads the paged KV cache (models/paged_attention.py); set by
+  # Generation: how a decode step reads the paged KV cache (models/layers/paged_attention.py); set by
   # the engine from generation.decode_attention.
   decode_attention: str = 'xla'   # 'xla' | 'pallas' | 'cudnn'
-  # Mixture of experts (Qwen3-MoE, models/moe.py): the layers in `moe_layers` replace their MLP
+  # Mixture of experts (Qwen3-MoE, models/layers/moe.py): the layers in `moe_layers` replace their MLP
   # by num_experts experts of width moe_intermediate_size, num_experts_per_tok per token;
   # () = a dense model. `moe_dispatch`: 'ragged' (tokens sorted by expert, grouped matmul) or
   # 'dense' (every expert on every token: the reference).
@@ -289,7 +289,7 @@ class RMSNorm(nn.Module):
 
 
 def _dense(features, use_bias, config, name):
-  # nn.Dense, plus a LoRA delta when the variables carry adapters for it (models/lora.py).
+  # nn.Dense, plus a LoRA delta when the variables carry adapters for it (models/layers/lora.py).
   return lora_lib.Dense(features, use_bias=use_bias, dtype=config.dtype,
                         param_dtype=config.param_dtype,
                         kernel_init=nn.initializers.normal(0.02), name=name)
@@ -374,7 +374,7 @@ class DecoderLayer(nn.Module):
   segment ids say who attends to whom) or a `_CacheCarry` over all layers (generation: the
   cache mask, or a paged cache's positions, do).
 
-  `moe`: the MLP is the experts (models/moe.py), which also take this layer's slice of the
+  `moe`: the MLP is the experts (models/layers/moe.py), which also take this layer's slice of the
   replayed routes [R, T, Xk] (scanned) and the mask of tokens that replay them (broadcast), and
   whose `LayerRoutes` the scan stacks; `mesh` / `batch_axes` place the experts."""
   config: ModelConfig
@@ -413,7 +413,7 @@ class Transformer(nn.Module):
   packer's (segment_starts_RxG, segment_lengths_RxG); generation passes a dense cache and the
   mask of cache slots each token sees, or a paged cache and each row's block table. An MoE model
   may be handed the experts to replay, `routes_RxTxLsxXk`, for the tokens in `replay_RxT`.
-  `mesh` / `batch_axes`: where the experts run (models/moe.py, `expert_parallel`).
+  `mesh` / `batch_axes`: where the experts run (models/layers/moe.py, `expert_parallel`).
   """
   config: ModelConfig
   mesh: Any = None

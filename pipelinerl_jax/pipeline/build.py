@@ -26,7 +26,7 @@ from pipelinerl_jax import sharding as sharding_lib
 from pipelinerl_jax import train
 from pipelinerl_jax.generation import api
 from pipelinerl_jax.models import hf_io
-from pipelinerl_jax.models import lora as lora_lib
+from pipelinerl_jax.models.layers import lora as lora_lib
 from pipelinerl_jax.models import transformer
 from pipelinerl_jax.pipeline import actor as actor_lib
 from pipelinerl_jax.pipeline import placements

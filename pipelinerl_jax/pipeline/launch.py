@@ -34,7 +34,7 @@ from pipelinerl_jax import stack as stack_lib
 from pipelinerl_jax import train
 from pipelinerl_jax.demo import warmstart
 from pipelinerl_jax.models import hf_io
-from pipelinerl_jax.models import lora as lora_lib
+from pipelinerl_jax.models.layers import lora as lora_lib
 from pipelinerl_jax.pipeline import build as build_lib
 from pipelinerl_jax.pipeline import multiprocess
 from pipelinerl_jax.pipeline import run as run_lib

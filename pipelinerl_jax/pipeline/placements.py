@@ -31,7 +31,7 @@ from pipelinerl_jax import config as config_lib
 from pipelinerl_jax.generation import api
 from pipelinerl_jax.generation import engines
 from pipelinerl_jax.models import hf_io
-from pipelinerl_jax.models import lora as lora_lib
+from pipelinerl_jax.models.layers import lora as lora_lib
 
 
 def generation_device(mesh) -> jax.Device:

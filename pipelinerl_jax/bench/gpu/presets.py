@@ -10,7 +10,7 @@ from typing import NamedTuple
 class TrainVariant(NamedTuple):
   """One train-step measurement of the grid: a model preset and its numerics."""
   model: str
-  attention: str           # models/attention.py: 'cudnn' | 'blockwise' | 'dense'
+  attention: str           # models/layers/attention.py: 'cudnn' | 'blockwise' | 'dense'
   remat: str               # 'none' or a transformer.REMAT_POLICIES name
   lm_head: str             # 'fp32' (an fp32 matmul) | 'dtype' (bf16, fp32 accumulation)
   micro: int               # micro-batches of the step: rows per micro-batch = rows / micro

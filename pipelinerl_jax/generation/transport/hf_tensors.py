@@ -18,7 +18,7 @@ The tensors alias buffers JAX treats as immutable: receivers must only read them
 must not be donated or deleted until the receiver is done (the `api.Engine.update_params`
 ownership contract).
 
-LoRA (models/lora.py): an update is the adapters alone, named and laid out as PEFT saves them
+LoRA (models/layers/lora.py): an update is the adapters alone, named and laid out as PEFT saves them
 (A [U, I] and B [O, U] per layer: `lora.peft_shapes`); the `update_*` functions take a
 `lora.LoraConfig` (None: a full update) and pick the one layout or the other.
 
@@ -43,7 +43,7 @@ import numpy as np
 import torch
 
 from pipelinerl_jax.models import hf_io
-from pipelinerl_jax.models import lora as lora_lib
+from pipelinerl_jax.models.layers import lora as lora_lib
 from pipelinerl_jax.models import transformer
 
 # HF names of the parts that vLLM loads into one fused module, -> that module's name.

@@ -30,7 +30,7 @@ def expected_digest(model_config, lora=None) -> str:
   (a `lora.LoraConfig`) of the adapters, which are then its updates."""
   import numpy as np
   from pipelinerl_jax.models import hf_io
-  from pipelinerl_jax.models import lora as lora_lib
+  from pipelinerl_jax.models.layers import lora as lora_lib
   tree: dict = {}
   dtype = np.dtype(model_config.param_dtype)
   shapes = ({spec.path: spec.shape for spec in hf_io.name_map(model_config)} if lora is None

@@ -43,7 +43,7 @@ continue. Only when that rollback also fails is the engine marked broken.
 staging buffer, see generation/actors/generator.py), and `apply_update` loads a pending update
 without generating, for a caller that must know when the source buffers are no longer read.
 
-LoRA (`lora=`, models/lora.py): the engine serves the checkpoint as the frozen base and its
+LoRA (`lora=`, models/layers/lora.py): the engine serves the checkpoint as the frozen base and its
 updates are adapters alone, `update_params(adapters, version)` (or PEFT-named tensors through
 `update_hf_tensors`), landed between two token steps the way `VllmEngineConfig.lora_update`
 says (generation/vllm/lora_updates.py): 'merge' (the default) reloads W + s A B merged in fp32
@@ -77,7 +77,7 @@ from pipelinerl_jax.generation import budget
 from pipelinerl_jax.generation.transport import hf_tensors
 from pipelinerl_jax.generation.vllm import lora_updates
 from pipelinerl_jax.models import hf_io
-from pipelinerl_jax.models import lora as lora_lib
+from pipelinerl_jax.models.layers import lora as lora_lib
 
 _FINISH_REASONS = {'stop': 'stop', 'length': 'length'}
 _NO_ROLLBACK = object()  # marks weights that cannot be rebuilt for a rollback

@@ -27,7 +27,7 @@ import torch
 from pipelinerl_jax.generation import budget
 from pipelinerl_jax.generation.transport import hf_tensors
 from pipelinerl_jax.models import hf_io
-from pipelinerl_jax.models import lora as lora_lib
+from pipelinerl_jax.models.layers import lora as lora_lib
 
 UPDATE_WAYS = ('slot', 'merge')
 LORA_ID = 1  # the one adapter the engine serves
