@@ -39,7 +39,8 @@ import orbax.checkpoint as ocp
 
 from pipelinerl_jax import config as config_lib
 from pipelinerl_jax import train
-from pipelinerl_jax.models import hf_io
+from pipelinerl_jax.models.hf import checkpoint as hf_checkpoint
+from pipelinerl_jax.models.hf import schema as hf_schema
 from pipelinerl_jax.models.layers import lora as lora_lib
 from pipelinerl_jax.models import transformer
 
@@ -284,8 +285,8 @@ def data_stream(problems: Iterator, position: dict[str, Any] | None
 
 def is_hf_dir(path: str | os.PathLike) -> bool:
   p = Path(path)
-  return (p / hf_io.CONFIG_FILE).is_file() and (
-      (p / hf_io.SINGLE_FILE).is_file() or (p / hf_io.INDEX_FILE).is_file())
+  return (p / hf_schema.CONFIG_FILE).is_file() and (
+      (p / hf_checkpoint.SINGLE_FILE).is_file() or (p / hf_checkpoint.INDEX_FILE).is_file())
 
 
 def locate(path: str | os.PathLike, step: int | None = None) -> tuple[Path, int]:
@@ -330,7 +331,7 @@ def load_params(path: str | os.PathLike, model_config: transformer.ModelConfig,
   (`shardings` then places the base).
   """
   if is_hf_dir(path):
-    return hf_io.load_params(path, model_config, shardings=shardings)
+    return hf_checkpoint.load_params(path, model_config, shardings=shardings)
   root, step = locate(path, step)
   meta = read_meta(root, step)
   lora = saved_lora(meta)
@@ -341,7 +342,7 @@ def load_params(path: str | os.PathLike, model_config: transformer.ModelConfig,
   if not is_hf_dir(base_dir):
     raise FileNotFoundError(f'{base_dir}: the base model of the LoRA checkpoint {root / str(step)} '
                             'is not there (pass the model dir where it is now)')
-  base = hf_io.load_params(base_dir, frozen_base_config(model_config), shardings=shardings)
+  base = hf_checkpoint.load_params(base_dir, frozen_base_config(model_config), shardings=shardings)
   return lora_lib.Adapted(base, adapters, lora.scale)
 
 

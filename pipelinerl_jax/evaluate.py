@@ -27,7 +27,8 @@ from pipelinerl_jax import config as config_lib
 from pipelinerl_jax import evaluation
 from pipelinerl_jax import platforms
 from pipelinerl_jax.demo import warmstart
-from pipelinerl_jax.models import hf_io
+from pipelinerl_jax.models.hf import schema as hf_schema
+from pipelinerl_jax.models.hf import tokenizer as hf_tokenizer
 from pipelinerl_jax.tasks import registry
 
 
@@ -40,11 +41,11 @@ def evaluate_checkpoint(config, checkpoint: str, *, k: int | None = None, n: int
   platforms.check(config)  # before the model or the data is looked at
   config.check_runnable()
   model_dir = warmstart.model_dir_for(config)
-  tokenizer = hf_io.load_tokenizer(model_dir)  # before the params: a missing one is one line
-  has_config = os.path.isfile(os.path.join(checkpoint, hf_io.CONFIG_FILE))
+  tokenizer = hf_tokenizer.load_tokenizer(model_dir)  # before the params: a missing one is one line
+  has_config = os.path.isfile(os.path.join(checkpoint, hf_schema.CONFIG_FILE))
   arch_dir = checkpoint if has_config else model_dir
   m = config.model
-  model_config = hf_io.load_config(arch_dir, param_dtype=m.param_dtype, dtype=m.dtype,
+  model_config = hf_schema.load_config(arch_dir, param_dtype=m.param_dtype, dtype=m.dtype,
                                    lm_head_fp32=m.lm_head_fp32, remat=False)
   params = checkpoint_lib.load_params(checkpoint, model_config)  # orbax run dir or HF dir
   task = registry.make_task(config.task, tokenizer)
@@ -52,7 +53,7 @@ def evaluate_checkpoint(config, checkpoint: str, *, k: int | None = None, n: int
     result = evaluation.evaluate_params(
         config, model_config, params, tokenizer, task,
         task.held_out(config.eval.num_problems, config.eval.seed), k=k, n=n,
-        stop_ids=hf_io.stop_token_ids(model_dir, tokenizer))
+        stop_ids=hf_tokenizer.stop_token_ids(model_dir, tokenizer))
   finally:
     task.close()
   if out_dir:

@@ -153,7 +153,7 @@ def evaluate_params(config: config_lib.Config, model_config, params, tokenizer, 
   What both the CLI and the in-training eval call. Problems whose prompt is longer than
   generation.max_prompt_len are skipped and counted ('skipped'), not fatal: a long test problem
   must not end a run at its first evaluation. `stop_ids`: what ends a completion (the model dir's
-  `hf_io.stop_token_ids`; None: the tokenizer's EOS).
+  `hf_tokenizer.stop_token_ids`; None: the tokenizer's EOS).
   """
   g, ev = config.generation, config.eval
   k = k or ev.k

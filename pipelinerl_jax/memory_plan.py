@@ -98,7 +98,8 @@ from pipelinerl_jax import packing
 from pipelinerl_jax import sharding as sharding_lib
 from pipelinerl_jax import train
 from pipelinerl_jax.generation import budget
-from pipelinerl_jax.models import hf_io
+from pipelinerl_jax.models.hf import names as hf_names
+from pipelinerl_jax.models.hf import schema as hf_schema
 from pipelinerl_jax.models.layers import lora as lora_lib
 from pipelinerl_jax.models.layers import moe as moe_lib
 from pipelinerl_jax.models import transformer
@@ -309,7 +310,7 @@ def train_step_memory(m: transformer.ModelConfig, optimizer_config: config_lib.O
 
 
 def _hf_shapes(m: transformer.ModelConfig) -> list[tuple[int, ...]]:
-  return [spec.hf_shape for _, spec, _ in hf_io.checkpoint_order(m)]
+  return [spec.hf_shape for _, spec, _ in hf_names.checkpoint_order(m)]
 
 
 def publishing_memory(m: transformer.ModelConfig, config: config_lib.Config, param_bytes: int,
@@ -419,7 +420,7 @@ def plan(config: ml_collections.ConfigDict | config_lib.Config, hf_config: dict,
   elif kv == 'free' and not config.generation.vllm.gpu_memory_utilization:
     raise ValueError("kv='free' needs generation.vllm.gpu_memory_utilization > 0")
   mc = config.model
-  m = hf_io.config_from_hf(hf_config, source=source, param_dtype=mc.param_dtype, dtype=mc.dtype,
+  m = hf_schema.config_from_hf(hf_config, source=source, param_dtype=mc.param_dtype, dtype=mc.dtype,
                            lm_head_fp32=mc.lm_head_fp32, remat=mc.remat,
                            remat_policy=mc.remat_policy, attention=mc.attention,
                            attention_block_q=mc.attention_block_q,
@@ -536,7 +537,7 @@ def read_hf_config(path: str | os.PathLike) -> tuple[dict, str]:
     raise ValueError('no model config: give --model_config (a model directory or config.json, '
                      'e.g. configs/models/Qwen2.5-7B) or config.model.path')
   if os.path.isdir(path) or not path.endswith('.json'):
-    path = os.path.join(path, hf_io.CONFIG_FILE)
+    path = os.path.join(path, hf_schema.CONFIG_FILE)
   if not os.path.isfile(path):
     raise FileNotFoundError(f'{path}: no such file (give a model directory or its config.json)')
   with open(path) as f:

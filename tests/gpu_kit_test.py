@@ -30,7 +30,7 @@ from pipelinerl_jax.bench.gpu import train as kit_train
 from pipelinerl_jax.bench.gpu import vllm
 from pipelinerl_jax.bench.gpu import vllm_items
 from pipelinerl_jax.generation.transport import hf_tensors
-from pipelinerl_jax.models import hf_io
+from pipelinerl_jax.models.hf import schema as hf_schema
 from pipelinerl_jax.models.layers import lora as lora_lib
 from pipelinerl_jax.models import transformer
 
@@ -417,7 +417,7 @@ def test_quick_one_gpu_section_runs_the_preset_on_a_tiny_qwen3(tmp_path, section
   config = json.loads((model / 'config.json').read_text())
   assert config['model_type'] == 'qwen3'
   # Each step published the whole params, or with LoRA the adapters alone, in fp32.
-  model_config = hf_io.config_from_hf(config)
+  model_config = hf_schema.config_from_hf(config)
   lora = config_lib.load_preset(preset).model.lora
   if lora.rank:
     sent = lora_lib.num_params(model_config, lora_lib.LoraConfig(

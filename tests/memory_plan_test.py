@@ -16,7 +16,7 @@ from pipelinerl_jax import memory_plan
 from pipelinerl_jax import sharding as sharding_lib
 from pipelinerl_jax import train
 from pipelinerl_jax.generation import budget
-from pipelinerl_jax.models import hf_io
+from pipelinerl_jax.models.hf import schema as hf_schema
 from pipelinerl_jax.models import transformer
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -207,7 +207,7 @@ def test_trainer_estimate_is_within_a_small_factor_of_xla_on_cpu(attention, rema
   c.generation.max_prompt_len = seq_len // 2          # one full-length sample fills a row
   c.generation.max_new_tokens = seq_len - seq_len // 2 + 1
   c.rl.group_size, c.rl.batch_size = 1, 2
-  m = hf_io.config_from_hf(TINY_HF, param_dtype='float32', dtype=dtype, remat=remat,
+  m = hf_schema.config_from_hf(TINY_HF, param_dtype='float32', dtype=dtype, remat=remat,
                            attention=attention, attention_block_q=256, attention_block_kv=256)
   terms, facts = memory_plan.trainer_memory(m, c, AbstractMesh((1, 1, 1, 1),
                                                                 sharding_lib.MESH_AXES))
@@ -266,7 +266,7 @@ def test_several_trainer_processes_keep_a_whole_copy_over_each_process_devices()
   where one process's copy is sharded like the params, over all 8."""
   config = config_lib.load_preset('paper_7b')
   hf_config, source = memory_plan.read_hf_config(MODELS['paper_7b'])
-  m = hf_io.config_from_hf(hf_config, source=source, param_dtype='float32', dtype='bfloat16')
+  m = hf_schema.config_from_hf(hf_config, source=source, param_dtype='float32', dtype='bfloat16')
   param_bytes = m.num_params * 4 // 8  # fp32, sharded over 8 devices
   one = memory_plan.publishing_memory(m, config, param_bytes, 'bfloat16', train_devices=8)
   assert one['published'] == 2 * (m.num_params * 2 // 8)

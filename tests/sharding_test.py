@@ -11,11 +11,11 @@ import pytest
 from jax.sharding import AbstractMesh, NamedSharding, PartitionSpec as P
 
 from pipelinerl_jax import sharding as sharding_lib
-from pipelinerl_jax.models import hf_io
+from pipelinerl_jax.models.hf import schema as hf_schema
 from pipelinerl_jax.models import transformer
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
-QWEN = {name: hf_io.load_config(ROOT / 'configs/models' / name)
+QWEN = {name: hf_schema.load_config(ROOT / 'configs/models' / name)
         for name in ('Qwen2.5-Math-1.5B', 'Qwen2.5-7B', 'Qwen3-8B')}
 
 

@@ -74,7 +74,7 @@ def test_the_real_path_refuses_before_anything_loads(monkeypatch, tmp_path):
   def loaded(*args, **kwargs):
     raise AssertionError('something was loaded before the refusal')
   monkeypatch.setattr(launch.warmstart, 'model_dir_for', loaded)
-  monkeypatch.setattr(launch.hf_io, 'check_model_dir', loaded)
+  monkeypatch.setattr(launch.hf_schema, 'check_model_dir', loaded)
   monkeypatch.setattr(launch.build_lib, 'build', loaded)
   config = preset('qwen1p5b_8xh100', allow_cpu=True)
   with pytest.raises(ValueError, match=r"^config.model.attention='cudnn' needs an NVIDIA GPU .* "

@@ -350,7 +350,7 @@ def test_jax_gloo_between_the_hosts_listens_on_the_interface_never_on_loopback(t
 def test_the_run_learns_across_the_hosts_and_counts_the_bytes_that_crossed(runs):
   from pipelinerl_jax.generation.transport import collective
   from pipelinerl_jax.generation.transport import hf_tensors
-  from pipelinerl_jax.models import hf_io
+  from pipelinerl_jax.models.hf import schema as hf_schema
   rs = [r for r in runs['across']['records'] if r['step'] <= LEARN_STEPS]
   assert [r['step'] for r in rs] == list(range(1, LEARN_STEPS + 1))
   # The rise of the reward's least-squares line over the steps (its noise, with a per-step std
@@ -364,7 +364,7 @@ def test_the_run_learns_across_the_hosts_and_counts_the_bytes_that_crossed(runs)
   assert rise > 0.04
   # Each step's weights went from a to b's generator over gloo: at least that many bytes left
   # a's interface; and the counts only grow.
-  model = hf_io.load_config(runs['model_dir'])
+  model = hf_schema.load_config(runs['model_dir'])
   update_bytes = collective.make_plan(hf_tensors.expected_shapes(model), 'float32').nbytes
   assert sent >= LEARN_STEPS * update_bytes
   assert received > 0

@@ -161,12 +161,13 @@ def run_jax(size: str, args) -> dict:
 
 def run_vllm(size: str, way: str, args) -> dict:
   from pipelinerl_jax.generation.vllm import engine as vllm_engine
-  from pipelinerl_jax.models import hf_io
+  from pipelinerl_jax.models.hf import checkpoint as hf_checkpoint
+  from pipelinerl_jax.models.hf import schema as hf_schema
   from pipelinerl_jax.models.layers import lora as lora_lib
   config, lora = model_config(size), lora_lib.LoraConfig(args.rank, 2.0 * args.rank)
   model_dir = pathlib.Path(args.workdir) / f'qwen2_{size}'
-  if not (model_dir / hf_io.CONFIG_FILE).is_file():
-    hf_io.save_params(random_params(config, 0), config, model_dir, dtype='bfloat16')
+  if not (model_dir / hf_schema.CONFIG_FILE).is_file():
+    hf_checkpoint.save_params(random_params(config, 0), config, model_dir, dtype='bfloat16')
   engine_config = vllm_engine.VllmEngineConfig(
       max_num_seqs=args.requests, max_model_len=PROMPT + args.new_tokens + 16,
       kv_cache_bytes=64 << 20, max_num_batched_tokens=args.max_num_batched_tokens or None,

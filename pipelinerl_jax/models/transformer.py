@@ -69,7 +69,7 @@ class RopeScaling:
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
-  """Architecture and numerics. Built from an HF config.json by `models.hf_io.load_config`."""
+  """Architecture and numerics. Built from an HF config.json by `hf.schema.load_config`."""
   vocab_size: int
   hidden_size: int
   intermediate_size: int

@@ -33,7 +33,7 @@ from pipelinerl_jax import platforms
 from pipelinerl_jax import stack as stack_lib
 from pipelinerl_jax import train
 from pipelinerl_jax.demo import warmstart
-from pipelinerl_jax.models import hf_io
+from pipelinerl_jax.models.hf import schema as hf_schema
 from pipelinerl_jax.models.layers import lora as lora_lib
 from pipelinerl_jax.pipeline import build as build_lib
 from pipelinerl_jax.pipeline import multiprocess
@@ -121,7 +121,7 @@ def prepare(config: config_lib.Config, workdir: str, model_dir: str | None = Non
   else:
     check(config, workdir)
   if not model_dir and config.model.path:
-    model_dir = hf_io.check_model_dir(config.model.path, 'config.model.path')
+    model_dir = hf_schema.check_model_dir(config.model.path, 'config.model.path')
   if not model_dir:
     model_dir = distributed.primary_first(lambda: warmstart.model_dir_for(config), 'demo model')
   signals.check(interrupt)
@@ -172,7 +172,7 @@ def claim_outputs(config: config_lib.Config, workdir: str, model_dir: str
               f"(started {lock.took_over.get('started')}), which ended without releasing it",
               flush=True)
     m = config.model
-    model_config = hf_io.load_config(model_dir, param_dtype=m.param_dtype, dtype=m.dtype)
+    model_config = hf_schema.load_config(model_dir, param_dtype=m.param_dtype, dtype=m.dtype)
     one = checkpoint_lib.state_bytes(model_config, train.make_optimizer(config.optimizer),
                                      lora_lib.LoraConfig.from_settings(m.lora))
     keep = config.checkpoint.keep
