@@ -222,8 +222,8 @@ class ModelSettings(_Section):
   attention: Literal['blockwise', 'dense', 'cudnn'] = 'blockwise'
   attention_block_q: int = 1024
   attention_block_kv: int = 1024
-  # Mixture-of-experts models (models/layers/moe.py). Routing of the trained tokens: 'recompute' (the
-  # trainer's own router picks each token's experts) or 'replay' (a model token goes to the
+  # Mixture-of-experts models (models/layers/moe.py). Routing of the trained tokens: 'recompute'
+  # (the trainer's own router picks each token's experts) or 'replay' (a model token goes to the
   # experts the sampler used for it, recorded by the JAX engine; the gates still come from
   # the trainer's router, so it learns); prompt and observation tokens are always routed afresh.
   moe_routing: Literal['recompute', 'replay'] = 'recompute'

@@ -178,7 +178,7 @@ def worst_case_rows(config: config_lib.Config, data_parallel: int) -> tuple[int,
 
 def _layer_bytes_per_token(m: transformer.ModelConfig, moe: bool = False, ep: int = 1) -> int:
   """Intermediates of one decoder layer per token (no attention scores), as transformer.py makes
-  them: fp32 norm inputs and RoPE, the rest in the compute dtype. An MoE layer (models/layers/moe.py):
+  them: fp32 norm inputs and RoPE, the rest in the compute dtype. An MoE layer (layers/moe.py):
   router logits and fp32 probabilities, and for each of the Xk assignments the token gathered,
   the expert's gate, up and activation and its output; split over an expert axis of `ep`, the
   gathered rows and the shares before the reduce-scatter (ep rows of D for each of its own)."""

@@ -10,7 +10,7 @@ Parameter pytree (layers stacked on a leading axis L by `nn.scan`; kernels are [
   layers/post_attn_norm/scale          [L, D]
   layers/mlp/{gate,up}_proj/kernel     [L, D, F]
   layers/mlp/down_proj/kernel          [L, F, D]
-  layers/moe/router/kernel             [L, D, X]              (an MoE layer's MLP, models/layers/moe.py)
+  layers/moe/router/kernel             [L, D, X]              (an MoE layer's MLP: layers/moe.py)
   layers/moe/{gate,up}_proj/kernel     [L, X, D, I]
   layers/moe/down_proj/kernel          [L, X, I, D]
   final_norm/scale                     [D]
@@ -43,18 +43,18 @@ Two entry points share one module:
 from __future__ import annotations
 
 import dataclasses
-import math
 from typing import Any, NamedTuple
 
 import flax.linen as nn
 import jax
-from jax.ad_checkpoint import checkpoint_name
 import jax.numpy as jnp
 
 from pipelinerl_jax.models.layers import attention as attention_lib
+from pipelinerl_jax.models.layers import full_attention
 from pipelinerl_jax.models.layers import lora as lora_lib
 from pipelinerl_jax.models.layers import moe as moe_lib
 from pipelinerl_jax.models.layers import paged_attention
+from pipelinerl_jax.models.layers.common import MLP, RMSNorm, dense
 
 
 @dataclasses.dataclass(frozen=True)
@@ -100,10 +100,10 @@ class ModelConfig:
   attention: str = 'blockwise'    # 'dense' | 'blockwise' | 'cudnn'
   attention_block_q: int = 1024
   attention_block_kv: int = 1024
-  # Generation: how a decode step reads the paged KV cache (models/layers/paged_attention.py); set by
-  # the engine from generation.decode_attention.
+  # Generation: how a decode step reads the paged KV cache (layers/paged_attention.py); set by the
+  # engine from generation.decode_attention.
   decode_attention: str = 'xla'   # 'xla' | 'pallas' | 'cudnn'
-  # Mixture of experts (Qwen3-MoE, models/layers/moe.py): the layers in `moe_layers` replace their MLP
+  # Mixture of experts (Qwen3-MoE, layers/moe.py): the layers in `moe_layers` replace their MLP
   # by num_experts experts of width moe_intermediate_size, num_experts_per_tok per token;
   # () = a dense model. `moe_dispatch`: 'ragged' (tokens sorted by expert, grouped matmul) or
   # 'dense' (every expert on every token: the reference).
@@ -241,134 +241,6 @@ def init_cache(config: ModelConfig, batch_size: int, max_len: int, dtype: Any = 
   return KVCache(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype))
 
 
-def rope_inv_freq(config: ModelConfig) -> jax.Array:
-  """Inverse frequencies [Dh/2], with HF's 'linear' and 'llama3' scaling rules."""
-  dh = config.head_dim
-  inv_freq = 1.0 / (config.rope_theta ** (jnp.arange(0, dh, 2, dtype=jnp.float32) / dh))
-  s = config.rope_scaling
-  if s is None:
-    return inv_freq
-  if s.kind == 'linear':
-    return inv_freq / s.factor
-  if s.kind == 'llama3':
-    # Long wavelengths are slowed by `factor`, short ones kept, the band between interpolated.
-    old_len = s.original_max_position_embeddings
-    low_wavelen, high_wavelen = old_len / s.low_freq_factor, old_len / s.high_freq_factor
-    wavelen = 2 * math.pi / inv_freq
-    scaled = jnp.where(wavelen > low_wavelen, inv_freq / s.factor, inv_freq)
-    smooth = (old_len / wavelen - s.low_freq_factor) / (s.high_freq_factor - s.low_freq_factor)
-    smoothed = (1 - smooth) * scaled / s.factor + smooth * scaled
-    is_medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
-    return jnp.where(is_medium, smoothed, scaled)
-  raise ValueError(f'rope_scaling.rope_type={s.kind!r} is not supported (default, linear, llama3)')
-
-
-def apply_rope(x_RxTxNxDh: jax.Array, positions_RxT: jax.Array, inv_freq: jax.Array) -> jax.Array:
-  """HF's non-interleaved rotary embedding (the two halves of Dh are the pairs)."""
-  angles_RxTxE = positions_RxT[..., None].astype(jnp.float32) * inv_freq
-  cos = jnp.cos(angles_RxTxE)[:, :, None, :]
-  sin = jnp.sin(angles_RxTxE)[:, :, None, :]
-  x = x_RxTxNxDh.astype(jnp.float32)
-  x1, x2 = jnp.split(x, 2, axis=-1)
-  out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
-  return out.astype(x_RxTxNxDh.dtype)
-
-
-class RMSNorm(nn.Module):
-  eps: float
-  dtype: Any
-  param_dtype: Any
-
-  @nn.compact
-  def __call__(self, x):
-    scale = self.param('scale', nn.initializers.ones, (x.shape[-1],), self.param_dtype)
-    x32 = x.astype(jnp.float32)
-    x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
-    # Cast before scaling, as HF and vLLM do, so bf16 results agree with the sampler's.
-    return x32.astype(self.dtype) * scale.astype(self.dtype)
-
-
-def _dense(features, use_bias, config, name):
-  # nn.Dense, plus a LoRA delta when the variables carry adapters for it (models/layers/lora.py).
-  return lora_lib.Dense(features, use_bias=use_bias, dtype=config.dtype,
-                        param_dtype=config.param_dtype,
-                        kernel_init=nn.initializers.normal(0.02), name=name)
-
-
-class Attention(nn.Module):
-  config: ModelConfig
-
-  @nn.compact
-  def __call__(self, x_RxTxD, positions_RxT, segment_ids_RxT, mask_RxTxS, layer_cache,
-               spans=None):
-    c = self.config
-    b, t, _ = x_RxTxD.shape
-    q = _dense(c.num_heads * c.head_dim, c.qkv_bias, c, 'q_proj')(x_RxTxD)
-    k = _dense(c.num_kv_heads * c.head_dim, c.qkv_bias, c, 'k_proj')(x_RxTxD)
-    v = _dense(c.num_kv_heads * c.head_dim, c.qkv_bias, c, 'v_proj')(x_RxTxD)
-    q_RxTxNxDh = q.reshape(b, t, c.num_heads, c.head_dim)
-    k_RxTxKxDh = k.reshape(b, t, c.num_kv_heads, c.head_dim)
-    if c.qk_norm:  # Qwen3: each head's query and key normalized over Dh, before RoPE
-      norm = lambda name: RMSNorm(c.rms_norm_eps, c.dtype, c.param_dtype, name=name)
-      q_RxTxNxDh, k_RxTxKxDh = norm('q_norm')(q_RxTxNxDh), norm('k_norm')(k_RxTxKxDh)
-    inv_freq = rope_inv_freq(c)
-    q_RxTxNxDh = apply_rope(q_RxTxNxDh, positions_RxT, inv_freq)
-    k_RxTxKxDh = apply_rope(k_RxTxKxDh, positions_RxT, inv_freq)
-    v_RxTxKxDh = v.reshape(b, t, c.num_kv_heads, c.head_dim)
-
-    g = c.num_heads // c.num_kv_heads
-    q_RxTxKxQxDh = q_RxTxNxDh.reshape(b, t, c.num_kv_heads, g, c.head_dim)
-    new_cache = None
-    if layer_cache is None:  # training rows: keys are the row's own tokens
-      starts_RxG, lengths_RxG = spans if spans is not None else (None, None)
-      with jax.named_scope('attention_core'):  # the profile breakdown finds attention by this
-        out_RxTxKxQxDh = attention_lib.packed(
-            q_RxTxKxQxDh, k_RxTxKxDh.astype(c.dtype), v_RxTxKxDh.astype(c.dtype),
-            segment_ids_RxT, implementation=c.attention, block_q=c.attention_block_q,
-            block_kv=c.attention_block_kv, segment_starts_RxG=starts_RxG,
-            segment_lengths_RxG=lengths_RxG)
-        out_RxTxKxQxDh = checkpoint_name(out_RxTxKxQxDh, 'attention_out')
-    elif layer_cache.table is None:  # dense cache: write at each token's position, read it all
-      # The whole [L, R, S, K, Dh] cache rides in the layer scan's carry and only the T new
-      # tokens are scattered into it, so a decode step updates the cache in place instead of
-      # rebuilding it (as scanning over per-layer slices would).
-      cache_k, cache_v, layer = layer_cache.k, layer_cache.v, layer_cache.layer
-      rows = jnp.arange(b)[:, None]
-      # Positions >= S (padding) are dropped, so padded prompt tokens write nowhere.
-      cache_k = cache_k.at[layer, rows, positions_RxT].set(k_RxTxKxDh.astype(cache_k.dtype),
-                                                           mode='drop')
-      cache_v = cache_v.at[layer, rows, positions_RxT].set(v_RxTxKxDh.astype(cache_v.dtype),
-                                                           mode='drop')
-      out_RxTxKxQxDh = attention_lib.dense(
-          q_RxTxKxQxDh, jax.lax.dynamic_index_in_dim(cache_k, layer, 0, keepdims=False),
-          jax.lax.dynamic_index_in_dim(cache_v, layer, 0, keepdims=False), mask_RxTxS, c.dtype)
-      new_cache = layer_cache._replace(k=cache_k, v=cache_v)
-    else:  # paged cache: the same, through each row's block table (in place as above)
-      layer, table_RxW = layer_cache.layer, layer_cache.table
-      page_RxT, offset_RxT = paged_attention.locate(table_RxW, positions_RxT,
-                                                    layer_cache.k.shape[3])
-      pool = paged_attention.PagedKVCache(
-          paged_attention.write(layer_cache.k, layer, page_RxT, offset_RxT, k_RxTxKxDh),
-          paged_attention.write(layer_cache.v, layer, page_RxT, offset_RxT, v_RxTxKxDh))
-      out_RxTxKxQxDh = paged_attention.attend(q_RxTxKxQxDh.astype(c.dtype), pool, layer,
-                                              table_RxW, positions_RxT,
-                                              implementation=c.decode_attention)
-      new_cache = layer_cache._replace(k=pool.k, v=pool.v)
-    out = out_RxTxKxQxDh.reshape(b, t, c.num_heads * c.head_dim)
-    return _dense(c.hidden_size, False, c, 'o_proj')(out), new_cache
-
-
-class MLP(nn.Module):
-  config: ModelConfig
-
-  @nn.compact
-  def __call__(self, x):
-    c = self.config
-    gate = _dense(c.intermediate_size, False, c, 'gate_proj')(x)
-    up = _dense(c.intermediate_size, False, c, 'up_proj')(x)
-    return _dense(c.hidden_size, False, c, 'down_proj')(nn.silu(gate) * up)
-
-
 class DecoderLayer(nn.Module):
   """One pre-norm block. `nn.scan` calls it with carry (x, cache) where cache is None (training:
   segment ids say who attends to whom) or a `_CacheCarry` over all layers (generation: the
@@ -388,8 +260,8 @@ class DecoderLayer(nn.Module):
     x_RxTxD, cache = carry
     c = self.config
     norm = lambda name: RMSNorm(c.rms_norm_eps, c.dtype, c.param_dtype, name=name)
-    h, cache = Attention(c, name='attn')(norm('input_norm')(x_RxTxD), positions_RxT,
-                                         segment_ids_RxT, mask_RxTxS, cache, spans)
+    h, cache = full_attention.Attention(c, name='attn')(
+        norm('input_norm')(x_RxTxD), positions_RxT, segment_ids_RxT, mask_RxTxS, cache, spans)
     x_RxTxD = x_RxTxD + h
     routes = None
     if self.moe:
@@ -449,7 +321,7 @@ class Transformer(nn.Module):
     x_RxTxD = RMSNorm(c.rms_norm_eps, c.dtype, c.param_dtype, name='final_norm')(x_RxTxD)
     if not c.tie_embeddings and self.is_initializing():
       # Created here so init makes it; applied by `logits`, which may run in fp32 / chunks.
-      _dense(c.vocab_size, False, c, 'lm_head')(x_RxTxD)
+      dense(c.vocab_size, False, c, 'lm_head')(x_RxTxD)
     new_cache = None if cache is None else type(cache)(carry.k, carry.v)
     stacked = (jax.tree.map(lambda *a: jnp.concatenate(a), *routes) if routes else None)
     return x_RxTxD, new_cache, stacked
