@@ -84,7 +84,7 @@ def export_hf(checkpoint_dir: str | os.PathLike, model_dir: str | os.PathLike | 
     params = lora_lib.merge(adapted.base, adapted.adapters, scale=adapted.scale)
     dtype = dtype or budget.serving_dtype(original) or param_dtype
   written = hf_checkpoint.save_params(params, model_config, out_dir, dtype=dtype,
-                                      extra_config=original)
+                                      extra_config=original, carry_from=model_dir)
   for f in sorted(model_dir.iterdir()):
     if f.is_file() and f.name not in _NOT_COPIED and not f.name.endswith(_WEIGHT_SUFFIXES):
       shutil.copy2(f, out_dir / f.name)

@@ -42,6 +42,10 @@ PARAM_RULES: Sequence[tuple[str, tuple]] = (
     (r'moe/router/kernel$', (None, 'fsdp', None)),                # [L, D, X]
     (r'moe/(gate|up)_proj/kernel$', (None, 'expert', 'fsdp', 'tensor')),  # [L, X, D, I]
     (r'moe/down_proj/kernel$', (None, 'expert', 'tensor', 'fsdp')),       # [L, X, I, D]
+    # Gated DeltaNet (Qwen3.5): q, k and v share one projection and one convolution over their
+    # channels, so 'tensor' leaves these layers whole (the full-attention ones still split).
+    (r'linear_attn/in_proj_\w+/kernel$', (None, 'fsdp', None)),          # [L, D, Cc | Hv*Dv | Hv]
+    (r'linear_attn/out_proj/kernel$', (None, None, 'fsdp')),             # [L, Hv*Dv, D]
     (r'lm_head/kernel$', ('fsdp', 'tensor')),                     # [D, V]
     (r'.*', ()),                                                  # norms: replicated
 )

@@ -399,6 +399,16 @@ class _Sequence(api.SequenceRecord):
   __hash__ = object.__hash__
 
 
+def check_servable(model_config: transformer.ModelConfig) -> None:
+  """A one-line ValueError for a model this engine cannot decode: a hybrid's Gated DeltaNet
+  layers keep a recurrent state that the paged KV cache does not hold."""
+  if model_config.is_hybrid:
+    raise ValueError(f"config.generation.backend='jax': the JAX engine does not serve hybrid "
+                     f'models ({model_config.architecture}: {len(model_config.linear_layers)} '
+                     "Gated DeltaNet layers, whose recurrent state it does not keep); use "
+                     "backend 'vllm'")
+
+
 class _Dispatched(NamedTuple):
   drawn: jax.Array          # tokens, log mu (and routes): `unpack_drawn`
   slots: list[int]          # the slots that decoded in it
@@ -420,6 +430,7 @@ class JaxEngine(api.QueuedEngine):
 
   def __init__(self, model_config: transformer.ModelConfig, params: Any,
                config: EngineConfig = EngineConfig(), *, version: int = 0, device: Any = None):
+    check_servable(model_config)
     super().__init__(version)
     self.model_config = dataclasses.replace(model_config,
                                             decode_attention=config.decode_attention)

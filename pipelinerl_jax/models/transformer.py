@@ -1,4 +1,5 @@
-"""Decoder-only LM in Flax (linen) covering Qwen2 / Qwen2.5, Qwen3 (dense and MoE) and Llama-3.
+"""Decoder-only LM in Flax (linen) covering Qwen2 / Qwen2.5, Qwen3 (dense and MoE), Qwen3.5 (the
+hybrid of Gated DeltaNet and gated full attention) and Llama-3.
 
 Parameter pytree (layers stacked on a leading axis L by `nn.scan`; kernels are [in, out]):
 
@@ -7,6 +8,15 @@ Parameter pytree (layers stacked on a leading axis L by `nn.scan`; kernels are [
   layers/attn/{q,k,v}_proj/kernel      [L, D, N*Dh | K*Dh]    (+ /bias [L, ...] when qkv_bias)
   layers/attn/o_proj/kernel            [L, N*Dh, D]
   layers/attn/{q,k}_norm/scale         [L, Dh]                (only when qk_norm: Qwen3)
+  layers/linear_attn/...                                      (a Gated DeltaNet layer's mixer
+                                                               in place of attn: Qwen3.5)
+  layers/linear_attn/in_proj_qkv/kernel [L, D, Cc]
+  layers/linear_attn/in_proj_z/kernel  [L, D, Hv*Dv]
+  layers/linear_attn/in_proj_{b,a}/kernel [L, D, Hv]
+  layers/linear_attn/conv1d/kernel     [L, Kc, 1, Cc]
+  layers/linear_attn/{A_log,dt_bias}   [L, Hv]
+  layers/linear_attn/norm/scale        [L, Dv]
+  layers/linear_attn/out_proj/kernel   [L, Hv*Dv, D]
   layers/post_attn_norm/scale          [L, D]
   layers/mlp/{gate,up}_proj/kernel     [L, D, F]
   layers/mlp/down_proj/kernel          [L, F, D]
@@ -19,13 +29,21 @@ Parameter pytree (layers stacked on a leading axis L by `nn.scan`; kernels are [
 Shape letters (the README's table): R rows, T query tokens, S key/cache positions, D model
 width, N query heads, K key/value heads, Q = N // K, Dh head dim, E rotary frequencies (Dh / 2),
 F MLP width, V vocab, L layers; J chunks of Tb positions (logits are made a chunk at a time);
-for mixtures of experts X experts, Xk experts per token, I expert width, Ls MoE layers.
+for mixtures of experts X experts, Xk experts per token, I expert width, Ls MoE layers; for
+Gated DeltaNet layers (layers/gated_delta.py) Hk / Hv key / value heads of Dk / Dv, Cc
+convolution channels, Kc convolution taps.
 
 Layers are stacked and scanned in runs of one kind (`layer_groups`): a model whose layers are all
-dense or all MoE (Qwen3-30B-A3B: every layer MoE) is one scan over `layers`; a dense layer among
-MoE ones (Qwen3-MoE's `mlp_only_layers`, `decoder_sparse_step`) splits the stack into runs
-`layers_0`, `layers_1`, ..., each its own scan over its own stacked params. Runs keep one scan's
-compile time and memory layout for the common case and cost one more scan per change of kind.
+alike (Qwen3-30B-A3B: every layer MoE) is one scan over `layers`; a change of kind (Qwen3-MoE's
+`mlp_only_layers`, `decoder_sparse_step`; Qwen3.5's `layer_types`, three Gated DeltaNet layers to
+one full-attention layer) splits the stack into runs `layers_0`, `layers_1`, ..., each its own
+scan over its own stacked params. Runs keep one scan's compile time and memory layout for the
+common case and cost one more scan per change of kind.
+
+Qwen3.5's full attention (`attention_output_gate`) has q_proj emit each head's query and a gate,
+and multiplies attention's output by sigmoid(gate) before o_proj; RoPE turns the first
+`partial_rotary_factor` of each head's dims; its RMSNorms scale by (1 + w) in fp32
+(`norm_zero_centered`).
 
 Every function that takes `params` also takes `lora.Adapted(base, adapters, scale)`: the same
 model with a low-rank delta on its projections (models/layers/lora.py), computed unmerged.
@@ -35,9 +53,10 @@ Two entry points share one module:
     segment (models/layers/attention.py: dense, or blockwise with memory linear in the row length);
     returns log pi(target) and the entropy of each position's distribution.
   * generation: `decode_paged` -- writes the new tokens' keys/values into a paged KV cache
-    (models/layers/paged_attention.py) at their positions and attends to every position at or before
-    each query's; the engine's path. `decode` does the same over a dense [L, R, S, K, Dh] cache:
-    the reference the tests compare against.
+    (models/layers/paged_attention.py) at their positions and attends to every position at or
+    before each query's; the engine's path. `decode` does the same over a dense [L, R, S, K, Dh]
+    cache: the reference the tests compare against. Neither runs a hybrid model yet: a Gated
+    DeltaNet layer decodes from its `gated_delta.LinearState`, which no cache here carries.
 """
 
 from __future__ import annotations
@@ -51,10 +70,11 @@ import jax.numpy as jnp
 
 from pipelinerl_jax.models.layers import attention as attention_lib
 from pipelinerl_jax.models.layers import full_attention
+from pipelinerl_jax.models.layers import gated_delta
 from pipelinerl_jax.models.layers import lora as lora_lib
 from pipelinerl_jax.models.layers import moe as moe_lib
 from pipelinerl_jax.models.layers import paged_attention
-from pipelinerl_jax.models.layers.common import MLP, RMSNorm, dense
+from pipelinerl_jax.models.layers.common import MLP, dense, rms_norm
 
 
 @dataclasses.dataclass(frozen=True)
@@ -82,6 +102,10 @@ class ModelConfig:
   rms_norm_eps: float = 1e-6
   qkv_bias: bool = False          # Qwen2 has q/k/v biases, Llama and Qwen3 do not.
   qk_norm: bool = False           # Qwen3: an RMSNorm over Dh on every query and key head
+  # Qwen3.5: q_proj also emits a gate per head, attention's output is multiplied by its sigmoid.
+  attention_output_gate: bool = False
+  partial_rotary_factor: float = 1.0  # RoPE turns the first factor * Dh dims of each head
+  norm_zero_centered: bool = False    # Qwen3.5's RMSNorm: x * (1 + w) in fp32, w starting at 0
   tie_embeddings: bool = False
   max_position_embeddings: int = 32768
   architecture: str = 'Qwen2ForCausalLM'
@@ -113,6 +137,17 @@ class ModelConfig:
   norm_topk_prob: bool = False
   moe_layers: tuple[int, ...] = ()
   moe_dispatch: str = 'ragged'
+  # Hybrid models (Qwen3.5, layers/gated_delta.py): the layers in `linear_layers` replace
+  # attention by a Gated DeltaNet of Hk key heads of Dk, Hv value heads of Dv and a causal
+  # convolution of Kc taps; () = every layer full attention. `linear_chunk_size`: the chunked
+  # delta rule's chunk length (training and prefill).
+  linear_layers: tuple[int, ...] = ()
+  linear_num_key_heads: int = 0
+  linear_num_value_heads: int = 0
+  linear_key_head_dim: int = 0
+  linear_value_head_dim: int = 0
+  linear_conv_kernel: int = 0
+  linear_chunk_size: int = gated_delta.DEFAULT_CHUNK
 
   def __post_init__(self):
     if self.attention not in attention_lib.IMPLEMENTATIONS:
@@ -143,24 +178,68 @@ class ModelConfig:
                        f'{self.num_experts_per_tok}, {self.moe_intermediate_size}')
     if self.moe_dispatch not in moe_lib.DISPATCHES:
       raise ValueError(f'moe_dispatch={self.moe_dispatch!r} is not one of {moe_lib.DISPATCHES}')
+    if not (0 < self.partial_rotary_factor <= 1 and self.rotary_dim >= 2
+            and self.rotary_dim % 2 == 0):
+      raise ValueError(f'partial_rotary_factor={self.partial_rotary_factor} of head_dim='
+                       f'{self.head_dim} must turn an even number of dims >= 2')
+    linear = tuple(self.linear_layers)
+    object.__setattr__(self, 'linear_layers', linear)
+    if linear != tuple(sorted(set(linear))) or any(not 0 <= i < self.num_layers for i in linear):
+      raise ValueError(f'linear_layers={linear} must be distinct layer indices below '
+                       f'num_layers={self.num_layers}, in order')
+    if linear:
+      hk, hv = self.linear_num_key_heads, self.linear_num_value_heads
+      if min(hk, hv, self.linear_key_head_dim, self.linear_value_head_dim) < 1 or hv % hk:
+        raise ValueError(f'Gated DeltaNet layers need key and value heads and head dims >= 1, '
+                         f'value heads a multiple of key heads, got {hk}, {hv}, '
+                         f'{self.linear_key_head_dim}, {self.linear_value_head_dim}')
+      if self.linear_conv_kernel < 1 or self.linear_chunk_size < 1:
+        raise ValueError(f'linear_conv_kernel={self.linear_conv_kernel} and linear_chunk_size='
+                         f'{self.linear_chunk_size} must be >= 1')
 
   @property
   def is_moe(self) -> bool:
     return bool(self.moe_layers)
 
   @property
+  def is_hybrid(self) -> bool:
+    """Gated DeltaNet layers among full-attention ones (Qwen3.5)."""
+    return bool(self.linear_layers)
+
+  @property
+  def attention_layers(self) -> tuple[int, ...]:
+    """The full-attention layers: the ones with a KV cache."""
+    linear = set(self.linear_layers)
+    return tuple(i for i in range(self.num_layers) if i not in linear)
+
+  @property
+  def rotary_dim(self) -> int:
+    """The dims of each head RoPE turns (transformers: int(head_dim * partial_rotary_factor))."""
+    return int(self.head_dim * self.partial_rotary_factor)
+
+  @property
   def num_params(self) -> int:
     d, f, v, l = self.hidden_size, self.intermediate_size, self.vocab_size, self.num_layers
     q, kv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-    per_layer = d * (q + 2 * kv) + q * d + 2 * d
+    attention = d * (q * (2 if self.attention_output_gate else 1) + 2 * kv) + q * d
     if self.qkv_bias:
-      per_layer += q + 2 * kv
+      attention += q + 2 * kv
     if self.qk_norm:
-      per_layer += 2 * self.head_dim
-    moe = len(self.moe_layers)
+      attention += 2 * self.head_dim
+    moe, linear = len(self.moe_layers), len(self.linear_layers)
     experts = self.num_experts * 3 * d * self.moe_intermediate_size + d * self.num_experts
-    return (v * d * (1 if self.tie_embeddings else 2) + l * per_layer + (l - moe) * 3 * d * f
-            + moe * experts + d)
+    mixers = (l - linear) * attention + linear * self.linear_attention_params
+    return (v * d * (1 if self.tie_embeddings else 2) + mixers + l * 2 * d
+            + (l - moe) * 3 * d * f + moe * experts + d)
+
+  @property
+  def linear_attention_params(self) -> int:
+    """Params of one Gated DeltaNet mixer (0 without linear layers)."""
+    if not self.linear_layers:
+      return 0
+    hk, hv, dk, dv, cc, kc = gated_delta.dims(self)
+    return (self.hidden_size * (cc + hv * dv + 2 * hv) + kc * cc + 2 * hv + dv
+            + hv * dv * self.hidden_size)
 
   @property
   def num_active_params(self) -> int:
@@ -172,25 +251,27 @@ class ModelConfig:
 
 class LayerGroup(NamedTuple):
   """A run of consecutive layers of one kind, scanned together over params stacked under
-  `name`: layers first..first+count-1, MoE or dense."""
+  `name`: layers first..first+count-1, MoE or dense MLP, Gated DeltaNet or full attention."""
   name: str
   first: int
   count: int
   moe: bool
+  linear: bool = False
 
 
 def layer_groups(config: ModelConfig) -> tuple[LayerGroup, ...]:
   """The model's runs of layers (see the module docstring): one group `layers` when every
   layer is of one kind, else `layers_0`, `layers_1`, ... in order."""
-  moe = set(config.moe_layers)
+  moe, linear = set(config.moe_layers), set(config.linear_layers)
   runs = []
   for i in range(config.num_layers):
-    if runs and runs[-1][2] == (i in moe):
+    kind = (i in moe, i in linear)
+    if runs and runs[-1][2] == kind:
       runs[-1][1] += 1
     else:
-      runs.append([i, 1, i in moe])
+      runs.append([i, 1, kind])
   names = ['layers'] if len(runs) == 1 else [f'layers_{j}' for j in range(len(runs))]
-  return tuple(LayerGroup(n, first, count, kind) for n, (first, count, kind) in zip(names, runs))
+  return tuple(LayerGroup(n, first, count, *kind) for n, (first, count, kind) in zip(names, runs))
 
 
 # What a rematerialized layer keeps for its backward pass besides its input (the rest is
@@ -248,20 +329,28 @@ class DecoderLayer(nn.Module):
 
   `moe`: the MLP is the experts (models/layers/moe.py), which also take this layer's slice of the
   replayed routes [R, T, Xk] (scanned) and the mask of tokens that replay them (broadcast), and
-  whose `LayerRoutes` the scan stacks; `mesh` / `batch_axes` place the experts."""
+  whose `LayerRoutes` the scan stacks; `mesh` / `batch_axes` place the experts.
+
+  `linear`: the mixer is a Gated DeltaNet (layers/gated_delta.py) in place of attention; in
+  training rows the segment ids reset its state."""
   config: ModelConfig
   moe: bool = False
   mesh: Any = None
   batch_axes: tuple[str, ...] = ()
+  linear: bool = False
 
   @nn.compact
   def __call__(self, carry, positions_RxT, segment_ids_RxT, mask_RxTxS, spans, replay_RxT,
                routes_RxTxXk):
     x_RxTxD, cache = carry
     c = self.config
-    norm = lambda name: RMSNorm(c.rms_norm_eps, c.dtype, c.param_dtype, name=name)
-    h, cache = full_attention.Attention(c, name='attn')(
-        norm('input_norm')(x_RxTxD), positions_RxT, segment_ids_RxT, mask_RxTxS, cache, spans)
+    norm = lambda name: rms_norm(c, name)
+    if self.linear:
+      h, _ = gated_delta.GatedDeltaNet(c, name='linear_attn')(norm('input_norm')(x_RxTxD),
+                                                              segment_ids_RxT)
+    else:
+      h, cache = full_attention.Attention(c, name='attn')(
+          norm('input_norm')(x_RxTxD), positions_RxT, segment_ids_RxT, mask_RxTxS, cache, spans)
     x_RxTxD = x_RxTxD + h
     routes = None
     if self.moe:
@@ -296,6 +385,9 @@ class Transformer(nn.Module):
                cache: KVCache | paged_attention.PagedKVCache | None = None, table_RxW=None,
                spans=None, routes_RxTxLsxXk=None, replay_RxT=None):
     c = self.config
+    if cache is not None and c.is_hybrid:
+      raise ValueError(f'{c.architecture}: decoding over a KV cache does not run its Gated '
+                       f'DeltaNet layers {c.linear_layers} (their state is not carried here)')
     embed = nn.Embed(c.vocab_size, c.hidden_size, dtype=c.dtype, param_dtype=c.param_dtype,
                      embedding_init=nn.initializers.normal(0.02), name='embed')
     x_RxTxD = embed(tokens_RxT)
@@ -311,14 +403,15 @@ class Transformer(nn.Module):
       layers = nn.scan(layer_cls, variable_axes={'params': 0, lora_lib.COLLECTION: 0},
                        split_rngs={'params': True},
                        in_axes=(nn.broadcast,) * 5 + (0,), length=group.count)(
-                           c, group.moe, self.mesh, self.batch_axes, name=group.name)
+                           c, group.moe, self.mesh, self.batch_axes, group.linear,
+                           name=group.name)
       (x_RxTxD, carry), group_routes = layers(
           (x_RxTxD, carry), positions_RxT, segment_ids_RxT, mask_RxTxS, spans,
           replay_RxT if replayed is not None else None, replayed)
       if group.moe:
         routes.append(group_routes)
         moe_seen += group.count
-    x_RxTxD = RMSNorm(c.rms_norm_eps, c.dtype, c.param_dtype, name='final_norm')(x_RxTxD)
+    x_RxTxD = rms_norm(c, 'final_norm')(x_RxTxD)
     if not c.tie_embeddings and self.is_initializing():
       # Created here so init makes it; applied by `logits`, which may run in fp32 / chunks.
       dense(c.vocab_size, False, c, 'lm_head')(x_RxTxD)

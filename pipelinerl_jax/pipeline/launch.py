@@ -101,9 +101,14 @@ def check(config: config_lib.Config, workdir: str,
           installed: stack_lib.Stack | None = None) -> None:
   """What a run needs beyond a consistent config: the model and the data named, what the
   installed stack can run (`installed`, default: read now, JAX's device included), the backend
-  installed (vLLM, Ray), the workdir writable, config.cluster.interface on this host."""
+  installed (vLLM, Ray), a model the JAX engine serves (backend 'jax'), the workdir writable,
+  config.cluster.interface on this host."""
   config.check_runnable()
   stack_lib.check(config, installed)  # reads the model's config.json, never its weights
+  if config.generation.backend == 'jax' and config.model.path:
+    from pipelinerl_jax.generation import jax_engine
+    jax_engine.check_servable(hf_schema.load_config(
+        hf_schema.check_model_dir(config.model.path, 'config.model.path')))
   build_lib.check_backend_installed(config)  # before the demo model is built
   workdir_lib.check_dir(workdir, '--workdir')
   if config.cluster.interface:  # this host's side of the network the hosts share

@@ -7,6 +7,7 @@ sits on one device (or in host memory) at once. `save_params` writes one tensor 
 
 from __future__ import annotations
 
+import itertools
 import json
 import logging
 import math
@@ -124,6 +125,13 @@ def load_params(model_dir: str | os.PathLike, config: ModelConfig, shardings=Non
   read = {id(where.entry) for where in source.values()}  # a fused tensor is read in parts
   unused = sorted(n for n, w in located.items()
                   if w.part is None and id(w.entry) not in read and n not in tied_head)
+  carried = hf_schema.family_of(config).carried
+  not_loaded = {p: sum(n.startswith(p) for n in unused) for p in carried}
+  if any(not_loaded.values()):
+    logging.warning('%s: not loaded (the language model alone is trained): %s; a save copies '
+                    'them over unchanged', listing, ', '.join(
+                        f'{n} tensors under {p}*' for p, n in not_loaded.items() if n))
+  unused = [n for n in unused if not n.startswith(carried)]
   if unused:
     logging.warning('%s: ignoring %d tensors not in the model, e.g. %s', listing, len(unused),
                     unused[:3])
@@ -187,20 +195,28 @@ def _shardings_by_path(specs, shardings) -> dict[tuple[str, ...], jax.sharding.S
 
 def save_params(params, config: ModelConfig, out_dir: str | os.PathLike,
                 dtype: str = 'bfloat16', max_shard_bytes: int | None = None,
-                extra_config: dict | None = None) -> list[Path]:
+                extra_config: dict | None = None,
+                carry_from: str | os.PathLike | None = None) -> list[Path]:
   """Writes config.json and model.safetensors (or shards + index) that transformers can load.
 
   Tensors go to disk one at a time (one layer's slice, gathered to host), so host memory holds
-  at most one tensor beyond what the params already occupy. Returns the files written.
+  at most one tensor beyond what the params already occupy. `carry_from`: the original model
+  dir, whose tensors that are not the language model's (a composite's vision tower and MTP
+  head: `Family.carried`) are copied byte for byte after ours; a composite needs it. Returns
+  the files written.
   """
   if dtype not in SAVE_DTYPES:
     raise ValueError(f'save_params: dtype={dtype!r} is not one of {list(SAVE_DTYPES)}')
+  carried = _carried_tensors(config, carry_from)
   out_dir = Path(out_dir)
   out_dir.mkdir(parents=True, exist_ok=True)
   np_dtype = hf_files.ST_DTYPES[SAVE_DTYPES[dtype]]
   entries = [(name, spec.hf_shape, np_dtype) for name, spec, _ in hf_names.checkpoint_order(config)]
+  entries += [(name, where.shape, hf_files.ST_DTYPES[where.entry['dtype']])
+              for name, where in carried]
   shards = _split_shards(entries, max_shard_bytes)
-  arrays = hf_names.hf_tensors(params, config, dtype=np_dtype)
+  arrays = itertools.chain(hf_names.hf_tensors(params, config, dtype=np_dtype),
+                           _views(carried))
 
   written = []
   if len(shards) == 1:  # as transformers does: no index for a checkpoint that fits one file
@@ -225,6 +241,31 @@ def save_params(params, config: ModelConfig, out_dir: str | os.PathLike,
     if (old.name in (SINGLE_FILE, INDEX_FILE) or _SHARD_RE.match(old.name)) and old not in written:
       old.unlink()
   return written
+
+
+def _carried_tensors(config: ModelConfig, carry_from) -> list[tuple[str, _Located]]:
+  """(name, where) of every tensor of `carry_from` a save of `config` copies over unchanged."""
+  family = hf_schema.family_of(config)
+  carried = []
+  if carry_from is not None and family.carried:
+    located, _ = _locate_tensors(Path(carry_from))
+    carried = sorted(((name, where) for name, where in located.items()
+                      if where.part is None and name.startswith(family.carried)),
+                     key=lambda named: named[0])
+  if family.text_model_type and not carried:
+    raise ValueError(f'save_params: {config.architecture} is saved with the tensors it does not '
+                     f'train ({", ".join(p + "*" for p in family.carried)}), and carry_from='
+                     f'{carry_from} has none: give the original model dir')
+  return carried
+
+
+def _views(located: list[tuple[str, _Located]]):
+  """(name, a zero-copy view of the tensor's bytes) for each, in order."""
+  mmaps = {}
+  for name, where in located:
+    if where.file not in mmaps:
+      mmaps[where.file] = np.memmap(where.file, dtype=np.uint8, mode='r')
+    yield name, hf_files.tensor_view(mmaps[where.file], where.entry, where.data_start)
 
 
 def _split_shards(entries, max_shard_bytes):

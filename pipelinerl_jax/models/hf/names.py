@@ -16,6 +16,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from pipelinerl_jax.models import transformer
+from pipelinerl_jax.models.hf import schema as hf_schema
+from pipelinerl_jax.models.layers import gated_delta
 from pipelinerl_jax.models.transformer import ModelConfig
 
 
@@ -26,7 +28,8 @@ class TensorSpec:
   path: tuple[str, ...]       # keys into the params pytree
   shape: tuple[int, ...]      # the leaf's shape (leading L when stacked, then X with experts)
   stacked: bool = False       # one HF tensor per layer, stacked on axis 0 of the leaf
-  transposed: bool = False    # HF Linear weight is [out, in]; a Dense kernel is [in, out]
+  transposed: bool = False    # HF's axes reversed: a Linear weight [out, in] for a Dense kernel
+                              # [in, out], a conv1d weight [Cc, 1, Kc] for [Kc, 1, Cc]
   first_layer: int = 0        # the model layer of the leaf's row 0 (runs of layers, see
                               # transformer.layer_groups)
   experts: bool = False       # also one HF tensor per expert, stacked on axis 1 (MoE)
@@ -54,26 +57,32 @@ class TensorSpec:
 
 
 def name_map(config: ModelConfig) -> list[TensorSpec]:
-  """Every leaf of the params pytree in checkpoint order; q/k/v and gate/up stay adjacent."""
+  """Every leaf of the params pytree in checkpoint order; q/k/v and gate/up stay adjacent. The
+  language model's tensors are under `model.` (`model.language_model.` in a composite dir)."""
   c = config
   d, f = c.hidden_size, c.intermediate_size
-  widths = {'q': c.num_heads * c.head_dim, 'k': c.num_kv_heads * c.head_dim,
-            'v': c.num_kv_heads * c.head_dim}
-  specs = [TensorSpec('model.embed_tokens.weight', ('embed', 'embedding'), (c.vocab_size, d))]
+  prefix = hf_schema.family_of(c).lm_prefix
+  heads = c.num_heads * c.head_dim
+  widths = {'q': heads * (2 if c.attention_output_gate else 1),  # Qwen3.5: queries and gates
+            'k': c.num_kv_heads * c.head_dim, 'v': c.num_kv_heads * c.head_dim}
+  specs = [TensorSpec(f'{prefix}embed_tokens.weight', ('embed', 'embedding'), (c.vocab_size, d))]
   for group in transformer.layer_groups(c):
     layer = lambda hf, path, shape, **kw: TensorSpec(
-        f'model.layers.{{i}}.{hf}', (group.name, *path), (group.count, *shape), stacked=True,
+        f'{prefix}layers.{{i}}.{hf}', (group.name, *path), (group.count, *shape), stacked=True,
         first_layer=group.first, **kw)
-    specs += [layer(f'self_attn.{p}_proj.weight', ('attn', f'{p}_proj', 'kernel'), (d, n),
-                    transposed=True) for p, n in widths.items()]
-    if c.qkv_bias:
-      specs += [layer(f'self_attn.{p}_proj.bias', ('attn', f'{p}_proj', 'bias'), (n,))
-                for p, n in widths.items()]
-    specs.append(layer('self_attn.o_proj.weight', ('attn', 'o_proj', 'kernel'),
-                       (widths['q'], d), transposed=True))
-    if c.qk_norm:
-      specs += [layer(f'self_attn.{p}_norm.weight', ('attn', f'{p}_norm', 'scale'),
-                      (c.head_dim,)) for p in 'qk']
+    if group.linear:
+      specs += _gated_delta_specs(c, layer)
+    else:
+      specs += [layer(f'self_attn.{p}_proj.weight', ('attn', f'{p}_proj', 'kernel'), (d, n),
+                      transposed=True) for p, n in widths.items()]
+      if c.qkv_bias:
+        specs += [layer(f'self_attn.{p}_proj.bias', ('attn', f'{p}_proj', 'bias'), (n,))
+                  for p, n in widths.items()]
+      specs.append(layer('self_attn.o_proj.weight', ('attn', 'o_proj', 'kernel'),
+                         (heads, d), transposed=True))
+      if c.qk_norm:
+        specs += [layer(f'self_attn.{p}_norm.weight', ('attn', f'{p}_norm', 'scale'),
+                        (c.head_dim,)) for p in 'qk']
     if group.moe:
       x, i = c.num_experts, c.moe_intermediate_size
       expert = lambda p, shape: layer(f'mlp.experts.{{e}}.{p}.weight', ('moe', p, 'kernel'),
@@ -88,11 +97,29 @@ def name_map(config: ModelConfig) -> list[TensorSpec]:
           layer('mlp.down_proj.weight', ('mlp', 'down_proj', 'kernel'), (f, d), transposed=True)]
     specs += [layer('input_layernorm.weight', ('input_norm', 'scale'), (d,)),
               layer('post_attention_layernorm.weight', ('post_attn_norm', 'scale'), (d,))]
-  specs.append(TensorSpec('model.norm.weight', ('final_norm', 'scale'), (d,)))
+  specs.append(TensorSpec(f'{prefix}norm.weight', ('final_norm', 'scale'), (d,)))
   if not c.tie_embeddings:
     specs.append(TensorSpec('lm_head.weight', ('lm_head', 'kernel'), (d, c.vocab_size),
                             transposed=True))
   return specs
+
+
+def _gated_delta_specs(c: ModelConfig, layer) -> list[TensorSpec]:
+  """A Gated DeltaNet mixer's tensors (layers/gated_delta.py): the four input projections
+  (q, k, v fused in one; z; b and a), the convolution ([Cc, 1, Kc] in HF, flax's [Kc, 1, Cc]
+  here), the decay's A_log and dt_bias, the gated norm and out_proj."""
+  hk, hv, dk, dv, cc, kc = gated_delta.dims(c)
+  d = c.hidden_size
+  proj = lambda name, shape: layer(f'linear_attn.{name}.weight', ('linear_attn', name, 'kernel'),
+                                   shape, transposed=True)
+  return [proj('in_proj_qkv', (d, cc)), proj('in_proj_z', (d, hv * dv)),
+          proj('in_proj_b', (d, hv)), proj('in_proj_a', (d, hv)),
+          layer('linear_attn.conv1d.weight', ('linear_attn', 'conv1d', 'kernel'), (kc, 1, cc),
+                transposed=True),
+          layer('linear_attn.dt_bias', ('linear_attn', 'dt_bias'), (hv,)),
+          layer('linear_attn.A_log', ('linear_attn', 'A_log'), (hv,)),
+          layer('linear_attn.norm.weight', ('linear_attn', 'norm', 'scale'), (dv,)),
+          proj('out_proj', (hv * dv, d))]
 
 
 def checkpoint_order(config: ModelConfig) -> Iterator[tuple[str, TensorSpec, Any]]:

@@ -2,6 +2,16 @@
 
 Fields transformers would honour and the Flax model cannot are refused in one line naming the
 file and the field, never ignored.
+
+Qwen3.5 comes in two layouts. `Qwen3_5ForCausalLM` (model_type qwen3_5_text) is the language
+model alone. The Hub ships `Qwen3_5ForConditionalGeneration` (model_type qwen3_5): the language
+model's fields nested under `text_config`, its weights under `model.language_model.*`, a vision
+tower (`vision_config`, `model.visual.*`) and a multi-token-prediction head (`mtp.*`). Of the
+composite, the language model is loaded and trained; the vision tower and the MTP head are not
+loaded, and a save copies them from the original dir unchanged (`Family.carried`), so an export
+is a dir of the kind the user started from. Its multimodal RoPE fields (`mrope_section`,
+`mrope_interleaved`) are accepted: for text the three position streams are equal, which makes
+it plain RoPE.
 """
 
 from __future__ import annotations
@@ -19,7 +29,7 @@ CONFIG_FILE = 'config.json'
 
 
 @dataclasses.dataclass(frozen=True)
-class _Family:
+class Family:
   """What an architecture is in `ModelConfig` terms, and transformers' per-class defaults for
   fields a config.json may leave out."""
   model_type: str
@@ -28,23 +38,49 @@ class _Family:
   max_positions: int
   head_dim: int | None = None  # None: hidden_size / num_attention_heads
   moe: bool = False            # Qwen3-MoE's experts (`_moe_from_hf`)
+  hybrid: bool = False         # Qwen3.5: Gated DeltaNet layers, gated attention (`_hybrid_from_hf`)
+  # A composite (vision-language) dir: the language model's fields under text_config (of
+  # `text_model_type`), its weights under `lm_prefix`; tensors under `carried` are not the
+  # language model's and are copied unchanged on save.
+  text_model_type: str | None = None
+  lm_prefix: str = 'model.'
+  carried: tuple[str, ...] = ()
 
 
 _FAMILIES = {
-    'Qwen2ForCausalLM': _Family('qwen2', qkv_bias=True, qk_norm=False, max_positions=32768),
-    'Qwen3ForCausalLM': _Family('qwen3', qkv_bias=False, qk_norm=True, max_positions=32768,
-                                head_dim=128),
-    'LlamaForCausalLM': _Family('llama', qkv_bias=False, qk_norm=False, max_positions=2048),
-    'Qwen3MoeForCausalLM': _Family('qwen3_moe', qkv_bias=False, qk_norm=True,
-                                   max_positions=32768, moe=True),
+    'Qwen2ForCausalLM': Family('qwen2', qkv_bias=True, qk_norm=False, max_positions=32768),
+    'Qwen3ForCausalLM': Family('qwen3', qkv_bias=False, qk_norm=True, max_positions=32768,
+                               head_dim=128),
+    'LlamaForCausalLM': Family('llama', qkv_bias=False, qk_norm=False, max_positions=2048),
+    'Qwen3MoeForCausalLM': Family('qwen3_moe', qkv_bias=False, qk_norm=True,
+                                  max_positions=32768, moe=True),
+    'Qwen3_5ForCausalLM': Family('qwen3_5_text', qkv_bias=False, qk_norm=True,
+                                 max_positions=32768, head_dim=256, hybrid=True),
+    'Qwen3_5ForConditionalGeneration': Family(
+        'qwen3_5', qkv_bias=False, qk_norm=True, max_positions=32768, head_dim=256, hybrid=True,
+        text_model_type='qwen3_5_text', lm_prefix='model.language_model.',
+        carried=('model.visual.', 'mtp.')),
 }
 _ARCHITECTURES = tuple(_FAMILIES)
 _MODEL_TYPES = {family.model_type: arch for arch, family in _FAMILIES.items()}
 _OVERRIDABLE = ('param_dtype', 'dtype', 'lm_head_fp32', 'remat', 'remat_policy', 'attention',
-                'attention_block_q', 'attention_block_kv', 'moe_dispatch')
+                'attention_block_q', 'attention_block_kv', 'moe_dispatch', 'linear_chunk_size')
 # transformers' Qwen3MoeConfig defaults, for fields a config.json leaves out.
 _MOE_DEFAULTS = dict(num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768,
                      norm_topk_prob=False, decoder_sparse_step=1)
+# transformers' Qwen3_5TextConfig defaults (its docstring: "Qwen3.5-9B style").
+_HYBRID_DEFAULTS = dict(linear_conv_kernel_dim=4, linear_key_head_dim=128,
+                        linear_value_head_dim=128, linear_num_key_heads=16,
+                        linear_num_value_heads=32, full_attention_interval=4,
+                        partial_rotary_factor=0.25)
+LAYER_TYPES = ('linear_attention', 'full_attention')
+
+
+def family_of(config: ModelConfig) -> Family:
+  """The family of `config.architecture` (ValueError naming the known ones if none)."""
+  if config.architecture not in _FAMILIES:
+    raise ValueError(f'architecture={config.architecture!r} is not one of {list(_ARCHITECTURES)}')
+  return _FAMILIES[config.architecture]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -76,7 +112,6 @@ def load_config(model_dir: str | os.PathLike, **overrides) -> ModelConfig:
   return config_from_hf(hf, source=str(path), **overrides)
 
 
-
 def config_from_hf(hf: dict, source: str = CONFIG_FILE, **overrides) -> ModelConfig:
   """ModelConfig from a parsed HF config dict; `source` names the file in error messages."""
   def fail(msg):
@@ -94,6 +129,9 @@ def config_from_hf(hf: dict, source: str = CONFIG_FILE, **overrides) -> ModelCon
 
   arch = _architecture(hf, fail)
   family = _FAMILIES[arch]
+  if family.text_model_type:
+    hf = _text_config(hf, family, source)
+    source = f'{source} text_config'
   # Fields transformers would honour and this model cannot: refused, never ignored.
   if hf.get('hidden_act', 'silu') != 'silu':
     fail(f"hidden_act={hf['hidden_act']!r} is not supported (only 'silu')")
@@ -110,7 +148,7 @@ def config_from_hf(hf: dict, source: str = CONFIG_FILE, **overrides) -> ModelCon
     fail(f"attention_dropout={hf['attention_dropout']} is not supported (training runs "
          'without dropout)')
   layer_types = set(hf.get('layer_types') or ()) - {'full_attention'}
-  if layer_types:
+  if layer_types and not family.hybrid:
     fail(f'layer_types {sorted(layer_types)} are not supported (only full_attention)')
 
   hidden, heads = field('hidden_size'), field('num_attention_heads')
@@ -124,9 +162,10 @@ def config_from_hf(hf: dict, source: str = CONFIG_FILE, **overrides) -> ModelCon
   else:
     head_dim = hidden // heads
   max_positions = field('max_position_embeddings', family.max_positions)
-  theta, scaling = _rope_from_hf(hf, max_positions, fail)
+  theta, scaling, partial = _rope_from_hf(hf, max_positions, fail, family.hybrid)
   num_layers = field('num_hidden_layers')
   moe = _moe_from_hf(hf, num_layers, field, fail) if family.moe else {}
+  hybrid = _hybrid_from_hf(hf, num_layers, field, fail) if family.hybrid else {}
 
   unknown = set(overrides) - set(_OVERRIDABLE)
   if unknown:
@@ -150,8 +189,73 @@ def config_from_hf(hf: dict, source: str = CONFIG_FILE, **overrides) -> ModelCon
       tie_embeddings=field('tie_word_embeddings', False, bool),
       max_position_embeddings=max_positions,
       architecture=arch,
+      partial_rotary_factor=partial,
       **moe,
+      **hybrid,
       **overrides)
+
+
+def _text_config(hf, family: Family, source: str) -> dict:
+  """A composite config's language model: its text_config, with the top-level
+  tie_word_embeddings (what transformers' composite model ties by; the two must agree)."""
+  text = hf.get('text_config')
+  if not isinstance(text, dict):
+    raise ValueError(f'{source}: text_config must be an object (a composite config nests the '
+                     f'language model there), got {text!r}')
+  if text.get('model_type', family.text_model_type) != family.text_model_type:
+    raise ValueError(f"{source}: text_config.model_type={text['model_type']!r} is not "
+                     f'{family.text_model_type!r}')
+  tie = hf.get('tie_word_embeddings', False)
+  if 'tie_word_embeddings' in text and bool(text['tie_word_embeddings']) != bool(tie):
+    raise ValueError(f"{source}: tie_word_embeddings={tie} and text_config.tie_word_embeddings="
+                     f"{text['tie_word_embeddings']} disagree")
+  return {**text, 'tie_word_embeddings': tie}
+
+
+def _hybrid_from_hf(hf, num_layers, field, fail) -> dict:
+  """The ModelConfig fields of Qwen3.5's hybrid layers: the Gated DeltaNet layers from
+  `layer_types` (absent: every `full_attention_interval`-th layer full, the rest linear, as
+  transformers fills it in), the linear layers' heads and convolution, gated attention and
+  zero-centered norms."""
+  get = lambda name: field(name, _HYBRID_DEFAULTS[name])
+  types = hf.get('layer_types')
+  if types is None:
+    interval = get('full_attention_interval')
+    if interval < 1:
+      fail(f'full_attention_interval={interval} must be >= 1')
+    types = ['linear_attention' if (i + 1) % interval else 'full_attention'
+             for i in range(num_layers)]
+  if not isinstance(types, list) or len(types) != num_layers or set(types) - set(LAYER_TYPES):
+    fail(f'layer_types must list {num_layers} entries (num_hidden_layers), each one of '
+         f'{list(LAYER_TYPES)}; got {types!r}')
+  if hf.get('attn_output_gate') is False:
+    fail('attn_output_gate=false is not supported (Qwen3.5 attention always gates its output, '
+         'as transformers computes it)')
+  if hf.get('mlp_only_layers'):
+    fail(f"mlp_only_layers={hf['mlp_only_layers']} is not supported (a dense Qwen3.5 has no "
+         'experts)')
+  hk, hv = get('linear_num_key_heads'), get('linear_num_value_heads')
+  if hk < 1 or hv % hk:
+    fail(f'linear_num_value_heads={hv} must be a multiple of linear_num_key_heads={hk}')
+  return dict(attention_output_gate=True, norm_zero_centered=True,
+              linear_layers=tuple(i for i, kind in enumerate(types) if kind == 'linear_attention'),
+              linear_num_key_heads=hk, linear_num_value_heads=hv,
+              linear_key_head_dim=get('linear_key_head_dim'),
+              linear_value_head_dim=get('linear_value_head_dim'),
+              linear_conv_kernel=get('linear_conv_kernel_dim'))
+
+
+def _hybrid_to_hf(c: ModelConfig) -> dict:
+  """Qwen3.5's config.json fields for the hybrid layers of `c`."""
+  linear = set(c.linear_layers)
+  return dict(layer_types=[LAYER_TYPES[0] if i in linear else LAYER_TYPES[1]
+                           for i in range(c.num_layers)],
+              linear_num_key_heads=c.linear_num_key_heads,
+              linear_num_value_heads=c.linear_num_value_heads,
+              linear_key_head_dim=c.linear_key_head_dim,
+              linear_value_head_dim=c.linear_value_head_dim,
+              linear_conv_kernel_dim=c.linear_conv_kernel,
+              partial_rotary_factor=c.partial_rotary_factor)
 
 
 def _moe_from_hf(hf, num_layers, field, fail) -> dict:
@@ -215,8 +319,11 @@ def _architecture(hf, fail) -> str:
   return _MODEL_TYPES[model_type]
 
 
-def _rope_from_hf(hf, max_positions, fail) -> tuple[float, RopeScaling | None]:
-  """(rope_theta, scaling) from `rope_parameters` (transformers 5) or rope_theta/rope_scaling."""
+def _rope_from_hf(hf, max_positions, fail, partial_ok: bool
+                  ) -> tuple[float, RopeScaling | None, float]:
+  """(rope_theta, scaling, partial_rotary_factor) from `rope_parameters` (transformers 5) or
+  rope_theta/rope_scaling. A partial rotary factor only where the family has one (Qwen3.5's,
+  0.25 unless given, in rope_parameters or at the top level)."""
   # Same precedence as transformers: a legacy rope_scaling dict wins over rope_parameters.
   key = 'rope_scaling' if hf.get('rope_scaling') else 'rope_parameters'
   rope = dict(hf.get(key) or {})
@@ -224,7 +331,11 @@ def _rope_from_hf(hf, max_positions, fail) -> tuple[float, RopeScaling | None]:
     fail(f'{key}: per-layer-type rope parameters are not supported')
   theta = float(rope.get('rope_theta', hf.get('rope_theta', 10000.0)))
   kind = rope.get('rope_type', rope.get('type', 'default'))
-  if rope.get('partial_rotary_factor', 1.0) != 1.0:
+  partial = 1.0
+  if partial_ok:
+    partial = float(rope.get('partial_rotary_factor', hf.get(
+        'partial_rotary_factor', _HYBRID_DEFAULTS['partial_rotary_factor'])))
+  elif rope.get('partial_rotary_factor', 1.0) != 1.0:
     fail(f"{key}.partial_rotary_factor={rope['partial_rotary_factor']} is not supported")
 
   def need(name):
@@ -233,9 +344,9 @@ def _rope_from_hf(hf, max_positions, fail) -> tuple[float, RopeScaling | None]:
     return rope[name]
 
   if kind == 'default':
-    return theta, None
+    return theta, None, partial
   if kind == 'linear':
-    return theta, RopeScaling('linear', factor=float(need('factor')))
+    return theta, RopeScaling('linear', factor=float(need('factor'))), partial
   if kind == 'llama3':
     # transformers' fallback chain for the pre-scaling context length.
     original = rope.get('original_max_position_embeddings',
@@ -243,12 +354,13 @@ def _rope_from_hf(hf, max_positions, fail) -> tuple[float, RopeScaling | None]:
     return theta, RopeScaling('llama3', factor=float(need('factor')),
                               low_freq_factor=float(need('low_freq_factor')),
                               high_freq_factor=float(need('high_freq_factor')),
-                              original_max_position_embeddings=int(original))
+                              original_max_position_embeddings=int(original)), partial
   fail(f"{key}.rope_type={kind!r} is not supported (expected 'default', 'linear' or 'llama3')")
 
 
 def hf_config(config: ModelConfig, dtype: str = 'bfloat16', extra: dict | None = None) -> dict:
-  """The config.json dict for `config`; keys of `extra` (an original config.json) are kept."""
+  """The config.json dict for `config`; keys of `extra` (an original config.json) are kept. A
+  composite's (Qwen3_5ForConditionalGeneration) needs `extra` for its vision_config."""
   c = config
   if c.architecture not in _ARCHITECTURES:
     raise ValueError(f'architecture={c.architecture!r} cannot be saved '
@@ -260,6 +372,16 @@ def hf_config(config: ModelConfig, dtype: str = 'bfloat16', extra: dict | None =
                      f'qk_norm={c.qk_norm}')
   if c.is_moe and not family.moe:
     raise ValueError(f'{c.architecture} has no experts; config has moe_layers={c.moe_layers}')
+  hybrid = (c.attention_output_gate, c.norm_zero_centered)
+  if (c.is_hybrid and not family.hybrid) or (family.hybrid and hybrid != (True, True)) or (
+      not family.hybrid and any(hybrid)):
+    raise ValueError(f'{c.architecture}: config has linear_layers={c.linear_layers}, '
+                     f'attention_output_gate={hybrid[0]}, norm_zero_centered={hybrid[1]}, '
+                     f'which that architecture does not')
+  extra = dict(extra or {})
+  if family.text_model_type and not isinstance(extra.get('vision_config'), dict):
+    raise ValueError(f'{c.architecture} is saved with its vision tower: it needs the original '
+                     "config.json's vision_config (extra)")
   rope = {'rope_theta': c.rope_theta, 'rope_type': 'default'}
   if c.rope_scaling is not None:
     s = c.rope_scaling
@@ -296,5 +418,20 @@ def hf_config(config: ModelConfig, dtype: str = 'bfloat16', extra: dict | None =
   # Keys that would contradict ours (legacy rope fields, a quantization we did not apply).
   stale = {'rope_scaling', 'rope_theta', 'quantization_config', 'layer_types', 'max_window_layers',
            'num_local_experts'}
-  kept = {k: v for k, v in (extra or {}).items() if k not in stale}
-  return {**kept, **ours}
+  keep = lambda original: {k: v for k, v in original.items() if k not in stale}
+  if not family.hybrid:
+    return {**keep(extra), **ours}
+  ours.update(_hybrid_to_hf(c))
+  text_extra = extra.get('text_config') if family.text_model_type else extra
+  text_extra = text_extra if isinstance(text_extra, dict) else {}
+  # The multimodal RoPE fields the model does not use (plain RoPE for text) stay as they were.
+  original_rope = text_extra.get('rope_parameters') or {}
+  rope.update({k: original_rope[k] for k in ('mrope_section', 'mrope_interleaved')
+               if k in original_rope}, partial_rotary_factor=c.partial_rotary_factor)
+  if not family.text_model_type:
+    return {**keep(extra), **ours}
+  del ours['architectures'], ours['torch_dtype']
+  text = {**keep(text_extra), **ours, 'model_type': family.text_model_type}
+  return {**keep(extra), 'architectures': [c.architecture], 'model_type': family.model_type,
+          'text_config': text, 'tie_word_embeddings': c.tie_embeddings, 'dtype': dtype,
+          'torch_dtype': dtype}

@@ -17,13 +17,14 @@ import jax.numpy as jnp
 
 from pipelinerl_jax.models.layers import attention as attention_lib
 from pipelinerl_jax.models.layers import paged_attention
-from pipelinerl_jax.models.layers.common import RMSNorm, dense
+from pipelinerl_jax.models.layers.common import dense, rms_norm
 
 
 def rope_inv_freq(config) -> jax.Array:
-  """Inverse frequencies [Dh/2], with HF's 'linear' and 'llama3' scaling rules."""
-  dh = config.head_dim
-  inv_freq = 1.0 / (config.rope_theta ** (jnp.arange(0, dh, 2, dtype=jnp.float32) / dh))
+  """Inverse frequencies [E] of the `config.rotary_dim` dims RoPE turns (E = rotary_dim / 2),
+  with HF's 'linear' and 'llama3' scaling rules."""
+  dim = config.rotary_dim
+  inv_freq = 1.0 / (config.rope_theta ** (jnp.arange(0, dim, 2, dtype=jnp.float32) / dim))
   s = config.rope_scaling
   if s is None:
     return inv_freq
@@ -43,17 +44,19 @@ def rope_inv_freq(config) -> jax.Array:
 
 
 def apply_rope(x_RxTxNxDh: jax.Array, positions_RxT: jax.Array, inv_freq: jax.Array) -> jax.Array:
-  """HF's non-interleaved rotary embedding (the two halves of Dh are the pairs)."""
+  """HF's non-interleaved rotary embedding on the first 2E dims of each head (the two halves
+  of those are the pairs); the rest pass unchanged (partial rotary)."""
   angles_RxTxE = positions_RxT[..., None].astype(jnp.float32) * inv_freq
   cos = jnp.cos(angles_RxTxE)[:, :, None, :]
   sin = jnp.sin(angles_RxTxE)[:, :, None, :]
   x = x_RxTxNxDh.astype(jnp.float32)
-  x1, x2 = jnp.split(x, 2, axis=-1)
-  out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+  x1, x2, rest = jnp.split(x, [inv_freq.shape[0], 2 * inv_freq.shape[0]], axis=-1)
+  out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin, rest], axis=-1)
   return out.astype(x_RxTxNxDh.dtype)
 
 
 class Attention(nn.Module):
+  """Returns (output [R, T, D], the updated cache or None)."""
   config: Any
 
   @nn.compact
@@ -61,14 +64,18 @@ class Attention(nn.Module):
                spans=None):
     c = self.config
     b, t, _ = x_RxTxD.shape
-    q = dense(c.num_heads * c.head_dim, c.qkv_bias, c, 'q_proj')(x_RxTxD)
+    gated = c.attention_output_gate
+    q = dense(c.num_heads * c.head_dim * (2 if gated else 1), c.qkv_bias, c, 'q_proj')(x_RxTxD)
     k = dense(c.num_kv_heads * c.head_dim, c.qkv_bias, c, 'k_proj')(x_RxTxD)
     v = dense(c.num_kv_heads * c.head_dim, c.qkv_bias, c, 'v_proj')(x_RxTxD)
+    gate_RxTxNxDh = None
+    if gated:  # Qwen3.5: each head's query, then its output gate
+      q, gate_RxTxNxDh = jnp.split(q.reshape(b, t, c.num_heads, 2 * c.head_dim), 2, axis=-1)
     q_RxTxNxDh = q.reshape(b, t, c.num_heads, c.head_dim)
     k_RxTxKxDh = k.reshape(b, t, c.num_kv_heads, c.head_dim)
     if c.qk_norm:  # Qwen3: each head's query and key normalized over Dh, before RoPE
-      norm = lambda name: RMSNorm(c.rms_norm_eps, c.dtype, c.param_dtype, name=name)
-      q_RxTxNxDh, k_RxTxKxDh = norm('q_norm')(q_RxTxNxDh), norm('k_norm')(k_RxTxKxDh)
+      q_RxTxNxDh = rms_norm(c, 'q_norm')(q_RxTxNxDh)
+      k_RxTxKxDh = rms_norm(c, 'k_norm')(k_RxTxKxDh)
     inv_freq = rope_inv_freq(c)
     q_RxTxNxDh = apply_rope(q_RxTxNxDh, positions_RxT, inv_freq)
     k_RxTxKxDh = apply_rope(k_RxTxKxDh, positions_RxT, inv_freq)
@@ -113,4 +120,6 @@ class Attention(nn.Module):
                                               implementation=c.decode_attention)
       new_cache = layer_cache._replace(k=pool.k, v=pool.v)
     out = out_RxTxKxQxDh.reshape(b, t, c.num_heads * c.head_dim)
+    if gated:
+      out = out.astype(c.dtype) * jax.nn.sigmoid(gate_RxTxNxDh.reshape(out.shape))
     return dense(c.hidden_size, False, c, 'o_proj')(out), new_cache

@@ -118,6 +118,10 @@ def specs(model_config, lora: LoraConfig) -> list[AdapterSpec]:
     # stacked weights, not projections: adapters here cover the layers of a dense model.
     raise ValueError(f'model.lora: LoRA on a mixture-of-experts model ({c.num_experts} experts '
                      f'in {len(c.moe_layers)} layers) is not supported; set model.lora.rank=0')
+  if getattr(c, 'linear_layers', ()):
+    # The adapters' paths are one stack of full-attention layers (`layers/attn/...`).
+    raise ValueError(f'model.lora: LoRA on a hybrid model ({len(c.linear_layers)} Gated '
+                     'DeltaNet layers) is not supported; set model.lora.rank=0')
   d, f = c.hidden_size, c.intermediate_size
   q, kv = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
   widths = {'q_proj': (d, q), 'k_proj': (d, kv), 'v_proj': (d, kv), 'o_proj': (q, d),
