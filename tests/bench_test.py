@@ -552,3 +552,20 @@ def test_moe_layer_quick_holds_the_grouped_path_to_the_reference(tmp_path):
   assert set(diffs) == {'loss', 'grad_x', 'grad_gates', 'grad_w_gate', 'grad_w_up',
                         'grad_w_down'}
   assert max(diffs.values()) < 1e-5, diffs
+
+
+def test_gated_delta_quick_times_the_layer_and_holds_chunked_to_recurrent(tmp_path):
+  """bench.gated_delta --quick: one Gated DeltaNet layer and the chunked rule timed (each call
+  kept, the median computed), the layer's compiled size, and the chunked rule within fp32
+  rounding of the recurrent one for the output, the final state and every gradient."""
+  from pipelinerl_jax.bench import gated_delta
+  out = tmp_path / 'gated_delta.json'
+  gated_delta.main(['--quick', '--repeats=2', f'--out={out}'])
+  report = json.loads(out.read_text())
+  assert report['shape'] == 'quick' and report['finite'] and report['compiled_bytes'] > 0
+  for t in report['timings'].values():
+    assert len(t['calls']) == 2 and t['seconds'] == pytest.approx(sum(t['calls']) / 2)
+  diffs = report['relative_difference']
+  assert set(diffs) == {'output', 'state', 'grad_q', 'grad_k', 'grad_v', 'grad_g', 'grad_beta',
+                        'grad_state_in'}
+  assert max(diffs.values()) < 1e-5, diffs

@@ -633,3 +633,19 @@ def test_run_records_keeps_the_logged_steps_of_a_run_that_failed(tmp_path):
   assert section_lib.median_of(records, 'reward_mean') is None
   records, error, _ = section_lib.run_records(lambda: dict(records=lines[:1]), tmp_path / 'none')
   assert records == lines[:1] and error is None
+
+
+def test_quick_gated_delta_section_times_a_layer_and_checks_chunked_against_recurrent(tmp_path):
+  """`--sections=gated_delta --quick`: bench/gated_delta.py's layer and chunked rule timed, the
+  chunked delta rule against the recurrent one."""
+  out = tmp_path / 'gpu.json'
+  proc = run_kit(['--quick', '--sections=gated_delta', f'--out={out}',
+                  f'--workdir={tmp_path / "w"}'], image_like_env(tmp_path / 'hider'), timeout=300)
+  assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+  got = items(json.loads(out.read_text()), 'gated_delta')
+  assert list(got) == [f'qwen3.5-{s}' for s in presets.QUICK.gated_delta_shapes]
+  for item in got.values():
+    assert item['status'] == 'ok' and item['finite'] is True
+    assert positive(item['layer_s']) and positive(item['rule_s'])
+    assert item['max_relative_difference'] < 1e-5
+  assert 'qwen3.5-quick' in proc.stdout
