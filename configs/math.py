@@ -350,40 +350,19 @@ def qwen3_8b_lora_1xgpu():
 
 
 def qwen3_5_2b_1xgpu():
-  """Qwen3.5-2B, full fine-tuning on one 80 GB GPU: the trainer and the JAX engine in one
-  process, as qwen3_1p7b_1xgpu. model.path takes the Hub's dir (Qwen3_5ForConditionalGeneration:
-  the language model is trained, the vision tower carried over unchanged on export) or a
-  Qwen3_5ForCausalLM dir. 18 of its 24 layers are Gated DeltaNet: KV pages only for the 6
-  full-attention layers, and per slot a fixed state in each linear layer (memory plan:
+  """Qwen3.5-2B, full fine-tuning on one 80 GB GPU: qwen3_1p7b_1xgpu's run (the trainer and the
+  JAX engine in one process) on a hybrid model. model.path takes the Hub's dir
+  (Qwen3_5ForConditionalGeneration: the language model is trained, the vision tower carried over
+  unchanged on export) or a Qwen3_5ForCausalLM dir. 18 of its 24 layers are Gated DeltaNet:
+  KV pages only for the 6 full-attention layers (12 KiB a position in bf16), so the engine's
+  default pool, every slot at full length (5.3 GiB), replaces 1.7B's 12 GiB; and per slot a
+  fixed state in each linear layer. The memory plan places it:
   `python -m pipelinerl_jax.memory_plan --config=configs/math.py:qwen3_5_2b_1xgpu
-  --model_config=configs/models/Qwen3.5-2B --devices=1 --device=h100`). Its 248k vocabulary
-  makes the logits the largest activation: one 8k row per micro-batch. The JAX engine does not
-  serve hybrid models yet: until it does, the run is refused in one line at the start (set
-  --config.generation.backend=vllm with a placement that gives vLLM its own GPU). Not run on
-  GPUs."""
-  c = config_lib.base_config()
-  _math_task(c)
-  _gpu_model(c)
-  c.train.mesh = '1,1,1'
-  c.generation.backend = 'jax'      # placement 'inline' (the default): this process, device 0
-  c.generation.decode_attention = 'cudnn'
-  c.task.chat_template_kwargs = {'enable_thinking': False}  # as qwen3_1p7b_1xgpu's
-  c.generation.max_prompt_len = 512
-  c.generation.max_new_tokens = 3072
-  c.generation.num_slots = 128      # H
-  # KV pages hold the 6 full-attention layers alone (12 KiB a position in bf16): the pool the
-  # engine makes by default, every slot at full length, is 5.3 GiB.
+  --model_config=configs/models/Qwen3.5-2B --devices=1 --device=h100`. The JAX engine does not
+  serve hybrid models yet: until it does, the run is refused in one line at its start (vLLM
+  serves them, with a placement that gives it its own GPU). Not run on GPUs."""
+  c = qwen3_1p7b_1xgpu()
   c.generation.kv_pool_mb = 0
-  c.rl.batch_size = 128             # 16 prompts x 8 samples per step
-  c.rl.group_size = 8
-  c.rl.max_lag = 4
-  c.rl.total_steps = 1000
-  c.optimizer.lr = 1e-6
-  c.train.seq_len = 8192            # packed rows: 2+ full-length samples each
-  c.train.micro_batch_rows = 1
-  c.model.remat_policy = 'dots'
-  c.task.reward.overlong_max_len = 3072
-  c.task.reward.overlong_buffer = 512
   return c
 
 

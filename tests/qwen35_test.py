@@ -355,15 +355,20 @@ def test_fields_the_model_cannot_honour_are_refused(hf, message):
   assert '\n' not in str(e.value)
 
 
-def test_the_jax_engine_and_lora_refuse_a_hybrid_in_one_line(checkpoint, tmp_path):
-  """Until the engine keeps a recurrent state beside its KV cache: its constructor refuses,
-  and so does the run's check of a config that names a hybrid dir with backend 'jax'."""
+def test_the_jax_engine_decode_and_lora_refuse_a_hybrid_in_one_line(checkpoint, tmp_path):
+  """Until the engine keeps a recurrent state beside its KV cache: its constructor refuses, so
+  does the run's check of a config that names a hybrid dir with backend 'jax', and decoding over
+  a KV cache; LoRA's adapters cover a stack of attention layers only."""
   from pipelinerl_jax.pipeline import launch
   expected = (r"^config.generation.backend='jax': the JAX engine does not serve hybrid models "
               r'\(Qwen3_5ForCausalLM: 3 Gated DeltaNet layers')
+  params = hybrid_params()
   with pytest.raises(ValueError, match=expected):
-    jax_engine.JaxEngine(HYBRID, hybrid_params(), jax_engine.EngineConfig(num_slots=2,
-                                                                          max_seq_len=16))
+    jax_engine.JaxEngine(HYBRID, params, jax_engine.EngineConfig(num_slots=2, max_seq_len=16))
+  with pytest.raises(ValueError, match=r'Qwen3_5ForCausalLM: decoding over a KV cache does not '
+                                       r'run its Gated DeltaNet layers \(0, 1, 3\)'):
+    tfm.decode(params, HYBRID, jnp.ones((1, 2), jnp.int32), jnp.arange(2)[None],
+               tfm.init_cache(HYBRID, 1, 8))
   path, _ = checkpoint('text_untied_conv4')
   config = config_lib.load_preset('tiny')
   config.model.path = str(path)

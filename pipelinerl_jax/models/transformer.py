@@ -166,11 +166,7 @@ class ModelConfig:
     if self.num_heads % self.num_kv_heads:
       raise ValueError(f'num_heads={self.num_heads} is not a multiple of '
                        f'num_kv_heads={self.num_kv_heads}')
-    layers = tuple(self.moe_layers)
-    object.__setattr__(self, 'moe_layers', layers)
-    if layers != tuple(sorted(set(layers))) or any(not 0 <= i < self.num_layers for i in layers):
-      raise ValueError(f'moe_layers={layers} must be distinct layer indices below '
-                       f'num_layers={self.num_layers}, in order')
+    layers = self._layer_indices('moe_layers')
     if layers and not (self.num_experts >= 1 and 1 <= self.num_experts_per_tok <= self.num_experts
                        and self.moe_intermediate_size >= 1):
       raise ValueError(f'MoE layers need num_experts >= num_experts_per_tok >= 1 and '
@@ -182,12 +178,7 @@ class ModelConfig:
             and self.rotary_dim % 2 == 0):
       raise ValueError(f'partial_rotary_factor={self.partial_rotary_factor} of head_dim='
                        f'{self.head_dim} must turn an even number of dims >= 2')
-    linear = tuple(self.linear_layers)
-    object.__setattr__(self, 'linear_layers', linear)
-    if linear != tuple(sorted(set(linear))) or any(not 0 <= i < self.num_layers for i in linear):
-      raise ValueError(f'linear_layers={linear} must be distinct layer indices below '
-                       f'num_layers={self.num_layers}, in order')
-    if linear:
+    if self._layer_indices('linear_layers'):
       hk, hv = self.linear_num_key_heads, self.linear_num_value_heads
       if min(hk, hv, self.linear_key_head_dim, self.linear_value_head_dim) < 1 or hv % hk:
         raise ValueError(f'Gated DeltaNet layers need key and value heads and head dims >= 1, '
@@ -196,6 +187,15 @@ class ModelConfig:
       if self.linear_conv_kernel < 1 or self.linear_chunk_size < 1:
         raise ValueError(f'linear_conv_kernel={self.linear_conv_kernel} and linear_chunk_size='
                          f'{self.linear_chunk_size} must be >= 1')
+
+  def _layer_indices(self, name: str) -> tuple[int, ...]:
+    """Field `name` as a tuple (set so), checked: distinct layer indices in order."""
+    layers = tuple(getattr(self, name))
+    object.__setattr__(self, name, layers)
+    if layers != tuple(sorted(set(layers))) or any(not 0 <= i < self.num_layers for i in layers):
+      raise ValueError(f'{name}={layers} must be distinct layer indices below '
+                       f'num_layers={self.num_layers}, in order')
+    return layers
 
   @property
   def is_moe(self) -> bool:

@@ -8,9 +8,7 @@ each an item as it ends.
 
 from __future__ import annotations
 
-import json
 import pathlib
-import subprocess
 import sys
 from typing import Any
 
@@ -26,16 +24,9 @@ def run(s: section_lib.Section) -> None:
     out = pathlib.Path(s.args.workdir) / f'gated_delta_{shape}.json'
     cmd = [sys.executable, '-m', 'pipelinerl_jax.bench.gated_delta', f'--out={out}',
            *(['--quick'] if s.args.quick else [f'--shape={shape}'])]
-    try:
-      proc = subprocess.run(cmd, capture_output=True, text=True, timeout=s.remaining())
-    except subprocess.TimeoutExpired:
-      s.skip(name, 'time budget (cut short)')
+    report = section_lib.bench_report(s, name, cmd, out)
+    if report is None:
       continue
-    if proc.returncode or not out.exists():
-      tail = (proc.stderr.strip().splitlines() or [''])[-1]
-      s.fail(name, RuntimeError(f'bench.gated_delta exited {proc.returncode}: {tail}'))
-      continue
-    report = json.loads(out.read_text())
     s.add(name, dims=report['dims'], sizes=report['sizes'], dtype=report['args']['dtype'],
           layer_s=report['timings']['layer']['seconds'],
           rule_s=report['timings']['rule']['seconds'], compiled_bytes=report['compiled_bytes'],
