@@ -359,8 +359,8 @@ def qwen3_5_2b_1xgpu():
   fixed state in each linear layer. The memory plan places it:
   `python -m pipelinerl_jax.memory_plan --config=configs/math.py:qwen3_5_2b_1xgpu
   --model_config=configs/models/Qwen3.5-2B --devices=1 --device=h100`. The JAX engine does not
-  serve hybrid models yet: until it does, the run is refused in one line at its start (vLLM
-  serves them, with a placement that gives it its own GPU). Not run on GPUs."""
+  serve hybrid models yet: until it does, the run is refused in one line at its start. Not run
+  on GPUs."""
   c = qwen3_1p7b_1xgpu()
   c.generation.kv_pool_mb = 0
   return c

@@ -405,8 +405,8 @@ def check_servable(model_config: transformer.ModelConfig) -> None:
   if model_config.is_hybrid:
     raise ValueError(f"config.generation.backend='jax': the JAX engine does not serve hybrid "
                      f'models ({model_config.architecture}: {len(model_config.linear_layers)} '
-                     "Gated DeltaNet layers, whose recurrent state it does not keep); use "
-                     "backend 'vllm'")
+                     'Gated DeltaNet layers, whose recurrent state its paged KV cache does not '
+                     'hold)')
 
 
 class _Dispatched(NamedTuple):

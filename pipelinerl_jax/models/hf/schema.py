@@ -99,8 +99,8 @@ def load_config(model_dir: str | os.PathLike, **overrides) -> ModelConfig:
   """ModelConfig from `model_dir/config.json`.
 
   Overrides set the numerics only: param_dtype, dtype, lm_head_fp32, remat, remat_policy, the
-  attention implementation (attention, attention_block_q, attention_block_kv) and how an MoE
-  model's experts are computed (moe_dispatch).
+  attention implementation (attention, attention_block_q, attention_block_kv), how an MoE
+  model's experts are computed (moe_dispatch) and a hybrid's chunk length (linear_chunk_size).
   """
   path = Path(model_dir) / CONFIG_FILE
   if not path.is_file():
