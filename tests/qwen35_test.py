@@ -249,8 +249,8 @@ def test_chunked_delta_rule_equals_the_recurrent_one_with_gradients():
 def test_a_layer_decoded_token_by_token_from_its_state_equals_its_chunked_form():
   """The interface decode builds on: a Gated DeltaNet layer over a sequence at once, against a
   prefill of its first part (chunked, from a zero state) then one recurrent step per token from
-  the state handed on; and a prefill of right-padded rows hands on the state after each row's
-  last real token."""
+  the state handed on; a step of a row with segment id 0 keeps its state; and a prefill of
+  right-padded rows hands on the state after each row's last real token."""
   layer = gated_delta.GatedDeltaNet(HYBRID)
   x = jax.random.normal(jax.random.PRNGKey(5), (2, 13, HYBRID.hidden_size))
   params = jax.tree.map(lambda p: 3 * p, layer.init(jax.random.PRNGKey(6), x, None)['params'])
@@ -265,6 +265,11 @@ def test_a_layer_decoded_token_by_token_from_its_state_equals_its_chunked_form()
     y, state = apply(x[:, i:i + 1], None, state)
     steps.append(y)
   np.testing.assert_allclose(jnp.concatenate(steps, axis=1), whole, atol=1e-5)
+  # A step with segment id 0 (a slot with nothing to decode) leaves that row's state as it was.
+  _, after = apply(x[:, :1], jnp.asarray([[1], [0]], jnp.int32), state)
+  for kept, old in zip(after, state):
+    np.testing.assert_array_equal(kept[1], old[1])
+    assert not np.array_equal(kept[0], old[0])
   # Row 1 has 9 real tokens then padding: its state is the state after those 9.
   ids = ones(2, 13).at[1, 9:].set(0)
   _, padded = apply(x, ids, gated_delta.init_state(HYBRID, 2))

@@ -17,8 +17,8 @@ an RMSNorm over Dv gated by SiLU(z_t) (a fourth projection) and `out_proj`.
 Two forms of the same recurrence, fp32 throughout (the state too, whatever the compute dtype):
   * `delta_rule_chunked` (training, prefill): positions in chunks of Tb; within a chunk every
     pairwise term at once (the UT transform of the DeltaNet papers: one triangular solve per
-    chunk), a `lax.scan` carries S across chunks. No maintained JAX kernel exists for it (the
-    Triton kernels of flash-linear-attention are CUDA-only), so it is plain jnp.
+    chunk), a `lax.scan` carries S across chunks. No maintained JAX kernel exists for it
+    (flash-linear-attention's are Triton kernels for PyTorch), so it is plain jnp.
   * `delta_rule_step` (decode): one token, the recurrence as written. `delta_rule_recurrent`
     scans it over a sequence: the reference the chunked form is tested against.
 
@@ -34,9 +34,10 @@ The interface decode builds on. A layer's state for R sequences is a `LinearStat
 `GatedDeltaNet.__call__(x_RxTxD, segment_ids_RxT, state)` returns (output, new state): with
 `state=None` it starts from zeros (training rows); given a state, T > 1 tokens continue it in
 the chunked form (a prefill, or its next chunk) and T = 1 takes one recurrent step (decode: no
-segment ids needed). The state returned is the one after each row's last real token. Decoding
-one token of a hybrid layer: x [R, 1, D] and its layer's LinearState in, the output and the new
-LinearState out; `init_state` makes a zero state (a fresh sequence).
+segment ids needed; a row whose id is 0 keeps its state). The state returned is the one after
+each row's last real token. Decoding one token of a hybrid layer: x [R, 1, D] and its layer's
+LinearState in, the output and the new LinearState out; `init_state` makes a zero state (a
+fresh sequence).
 
 Shape letters (the README's table): R rows, T tokens, D model width, Hk / Hv key / value heads,
 Dk / Dv their head dims, Cc convolution channels (2 Hk Dk + Hv Dv), Kc convolution taps, Wc its
@@ -261,7 +262,7 @@ class CausalConv(nn.Module):
                               self.param_dtype)[:, 0]
     if window_RxWcxCc is not None and x_RxTxCc.shape[1] == 1:
       y_RxCc, window = conv_step(x_RxTxCc[:, 0], kernel_KcxCc, window_RxWcxCc)
-      return y_RxCc[:, None], window
+      return y_RxCc[:, None], jnp.where(valid_RxT[:, :, None], window, window_RxWcxCc)
     return causal_conv(x_RxTxCc, kernel_KcxCc, index_RxT, valid_RxT, window_RxWcxCc)
 
 
