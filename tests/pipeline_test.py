@@ -299,6 +299,23 @@ def test_unknown_config_key_is_an_error():
     config_lib.validate(c)
 
 
+def test_verified_updates_are_refused_where_nothing_could_check_them():
+  c = small_config()
+  c.generation.placement, c.generation.remote.verify_updates = 'ray', True
+  config_lib.validate(c)
+  c.generation.backend = 'vllm'
+  with pytest.raises(ValueError, match=r"config.generation.remote.verify_updates: checks the "
+                                       r"params the actors hand the JAX engine \(backend 'jax'\), "
+                                       r"not 'vllm'"):
+    config_lib.validate(c)
+  c.generation.backend, c.train.num_processes = 'jax', 2
+  with pytest.raises(ValueError, match=r"needs the whole params on one trainer process: with "
+                                       r"several, use weight_transport 'gloo' or 'nccl'"):
+    config_lib.validate(c)
+  c.generation.remote.weight_transport = 'gloo'
+  config_lib.validate(c)
+
+
 def test_unknown_preset_is_an_error():
   with pytest.raises(ValueError, match="unknown preset 'huge'"):
     config_lib.load_preset('huge')
