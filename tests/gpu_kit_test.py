@@ -405,6 +405,7 @@ def optional(built_once):
     proc = run_kit(['--quick', f'--sections={",".join(OPTIONAL_RUN)}', '--budget_s=1200',
                     f'--out={tmp / "gpu.json"}', f'--workdir={tmp / "w"}'],
                    image_like_env(tmp / 'hider'), timeout=1500)
+    assert (tmp / 'gpu.json').exists(), proc.stdout[-3000:] + proc.stderr[-5000:]
     (tmp / 'stdout.txt').write_text(proc.stdout + proc.stderr[-5000:])
 
   tmp = built_once('gpu_kit_optional', build)

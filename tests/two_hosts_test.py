@@ -357,13 +357,13 @@ def test_host_b_serves_every_published_version_bit_for_bit_and_the_bytes_are_cou
   rs = [r for r in runs['across']['records'] if r['step'] <= STEPS]
   assert [r['step'] for r in rs] == list(range(1, STEPS + 1))
   # Version 0 and one update a step, each checked on b against the checksum of what a published
-  # (a mismatch stops the run); the count is as of the generator's last poll, a step behind at
-  # most.
+  # (a mismatch stops the run): by step n's record, versions 0 .. n-2 at least (the count is as
+  # of the generator's last poll).
   verified = [r['generation/updates_verified'] for r in rs]
   sent, received = rs[-1]['net/tx_bytes'], rs[-1]['net/rx_bytes']
   print(f'\nupdates verified on b by step: {verified}; {rs[-1]["time_s"]:.0f} s; '
         f'{sent / 1e6:.1f} MB sent from a to b, {received / 1e6:.1f} MB received')
-  assert all(v >= r['step'] - 1 for v, r in zip(verified, rs)) and verified[-1] >= STEPS
+  assert all(v >= r['step'] - 1 for v, r in zip(verified, rs))
   assert all(np.diff(verified) >= 0)
   # Each step's weights went from a to b's generator over gloo: at least that many bytes left
   # a's interface; and the counts only grow.
