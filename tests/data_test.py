@@ -244,3 +244,60 @@ def test_prompts_render_through_the_chat_template_with_a_system_turn_only_when_c
   assert data.PromptRenderer(tok, '')(text) == f'<|user|>{question}\n<|assistant|>'
   config = config_lib.TaskConfig(name='math', system_prompt='S.', system_prompt_for='all')
   assert data.PromptRenderer.from_config(config, tok)(chat).startswith('<|system|>S.\n')
+
+
+QWEN_LIKE_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}"
+                      "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant"
+                      "\n{% endif %}")
+
+
+@pytest.fixture(scope='module')
+def chat_model_dir(model_dir, tmp_path_factory):
+  """The tests' demo model dir with a chat template of Qwen's shape (its tokenizer has none)."""
+  import shutil
+  out = tmp_path_factory.mktemp('chat') / 'model'
+  shutil.copytree(model_dir, out)
+  (out / 'chat_template.jinja').write_text(QWEN_LIKE_TEMPLATE)
+  return str(out)
+
+
+def test_preview_shows_layout_count_and_the_exact_prompts(layouts, chat_model_dir):
+  import io
+  from pipelinerl_jax import data_preview
+  from pipelinerl_jax.models import hf_io
+  tokenizer = hf_io.load_tokenizer(chat_model_dir)
+  assert tokenizer.chat_template == QWEN_LIKE_TEMPLATE
+  config = config_lib.Config(task=config_lib.TaskConfig(name='math'))
+  out = io.StringIO()
+  paths = [str(layouts['verl parquet'][0]), str(layouts['gsm8k'][0])]
+  sources = data_preview.preview(paths, chat_model_dir, config, num=2, max_prompt_len=200,
+                                 out=out)
+  text = out.getvalue()
+  assert 'layout: parquet (1 file); 4 problems, 4 distinct prompts' in text
+  assert 'layout: jsonl (1 file); 4 problems' in text
+  assert "prompt: field 'prompt' (chat messages); answer: field 'reward_model.ground_truth'" in text
+  assert 'datasets: openai/gsm8k (4)' in text and 'datasets: gsm8k (4)' in text
+  # The first two prompts of each file, exactly as rendered for the model, with their counts.
+  for source in sources:
+    for r in source.records[:2]:
+      turns = ([] if r.chat else [{'role': 'system', 'content': data.SYSTEM_PROMPT}]) + [
+          {'role': 'user', 'content': r.text}]
+      prompt = tokenizer.apply_chat_template(turns, add_generation_prompt=True, tokenize=False)
+      assert prompt.startswith('<|im_start|>') and prompt.endswith('<|im_start|>assistant\n')
+      n = len(tokenizer.encode(prompt, add_special_tokens=False))
+      assert f'{r.id} (dataset {r.dataset}): {n} prompt tokens, reference answer ' \
+             f'{r.answer!r}\n{prompt}\n' in text
+    assert f'{source.records[2].id} (' not in text  # only --num of them
+  lengths = [len(tokenizer.encode(data.PromptRenderer(tokenizer)(r), add_special_tokens=False))
+             for r in sources[1].records]
+  assert f'max {max(lengths)}; {sum(n > 200 for n in lengths)} over generation.max_prompt_len=200' \
+         in text
+  # DAPO's prompts ask for an 'Answer:' line: the preview says the task reads boxes.
+  dapo = write_parquet(pathlib.Path(chat_model_dir).parent / 'dapo.parquet', [dict(
+      verl_rows('math_dapo')[0], prompt=[{'role': 'user', 'content': 'Solve. The last line of '
+                                          'your response should be of the form Answer: $Answer'
+                                          '\n\nWhat is 1+1?'}])])
+  out = io.StringIO()
+  data_preview.preview([str(dapo)], chat_model_dir, config, out=out)
+  assert "note: the prompts ask for an 'Answer:' line but task.answer_format is 'boxed'" in \
+      out.getvalue()

@@ -214,8 +214,9 @@ class MathTask(Task):
     if answer_format not in ANSWER_FORMATS:
       raise ValueError(f'answer_format={answer_format!r}: expected one of '
                        f'{", ".join(ANSWER_FORMATS)}')
-    self.datasets = _check_datasets(datasets)
     self.test_sets = {name: list(records) for name, records in (test_sets or {}).items()}
+    # No training problems: a task to evaluate on its test sets only (pipelinerl-eval).
+    self.datasets = _check_datasets(datasets) if datasets or not self.test_sets else []
     self.render = render or data_lib.PromptRenderer()
     self.rewards, self.answer_format, self.score_fn = rewards, answer_format, score_fn
     self.max_answer_chars = max_answer_chars
@@ -256,6 +257,8 @@ class MathTask(Task):
   # --- the Task protocol ---------------------------------------------------------------------
 
   def problems(self, seed: int) -> Iterator[Problem]:
+    if not self.datasets:
+      raise ValueError('config.task.train_files: no training problems (this task evaluates only)')
     return mixed_stream(self.datasets, seed, self.render)
 
   def held_out(self, num_problems: int, seed: int) -> dict[str, list[Problem]]:
