@@ -110,9 +110,8 @@ def evaluate_checkpoint(config: ml_collections.ConfigDict | config_lib.Config | 
     datasets = task.held_out(config.eval.num_problems, config.eval.seed)
     longest = max(len(tokenizer.encode(p.prompt, add_special_tokens=False))
                   for problems in datasets.values() for p in problems)
-    # Room for every test prompt (the config's size when they fit: then the engine is the one a
-    # run's periodic evaluation builds, and the numbers agree with it).
-    max_prompt_len = max_prompt_len or max(config.generation.max_prompt_len, longest)
+    max_prompt_len = _prompt_room(max_prompt_len, config, longest,
+                                  model_config.max_position_embeddings)
     params, serve_dir, config = _params(config, kind, checkpoint, model_config, model_dir,
                                         backend, lora, base)
     result = evaluation.evaluate_params(
@@ -134,6 +133,22 @@ def evaluate_checkpoint(config: ml_collections.ConfigDict | config_lib.Config | 
     with open(os.path.join(out_dir, 'results.json'), 'w') as f:
       json.dump({'checkpoint': checkpoint, **summary}, f, indent=2)
   return result
+
+
+def _prompt_room(given: int | None, config: config_lib.Config, longest: int, context: int) -> int:
+  """The engine's prompt length: `given`, else room for every test prompt (the config's when they
+  fit: then the engine is the one a run's periodic evaluation builds, and the numbers agree),
+  within the model's context; what cannot fit is one line."""
+  max_tokens = config.eval.max_tokens or config.generation.max_new_tokens
+  room = given or max(config.generation.max_prompt_len, longest)
+  if not given and room + max_tokens > context:
+    room = max(longest, context - max_tokens)
+  if room + max_tokens > context:
+    raise ValueError(f'{"--max_prompt_len" if given else "the longest test prompt"} ({room} '
+                     f'tokens) and max_tokens={max_tokens} exceed the model\'s context of '
+                     f'{context} positions: lower --max_tokens or --max_prompt_len (longer '
+                     'prompts are then skipped)')
+  return room
 
 
 def _params(config: config_lib.Config, kind: str, checkpoint: str, model_config, model_dir: str,
