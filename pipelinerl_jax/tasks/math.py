@@ -26,7 +26,6 @@ whose samples are all masked is dropped. Its `status` is still counted in the me
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import random
 import re
