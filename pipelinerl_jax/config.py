@@ -175,10 +175,10 @@ class DemoModelConfig(_Section):
                 'mlp_only_layers')
 
 
-# The linear maps of a decoder layer that LoRA can adapt (models/lora.py), as HF names them.
 # The math task's default system turn (task.system_prompt).
 DEFAULT_SYSTEM_PROMPT = 'Please reason step by step, and put your final answer within \\boxed{}.'
 
+# The linear maps of a decoder layer that LoRA can adapt (models/lora.py), as HF names them.
 LORA_TARGETS = ('q_proj', 'k_proj', 'v_proj', 'o_proj', 'gate_proj', 'up_proj', 'down_proj')
 
 
