@@ -14,6 +14,8 @@
   qwen3_8b_lora_1xgpu  Qwen3-8B with LoRA on one 80 GB GPU: trainer and JAX engine share the
                    frozen bf16 base (one copy)
   qwen3_30b_a3b    Qwen3-30B-A3B (a mixture of experts) on 24 GPUs of 80 GB: 16 train, 8 vLLM
+  eval             what `pipelinerl-eval` uses for an HF model dir or a PEFT adapter dir when no
+                   --config is given: math test files, greedy, up to 4096 new tokens
 
 The GPU presets leave the model and the data as placeholders; set them on the command line:
   --config.model.path=/models/Qwen2.5-Math-1.5B \\
@@ -305,6 +307,12 @@ def qwen3_1p7b_1xgpu():
   c.model.remat_policy = 'dots'     # only elementwise work recomputed
   c.task.reward.overlong_max_len = 3072
   c.task.reward.overlong_buffer = 512
+  # Evaluated during the run on task.test_files, between two train steps, by a JAX engine of its
+  # own on the same device: 12 GiB of KV pool beside the trainer's resident state (its step's
+  # gradients and activations are free then) and the run's engine; the memory plan counts it.
+  c.eval.every_steps = 50
+  c.eval.k = 4
+  c.eval.kv_pool_mb = 12 * 1024
   return c
 
 
@@ -343,6 +351,28 @@ def qwen3_8b_lora_1xgpu():
   c.train.micro_batch_rows = 1
   c.task.reward.overlong_max_len = 4096
   c.task.reward.overlong_buffer = 512
+  # Evaluated during the run, as qwen3_1p7b_1xgpu is: the evaluation's engine reads the same
+  # base and adds the adapters and a 6 GiB KV pool (the run's pool takes most of the device).
+  c.eval.every_steps = 50
+  c.eval.k = 4
+  c.eval.kv_pool_mb = 6 * 1024
+  return c
+
+
+def eval_():
+  """`pipelinerl-eval --checkpoint=DIR --test_files=...` on an HF model dir (an export, a model
+  from the Hub) or a PEFT adapter dir: greedy decoding (one sample per problem) up to 4096 new
+  tokens; the CLI's flags set the sampling (docs/data.md: evaluation as papers report it) and
+  size the prompts to the longest test prompt. No training data: only test files are read."""
+  c = config_lib.base_config()
+  c.task.name = 'math'
+  c.task.verify_workers = 4
+  c.generation.max_new_tokens = 4096
+  c.generation.max_prompt_len = 1024
+  c.train.seq_len = 1024 + 4096
+  c.eval.num_problems = 0             # whole test sets
+  c.eval.k = 1
+  c.eval.temperature = 0.0
   return c
 
 
@@ -354,9 +384,6 @@ def _math_task(c):
   c.task.test_files = ()              # for evaluate.py and eval.every_steps
   c.task.verify_workers = 8
   c.task.verify_timeout_s = 5.0
-  # In-run evaluation builds a JAX engine on a device vLLM owns here: evaluate saved checkpoints
-  # with `python -m pipelinerl_jax.evaluate` instead.
-  c.eval.every_steps = 0
   c.eval.num_problems = 0             # whole test sets
   c.eval.k = 8
 
@@ -380,6 +407,10 @@ def _gpu_placement(c):
   c.train.mesh = '1,4,1'
   c.generation.backend = 'vllm'
   c.generation.placement = 'ray'
+  # The in-run evaluation builds a JAX engine on the first device the mesh leaves free, which a
+  # vLLM generator owns here (the memory plan refuses it): evaluate saved checkpoints with
+  # `pipelinerl-eval` instead.
+  c.eval.every_steps = 0
   c.generation.num_generators = 4   # GPUs 4, 5, 6, 7
   # Updates in bf16 (vLLM's serving dtype) from the trainer's GPU 0, one staging buffer each.
   # Unproven: NCCL updates have not run on GPUs yet (the CPU tests run their protocol over gloo);
@@ -412,4 +443,4 @@ def _gpu_model(c):
 PRESETS = {'tiny': tiny, 'tiny_lora': tiny_lora, 'tiny_moe': tiny_moe, 'reasoning': reasoning,
            'tools': tools, 'qwen1p5b_8xh100': qwen1p5b_8xh100, 'paper_7b': paper_7b,
            'qwen3_1p7b_1xgpu': qwen3_1p7b_1xgpu, 'qwen3_8b_lora_1xgpu': qwen3_8b_lora_1xgpu,
-           'qwen3_30b_a3b': qwen3_30b_a3b}
+           'qwen3_30b_a3b': qwen3_30b_a3b, 'eval': eval_}

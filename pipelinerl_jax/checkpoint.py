@@ -28,12 +28,15 @@ from __future__ import annotations
 import dataclasses
 import functools
 import itertools
+import json
 import os
 import shutil
 from pathlib import Path
 from typing import Any, Iterator
 
 import jax
+import ml_dtypes
+import numpy as np
 import optax
 import orbax.checkpoint as ocp
 
@@ -343,6 +346,66 @@ def load_params(path: str | os.PathLike, model_config: transformer.ModelConfig,
                             'is not there (pass the model dir where it is now)')
   base = hf_io.load_params(base_dir, frozen_base_config(model_config), shardings=shardings)
   return lora_lib.Adapted(base, adapters, lora.scale)
+
+
+def is_peft_dir(path: str | os.PathLike) -> bool:
+  """A PEFT LoRA adapter dir (`export --format=peft` writes one)."""
+  p = Path(path)
+  return (p / lora_lib.PEFT_CONFIG_FILE).is_file() and (p / lora_lib.PEFT_WEIGHTS_FILE).is_file()
+
+
+def read_peft_config(path: str | os.PathLike) -> tuple[lora_lib.LoraConfig, str]:
+  """(the LoRA settings, the base model it names) of a PEFT adapter dir; a LoRA this project
+  cannot serve (rsLoRA, DoRA, other modules) is refused in one line."""
+  file = Path(path) / lora_lib.PEFT_CONFIG_FILE
+  try:
+    c = json.loads(file.read_text())
+    targets = c['target_modules']
+    targets = [targets] if isinstance(targets, str) else list(targets)
+    lora = lora_lib.LoraConfig(rank=int(c['r']), alpha=float(c['lora_alpha']),
+                               targets=tuple(t.split('.')[-1] for t in targets))
+  except (json.JSONDecodeError, KeyError, TypeError, ValueError) as e:
+    raise ValueError(f'{file}: not a LoRA adapter config this project reads ({_first_line(e)})'
+                     ) from None
+  if c.get('use_rslora') or c.get('use_dora') or c.get('peft_type', 'LORA') != 'LORA':
+    raise ValueError(f'{file}: only plain LoRA adapters are read (not rsLoRA, DoRA or other PEFT '
+                     'types)')
+  return lora, str(c.get('base_model_name_or_path') or '')
+
+
+_PEFT_DTYPES = {'F32': np.float32, 'F16': np.float16, 'BF16': ml_dtypes.bfloat16}
+
+
+def load_peft_adapters(path: str | os.PathLike, model_config: transformer.ModelConfig,
+                       lora: lora_lib.LoraConfig) -> dict:
+  """The adapters pytree (a [L, Di, Ra], b [L, Ra, Do], in model_config.param_dtype) of a PEFT
+  adapter dir, by the names `lora.AdapterSpec.peft_name` gives (what PEFT writes for Qwen2 /
+  Qwen3 / Llama); a missing or misshapen tensor is named in one line."""
+  file = Path(path) / lora_lib.PEFT_WEIGHTS_FILE
+  header, start = hf_io.read_safetensors_header(file)
+  mmap = np.memmap(file, dtype=np.uint8, mode='r')
+
+  def tensor(name: str, shape: tuple[int, ...]) -> np.ndarray:
+    entry = header.get(name)
+    if entry is None:
+      raise ValueError(f'{file}: no tensor {name} (rank {lora.rank}, targets '
+                       f'{", ".join(lora.targets)})')
+    if entry['dtype'] not in _PEFT_DTYPES or tuple(entry['shape']) != shape:
+      raise ValueError(f'{file}: {name} is {entry["dtype"]}{entry["shape"]}, expected a float '
+                       f'tensor of shape {list(shape)}')
+    begin, end = entry['data_offsets']
+    return mmap[start + begin:start + end].view(_PEFT_DTYPES[entry['dtype']]).reshape(shape)
+
+  flat = {}
+  for spec in lora_lib.specs(model_config, lora):
+    a = [tensor(spec.peft_name(i, 'a'), (lora.rank, spec.in_features)).T
+         for i in range(model_config.num_layers)]
+    b = [tensor(spec.peft_name(i, 'b'), (spec.out_features, lora.rank)).T
+         for i in range(model_config.num_layers)]
+    for which, x in (('a', a), ('b', b)):
+      flat[spec.path + (which,)] = jax.numpy.asarray(np.stack(x).astype(np.float32),
+                                                     dtype=model_config.param_dtype)
+  return lora_lib.nest(flat)
 
 
 def frozen_base_config(model_config: transformer.ModelConfig) -> transformer.ModelConfig:

@@ -175,6 +175,9 @@ class DemoModelConfig(_Section):
                 'mlp_only_layers')
 
 
+# The math task's default system turn (task.system_prompt).
+DEFAULT_SYSTEM_PROMPT = 'Please reason step by step, and put your final answer within \\boxed{}.'
+
 # The linear maps of a decoder layer that LoRA can adapt (models/lora.py), as HF names them.
 LORA_TARGETS = ('q_proj', 'k_proj', 'v_proj', 'o_proj', 'gate_proj', 'up_proj', 'down_proj')
 
@@ -286,17 +289,41 @@ class TaskConfig(_Section):
                                   # and observations (sizes packed rows and engine sequences)
   sft_tool_share: float = 0.5     # calculator: share of the warm start's examples that call the
                                   # tool (the rest answer directly), so RL has that share to raise
-  # math (tasks/math.py): problems from local .jsonl / .json / .parquet files.
+  # math (tasks/math.py): problems from local files, read as they ship (tasks/data.py,
+  # docs/data.md): .jsonl / .json / .parquet files, directories of parquet shards (a Hub
+  # snapshot), `datasets` save_to_disk directories, glob patterns; 'NAME=PATH' names the set.
   train_files: tuple[str, ...] = ()   # paths; each is a dataset of the training mix
   train_weights: tuple[float, ...] = ()  # one weight per train file (draw probability); () = equal
-  test_files: tuple[str, ...] = ()    # held-out sets for evaluation, one dataset each
+  test_files: tuple[str, ...] = ()    # held-out sets for evaluation, one dataset each (or one per
+                                      # `data_source` value of its rows)
   test_fraction: float = 0.0      # without test_files: this fraction of each train file is held
                                   # out (split by problem text, seed 0) as its test set
   # math: keyword arguments of the tokenizer's chat template, e.g. {'enable_thinking': False}
   # for Qwen3's (a name the template never mentions is an error, not ignored).
   chat_template_kwargs: dict[str, Any] = dataclasses.field(default_factory=dict)
-  problem_field: str = ''         # '' = first present of problem / question / prompt
-  answer_field: str = ''          # '' = first present of answer / final_answer / solution
+  # math: where a record's prompt and reference answer are: a field name or a dotted path
+  # ('reward_model.ground_truth'; a number indexes a list: '0.value'). '' = the first present of
+  # problem / question / prompt, and of answer / final_answer / solution /
+  # reward_model.ground_truth. A prompt is text or a list of chat messages ({role, content}).
+  problem_field: str = ''
+  answer_field: str = ''
+  # math: how the reference answer is read from its field: 'boxed' (the last \boxed{} of a
+  # solution), 'gsm8k' (what follows GSM8K's '####'), 'verbatim' (the field as it is), 'auto'
+  # (boxed if the text has a box, gsm8k if it has '####', else verbatim; a multi-line text with
+  # neither is refused: a whole worked solution is no reference answer).
+  answer_rule: Literal['auto', 'boxed', 'gsm8k', 'verbatim'] = 'auto'
+  # math: the system turn put before each prompt ('' = none), and which prompts get it: 'text'
+  # (problems given as text; chat-message prompts carry their own instruction) or 'all' (chat
+  # prompts too, unless they have a system turn).
+  system_prompt: str = DEFAULT_SYSTEM_PROMPT
+  system_prompt_for: Literal['text', 'all'] = 'text'
+  # math: how a completion states its answer: 'boxed' (the last \boxed{}) or 'answer_line' (the
+  # text after the last 'Answer:', as DAPO-Math-17k's prompts ask).
+  answer_format: Literal['boxed', 'answer_line'] = 'boxed'
+  # math: your own scoring function instead of math-verify, 'module:function' or
+  # 'path/to/file.py:function' (docs/data.md: your own reward); it runs in the verify workers,
+  # under verify_timeout_s.
+  score_fn: str = ''
   reward: RewardConfig = RewardConfig()
   verify_timeout_s: float = 5.0   # hard limit per sample in the math-verify worker pool
   verify_workers: int = 2         # math-verify processes
@@ -334,6 +361,9 @@ class TaskConfig(_Section):
     _check(self.verify_workers >= 1, 'verify_workers', f'must be >= 1, got {self.verify_workers}')
     _check(not self.chat_template_kwargs or self.name == 'math', 'chat_template_kwargs',
            f"apply to task 'math' only (task {self.name!r} prompts are plain text)")
+    _check(not self.score_fn or (self.name == 'math' and ':' in self.score_fn.strip(':')),
+           'score_fn', "must be 'module:function' or 'path/to/file.py:function' (task 'math'), "
+           f'got {self.score_fn!r}')
 
 
 # --- generation ------------------------------------------------------------------------------
@@ -745,19 +775,38 @@ class CheckpointConfig(_Section):
 
 @dataclasses.dataclass(frozen=True)
 class EvalConfig(_Section):
-  """Periodic evaluation on held-out problems (evaluation.py), logged as eval/pass@1 and
-  eval/pass@<k>; the same function backs `python -m pipelinerl_jax.evaluate`."""
+  """Evaluation on held-out problems (evaluation.py), during a run every `every_steps` steps and
+  by `pipelinerl-eval`: per dataset avg@n, pass@1, pass@k, maj@k, mean response length and the
+  share cut at max_tokens. The in-run evaluation runs a JAX engine of its own on the generation
+  device (the memory plan counts it)."""
   every_steps: int = 0            # 0 = off
   num_problems: int = 64          # per dataset (0 = all of it)
-  k: int = 4                      # samples per problem, for pass@k (pass@1 is their mean)
+  k: int = 4                      # pass@k and maj@k
+  n: int = 0                      # samples per problem (>= k; 0 = k): avg@n is their mean accuracy
   temperature: float = 1.0
+  top_p: float = 1.0
+  top_k: int = 0                  # 0 = off
+  max_tokens: int = 0             # per completion; 0 = generation.max_new_tokens
   seed: int = 10_000
+  # The evaluation engine's paged KV pool (0 = generation.kv_pool_mb's rule); slots follow the
+  # number of requests, at most generation.num_slots.
+  kv_pool_mb: int = 0
 
   def _check_values(self):
     _check(self.every_steps >= 0, 'every_steps', f'must be >= 0 (0 = off), got {self.every_steps}')
     _check(self.num_problems >= 0, 'num_problems', f'must be >= 0, got {self.num_problems}')
     _check(self.k >= 1, 'k', f'must be >= 1, got {self.k}')
+    _check(self.n == 0 or self.n >= self.k, 'n', f'must be 0 (= k) or >= k={self.k}, got {self.n}')
     _check(self.temperature >= 0, 'temperature', f'must be >= 0, got {self.temperature}')
+    _check(0 < self.top_p <= 1, 'top_p', f'must be in (0, 1], got {self.top_p}')
+    _check(self.top_k >= 0, 'top_k', f'must be >= 0, got {self.top_k}')
+    _check(self.max_tokens >= 0, 'max_tokens', f'must be >= 0, got {self.max_tokens}')
+    _check(self.kv_pool_mb >= 0, 'kv_pool_mb', f'must be >= 0, got {self.kv_pool_mb}')
+
+  @property
+  def samples(self) -> int:
+    """Samples per problem (n, or k when n is 0)."""
+    return self.n or self.k
 
 
 @dataclasses.dataclass(frozen=True)

@@ -69,6 +69,16 @@ generator beside the mesh, each with its share of the slots)
   kv                  the paged KV pool: generation.kv_pool_mb, or every slot at full length
                       (the largest pool the engine makes without it)
 
+in-run evaluation (eval.every_steps > 0: a JAX engine of its own, built for each evaluation,
+between two train steps, on the first device the mesh leaves free, or device 0)
+  weights             its copy of the params in the compute dtype (with LoRA the adapters, and
+                      the base unless it reads the trainer's)
+  kv                  its paged KV pool: eval.kv_pool_mb, or generation.kv_pool_mb's rule, for
+                      generation.num_slots sequences of max_prompt_len + the eval's max tokens
+On device 0 it lives beside the trainer's resident state (params, Adam state, base and adapters,
+published copies; the step's gradients and activations are freed between steps) and the run's
+engine when that is there too.
+
 A plan refuses (`Plan.problems`, one line each, `Plan.refusal` joins them) when a device holds
 more than it has, when a large parameter stays whole on every fsdp device, when the KV cache
 cannot hold one full-length request, or when the mesh and the generators need more devices than
@@ -112,6 +122,9 @@ VLLM_BATCHED_TOKENS = 8192             # vLLM's default max_num_batched_tokens (
 VLLM_BLOCK_TOKENS = 16                 # vLLM's default KV block size
 CUDA_GRAPHS_BYTES = GIB                # an allowance, not a measurement (see `activations`)
 LARGE_PARAM_FRACTION = 0.01            # a parameter with >= 1% of the model must be fsdp-sharded
+# Trainer terms that live inside the train step only: an in-run evaluation, between two steps,
+# finds their memory free.
+STEP_TERMS = ('grads', 'gathered', 'saved', 'layer', 'attention', 'logits', 'batch')
 
 
 @dataclasses.dataclass(frozen=True)
@@ -121,6 +134,7 @@ class Plan:
   generator: dict[str, int]
   facts: dict[str, Any]
   problems: tuple[str, ...]
+  evaluation: dict[str, int] = dataclasses.field(default_factory=dict)  # eval.every_steps > 0
 
   @property
   def fits(self) -> bool:
@@ -401,6 +415,54 @@ def generator_memory(m: transformer.ModelConfig, config: config_lib.Config,
   return memory, facts
 
 
+def evaluation_memory(m: transformer.ModelConfig, config: config_lib.Config,
+                      shares_base: bool) -> dict[str, int]:
+  """The in-run evaluation's JAX engine (the module doc's terms); `shares_base`: with LoRA, it
+  reads the trainer's base (placements.base_on: the whole mesh is its one device)."""
+  g, ev = config.generation, config.eval
+  page_bytes = budget.kv_page_bytes(m.num_layers, m.num_kv_heads, m.head_dim, g.kv_page_size,
+                                    m.dtype)
+  pages = budget.kv_pool_pages(num_slots=g.num_slots,
+                               max_seq_len=g.max_prompt_len + (ev.max_tokens or g.max_new_tokens),
+                               page_size=g.kv_page_size, page_bytes=page_bytes,
+                               pool_mb=ev.kv_pool_mb or g.kv_pool_mb)
+  lora = lora_lib.LoraConfig.from_settings(config.model.lora)
+  weights = m.num_params * _bytes(m.dtype)
+  if lora is not None:
+    weights = (0 if shares_base else weights) + lora_lib.num_params(m, lora) * _bytes(m.dtype)
+  return dict(weights=weights, kv=pages * page_bytes)
+
+
+def _evaluation_problems(p_trainer: dict[str, int], generator: dict[str, int],
+                         evaluation: dict[str, int], config: config_lib.Config, mesh_size: int,
+                         num_devices: int, device_gib: float, facts: dict[str, Any]) -> list[str]:
+  """Where the in-run evaluation's engine goes, and whether that device holds it then."""
+  g = config.generation
+  device_bytes = int(device_gib * GIB)
+  total = sum(evaluation.values())
+  if mesh_size < num_devices:  # the first free device
+    facts['evaluation_device'] = mesh_size
+    if g.placement == 'ray':
+      return [f'eval.every_steps: the in-run evaluation builds a JAX engine on device '
+              f'{mesh_size}, which a generator holds (placement ray): set eval.every_steps=0 and '
+              'evaluate checkpoints with pipelinerl-eval']
+    beside = sum(generator.values()) if g.backend == 'jax' else 0
+    facts['evaluation_device_bytes'] = beside + total
+    if beside + total > device_bytes:
+      return [f'device {mesh_size} during an evaluation holds the JAX engine and the '
+              f'evaluation\'s: {(beside + total) / GIB:.1f} GiB > {device_gib:g} GiB']
+    return []
+  facts['evaluation_device'] = 0
+  resident = sum(v for k, v in p_trainer.items() if k not in STEP_TERMS)
+  beside = sum(generator.values()) if g.placement == 'inline' else 0
+  facts['evaluation_device_bytes'] = resident + beside + total
+  if resident + beside + total > device_bytes:
+    return [f'device 0 during an evaluation holds the trainer\'s state, the engine and the '
+            f'evaluation\'s: {(resident + beside + total) / GIB:.1f} GiB > {device_gib:g} GiB '
+            '(eval.kv_pool_mb sizes its KV pool)']
+  return []
+
+
 KV_MODES = ('auto', 'free', 'config')
 
 
@@ -526,7 +588,14 @@ def plan(config: ml_collections.ConfigDict | config_lib.Config, hf_config: dict,
       where = 'device 0 (trainer and in-process vLLM)' if in_process else 'a generator device'
       problems.append(f'{where} needs {(sum(generator.values()) + shared) / GIB:.1f} GiB > '
                       f'{device_gib:g} GiB')
-  return Plan(trainer=trainer, generator=generator, facts=facts, problems=tuple(problems))
+  evaluation = {}
+  if config.eval.every_steps:
+    shares = (lora is not None and mesh.size == 1 and num_devices == 1)
+    evaluation = evaluation_memory(m, config, shares)
+    problems += _evaluation_problems(trainer, generator, evaluation, config, mesh.size,
+                                     num_devices, device_gib, facts)
+  return Plan(trainer=trainer, generator=generator, facts=facts, problems=tuple(problems),
+              evaluation=evaluation)
 
 
 def read_hf_config(path: str | os.PathLike) -> tuple[dict, str]:
@@ -558,7 +627,8 @@ def format_plan(p: Plan) -> str:
            f'device']
   width = max(len(k) for k in [*p.trainer, *p.generator, 'total'])
   for name, terms, total in (('trainer device', p.trainer, p.trainer_total),
-                             ('generator device', p.generator, p.generator_total)):
+                             ('generator device', p.generator, p.generator_total),
+                             ('in-run evaluation', p.evaluation, sum(p.evaluation.values()))):
     if not terms:
       continue
     lines.append(f'  {name}:')
@@ -593,6 +663,10 @@ def format_plan(p: Plan) -> str:
     if f['host_object_store_bytes']:
       lines.append(f"host memory, Ray's object store: {f['host_object_store_bytes'] / GIB:.1f} "
                    'GiB per node per update in flight (two while a new one replaces it)')
+  if 'evaluation_device_bytes' in f:
+    lines.append(f"device {f['evaluation_device']} during an in-run evaluation: "
+                 f"{f['evaluation_device_bytes'] / GIB:.2f} GiB of {f['device_bytes'] / GIB:g} "
+                 "(the train step's gradients and activations are free then)")
   lines.append('FITS' if p.fits else f'REFUSED: {p.refusal}')
   return '\n'.join(lines)
 

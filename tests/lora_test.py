@@ -206,6 +206,7 @@ def test_lora_run_publishes_adapters_only_and_its_checkpoint_restores_exactly(
   checkpoint restores bit for bit (the base is referenced by its model dir)."""
   c = _lora_config(max_lag=1, total_steps=3)
   c.checkpoint.every_steps = 0  # only at exit
+  c.eval.every_steps, c.eval.num_problems, c.eval.k = 3, 4, 2  # evaluated in the run, LoRA too
   summary = launch.run_experiment(c, str(tmp_path), model_dir=model_dir)
   assert summary['steps'] == 3
   model_config = hf_io.load_config(model_dir)
@@ -215,6 +216,8 @@ def test_lora_run_publishes_adapters_only_and_its_checkpoint_restores_exactly(
   assert np.abs(np.asarray(state.params['layers']['mlp']['down_proj']['b'])).max() > 0
   records = metrics_lib.read_metrics(str(tmp_path / 'metrics.jsonl'))
   assert [r['step'] for r in records] == [1, 2, 3]
+  assert 0 <= records[-1]['eval/pass@1'] <= 1 and records[-1]['eval/mean_tokens'] > 0
+  assert 'eval/pass@1' not in records[0]
   for r in records:
     assert r['publish_bytes'] == 4 * lora_lib.num_params(model_config, lora)
     assert 1 <= r['versions_per_sample_mean'] <= r['versions_per_sample_max'] <= 2

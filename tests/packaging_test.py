@@ -227,7 +227,8 @@ def test_package_list_covers_every_package_directory():
 
 def test_console_scripts_name_an_entry_function():
   scripts = PROJECT['scripts']
-  assert set(scripts) == {'pipelinerl-train', 'pipelinerl-eval', 'pipelinerl-export'}
+  assert set(scripts) == {'pipelinerl-train', 'pipelinerl-eval', 'pipelinerl-export',
+                          'pipelinerl-data'}
   for name, target in scripts.items():
     module, func = target.split(':')
     tree = ast.parse((ROOT / (module.replace('.', '/') + '.py')).read_text())

@@ -291,10 +291,13 @@ def evaluator(config: config_lib.Config, workdir: str, learner: Learner, tokeniz
   workdir/eval/samples-<step>.jsonl."""
   problems = task.held_out(config.eval.num_problems, config.eval.seed)
   device = placements.generation_device(learner.mesh)
-  copy = placements.copy_params_fn(device)
-  if learner.lora is not None:
+  if learner.lora is None:
+    # In the compute dtype, as the publisher's copy: the engine would cast a param-dtype copy
+    # (a second copy on the device; the memory plan counts one).
+    copy = placements.copy_params_fn(device, learner.model_config.dtype)
+  else:
     base = placements.base_on(learner.base, device)
-    copy_adapters = copy
+    copy_adapters = placements.copy_params_fn(device)
     copy = lambda adapters: lora_lib.Adapted(base, copy_adapters(adapters), learner.lora.scale)
 
   def evaluate(params, step: int) -> dict:
