@@ -90,14 +90,6 @@ def absent(part: str) -> str | None:
   return PROBES[part]()
 
 
-class Missing(pytest.skip.Exception):
-  """A skip for a part this machine lacks and need not have: the one skip that passes CI."""
-
-  def __init__(self, part: str, reason: str):
-    super().__init__(f'needs {part}: {reason}', pytrace=False)
-    self.part = part
-
-
 def missing(part: str, reason: str):
   """Ends the test: fails when this machine must have `part`, else skips saying why."""
   if part not in PARTS:
@@ -105,7 +97,11 @@ def missing(part: str, reason: str):
   if part in required():
     pytest.fail(f'needs {part} ({PARTS[part]}), which this machine must have '
                 f'({REQUIRE_VAR}={os.environ[REQUIRE_VAR]}): {reason}', pytrace=False)
-  raise Missing(part, reason)
+  # pytest's own skip (reported as any skip is, at the test), marked as one for a part this
+  # machine lacks and need not have: the one skip that passes where skips are checked.
+  skip = pytest.skip.Exception(f'needs {part}: {reason}', pytrace=False, _use_item_location=True)
+  skip.missing_part = part
+  raise skip
 
 
 def have(part: str) -> bool:
@@ -142,7 +138,7 @@ def pytest_runtest_setup(item):
 def _unexpected_skip(report, excinfo) -> bool:
   """A skip that did not come from here, while PIPELINERL_TESTS_REQUIRE is set."""
   return (report.skipped and strict() and not hasattr(report, 'wasxfail')
-          and not (excinfo is not None and isinstance(excinfo.value, Missing)))
+          and not (excinfo is not None and hasattr(excinfo.value, 'missing_part')))
 
 
 def _failed(report, what: str):
