@@ -105,8 +105,8 @@ def missing(part: str, reason: str):
 
 
 def have(part: str) -> bool:
-  """Whether `part` is here, for a test that does less without it (and says so in its output);
-  fails where this machine must have it."""
+  """Whether `part` is here, for a test that does less without it; fails where this machine
+  must have it."""
   reason = absent(part)
   if reason is not None and part in required():
     missing(part, reason)
