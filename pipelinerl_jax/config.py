@@ -421,6 +421,11 @@ class RemoteConfig(_Section):
   # cut off from the driver's, and Ray leaves such an actor running (holding its devices; seen
   # for over a minute).
   heartbeat_timeout_s: float = 60.0
+  # Each actor checks every update whole: a checksum of the params it hands its engine against
+  # the trainer's of what it published (in the wire dtype); a mismatch stops the run in one line.
+  # A host copy and a hash of the params per update on both sides: for proving a cluster's
+  # transport, not for speed. JAX engine only (vLLM keeps the weights in layouts of its own).
+  verify_updates: bool = False
 
   def _check_values(self):
     _check(self.max_restarts >= 0, 'max_restarts', f'must be >= 0, got {self.max_restarts}')
@@ -852,6 +857,12 @@ class Config(_Section):
     _check(not self.cluster.address or not g.remote.devices, 'generation.remote.devices',
            f'picks GPUs for a local Ray start; cluster.address={self.cluster.address!r} joins a '
            'cluster whose GPUs `ray start` gave it (CUDA_VISIBLE_DEVICES=... ray start ...)')
+    _check(not g.remote.verify_updates or g.backend == 'jax', 'generation.remote.verify_updates',
+           f"checks the params the actors hand the JAX engine (backend 'jax'), not {g.backend!r}")
+    _check(not g.remote.verify_updates or self.train.num_processes == 1
+           or g.remote.weight_transport != 'object_store', 'generation.remote.verify_updates',
+           'needs the whole params on one trainer process: with several, use weight_transport '
+           "'gloo' or 'nccl' (over the object store each process sends its own pieces)")
     _check(self.model.moe_routing == 'recompute' or g.backend == 'jax', 'model.moe_routing',
            f"'replay' needs the experts each token was routed to, which the JAX engine records "
            f"and backend {g.backend!r} does not return here: use backend 'jax' or "

