@@ -301,6 +301,20 @@ def test_lora_settings_errors_name_the_key():
     lora_lib.shapes(moe_config, LORA)
 
 
+def test_lora_on_a_moe_model_dir_is_refused_from_its_config_json(tmp_path):
+  """A Qwen3-MoE model dir is refused by the run's own entry point from its config.json: the dir
+  holds nothing else, so any weight load would have failed otherwise, and the workdir is not
+  even claimed."""
+  c = config_lib.base_config()
+  c.model.lora.rank = 8
+  c.model.path = str(config_lib.CONFIGS_DIR / 'models' / 'Qwen3-30B-A3B')
+  assert os.listdir(c.model.path) == ['config.json']
+  with pytest.raises(ValueError, match=r'^config.model.lora: LoRA on a mixture-of-experts model '
+                                       r'\(128 experts in 48 layers\) is not supported'):
+    launch.run_experiment(c, str(tmp_path / 'run'))
+  assert not (tmp_path / 'run').exists()
+
+
 def test_adapters_over_a_collective_reach_a_generators_engine_whole(model_dir):
   """A generator actor's side, without Ray: its decode loop builds a JAX engine on the base in
   its model dir from the first adapters (object store: a pytree), then takes an update over a

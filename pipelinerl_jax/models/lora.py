@@ -110,14 +110,21 @@ def merged_targets(lora: LoraConfig) -> tuple[str, ...]:
   return tuple(t for t in TARGETS if t in sent)
 
 
-def specs(model_config, lora: LoraConfig) -> list[AdapterSpec]:
-  """The targeted projections of `model_config` (a transformer.ModelConfig), in TARGETS order."""
+def check_base(model_config) -> None:
+  """Raises a one-line ValueError where adapters cannot cover `model_config`'s layers: a mixture
+  of experts (its layers are scanned in runs of one kind, transformer.layer_groups, and its
+  experts are stacked weights, not projections)."""
   c = model_config
   if getattr(c, 'moe_layers', ()):
-    # Its layers are scanned in runs of one kind (transformer.layer_groups) and its experts are
-    # stacked weights, not projections: adapters here cover the layers of a dense model.
-    raise ValueError(f'model.lora: LoRA on a mixture-of-experts model ({c.num_experts} experts '
-                     f'in {len(c.moe_layers)} layers) is not supported; set model.lora.rank=0')
+    raise ValueError(f'config.model.lora: LoRA on a mixture-of-experts model ({c.num_experts} '
+                     f'experts in {len(c.moe_layers)} layers) is not supported; set '
+                     'model.lora.rank=0')
+
+
+def specs(model_config, lora: LoraConfig) -> list[AdapterSpec]:
+  """The targeted projections of `model_config` (a transformer.ModelConfig), in TARGETS order."""
+  check_base(model_config)
+  c = model_config
   d, f = c.hidden_size, c.intermediate_size
   q, kv = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
   widths = {'q_proj': (d, q), 'k_proj': (d, kv), 'v_proj': (d, kv), 'o_proj': (q, d),
