@@ -19,8 +19,9 @@ must not be donated or deleted until the receiver is done (the `api.Engine.updat
 ownership contract).
 
 LoRA (models/lora.py): an update is the adapters alone, named and laid out as PEFT saves them
-(A [U, I] and B [O, U] per layer: `lora.peft_shapes`); the `update_*` functions take a
-`lora.LoraConfig` (None: a full update) and pick the one layout or the other.
+(A [Ra, Di] and B [Do, Ra] per layer, torch's Linear layout: `lora.peft_shapes`); the
+`update_*` functions take a `lora.LoraConfig` (None: a full update) and pick the one layout or
+the other.
 
 Atomic units: vLLM fuses q/k/v into one `qkv_proj` module (weights and biases) and gate/up into
 `gate_up_proj`, and re-packs a module only once all of its parts have arrived; a unit sent
