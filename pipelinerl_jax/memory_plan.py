@@ -222,7 +222,7 @@ def trainer_memory(m: transformer.ModelConfig, config: config_lib.Config,
   memory, facts = train_step_memory(m, config.optimizer, mesh, rows // data_parallel,
                                     rows_per_micro, config.train.seq_len,
                                     config.train.max_segments_per_row,
-                                    lora=lora_lib.LoraConfig.from_settings(config.model.lora))
+                                    lora=lora_lib.active(config.model.lora))
   facts.update(rows_per_step=rows,
                micro_batches=rows // (rows_per_micro * data_parallel))
   return memory, facts
@@ -231,7 +231,7 @@ def trainer_memory(m: transformer.ModelConfig, config: config_lib.Config,
 def train_step_memory(m: transformer.ModelConfig, optimizer_config: config_lib.OptimizerConfig,
                       mesh: AbstractMesh, rows_per_shard: int, rows_per_micro: int, t: int,
                       max_segments_per_row: int = config_lib.TrainConfig.max_segments_per_row,
-                      lora: lora_lib.LoraConfig | None = None
+                      lora: config_lib.LoraSettings | None = None
                       ) -> tuple[dict[str, int], dict[str, Any]]:
   """One trainer device's terms for a step over `rows_per_shard` packed rows of `t` tokens, run
   `rows_per_micro` rows at a time (what the GPU kit compares with measured peaks).
@@ -320,7 +320,7 @@ def publishing_memory(m: transformer.ModelConfig, config: config_lib.Config, par
   g = config.generation
   if g.placement != 'ray' or g.remote.weight_transport == 'object_store':
     return {}
-  lora = lora_lib.LoraConfig.from_settings(config.model.lora)
+  lora = lora_lib.active(config.model.lora)
   if lora is not None:  # the adapters, replicated, in their dtype (transport_dtype)
     largest = budget.largest_tensor_bytes(lora_lib.peft_shapes(m, lora).values(), wire)
     return dict(published=2 * param_bytes, sending=max(largest, param_bytes) + largest
@@ -337,7 +337,7 @@ def publishing_memory(m: transformer.ModelConfig, config: config_lib.Config, par
 
 def generator_memory(m: transformer.ModelConfig, config: config_lib.Config,
                      serving_dtype: str, device_bytes: int, kv: str, wire: str,
-                     used_by_trainer: int = 0, lora: lora_lib.LoraConfig | None = None
+                     used_by_trainer: int = 0, lora: config_lib.LoraSettings | None = None
                      ) -> tuple[dict[str, int], dict[str, Any]]:
   """The terms of one vLLM generator device; `used_by_trainer`: what the trainer holds on the
   same device (in-process vLLM shares device 0 with it). Raises ValueError (one line) when the
@@ -366,12 +366,12 @@ def generator_memory(m: transformer.ModelConfig, config: config_lib.Config,
   host_base = 0
   if lora is not None and g.vllm.lora_update == 'merge':
     # The base's kernels of every module an adapter touches, kept on the host to merge from.
-    kept = lora_lib.LoraConfig(1, 1.0, lora_lib.merged_targets(lora))
+    kept = config_lib.LoraSettings(1, 1.0, lora_lib.merged_targets(lora))
     host_base = m.num_layers * sum(s.in_features * s.out_features
                                    for s in lora_lib.specs(m, kept)) * sb
   if lora is not None and g.vllm.lora_update == 'slot':
     # vLLM's one LoRA slot: every targeted projection's A and B at its padded rank.
-    padded = lora_lib.LoraConfig(budget.vllm_lora_rank(lora.rank), lora.alpha, lora.targets)
+    padded = config_lib.LoraSettings(budget.vllm_lora_rank(lora.rank), lora.alpha, lora.targets)
     weights += lora_lib.num_params(m, padded) * sb
   memory = dict(context=CUDA_CONTEXT_BYTES, staging=staging, weights=weights,
                 activations=activations)
@@ -427,7 +427,7 @@ def plan(config: ml_collections.ConfigDict | config_lib.Config, hf_config: dict,
   device = _Device(num_devices, device_gib)
   sizes = mesh_sizes(config.train.mesh, num_devices)
   mesh = AbstractMesh(sizes, sharding_lib.MESH_AXES)
-  lora = lora_lib.LoraConfig.from_settings(config.model.lora)
+  lora = lora_lib.active(config.model.lora)
   trainer, facts = trainer_memory(m, config, mesh)
   serving = budget.serving_dtype(hf_config) or 'bfloat16'
   g = config.generation
@@ -481,7 +481,7 @@ def _trainer_problems(config: config_lib.Config, sizes, trainer: dict[str, int],
 
 def _jax_engine_plan(m: transformer.ModelConfig, config: config_lib.Config, mesh_size: int,
                      trainer: dict[str, int], facts: dict[str, Any],
-                     lora: lora_lib.LoraConfig | None, device: _Device
+                     lora: config_lib.LoraSettings | None, device: _Device
                      ) -> tuple[dict[str, int], list[str]]:
   """The JAX engine's terms (the module doc's) and where they do not fit. Placement 'inline': on
   the first device the mesh leaves free (or on device 0, beside the trainer); 'ray': one device
@@ -532,7 +532,7 @@ def _jax_engine_plan(m: transformer.ModelConfig, config: config_lib.Config, mesh
 
 def _vllm_plan(m: transformer.ModelConfig, config: config_lib.Config, mesh_size: int,
                trainer: dict[str, int], facts: dict[str, Any],
-               lora: lora_lib.LoraConfig | None, device: _Device, serving: str, kv: str,
+               lora: config_lib.LoraSettings | None, device: _Device, serving: str, kv: str,
                wire: str) -> tuple[dict[str, int], list[str]]:
   """vLLM's terms (`generator_memory`) and where they do not fit. Placement 'ray': one GPU per
   generator actor, beside the mesh; 'inline': in the trainer's process, on its device 0."""

@@ -29,6 +29,7 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 
+from pipelinerl_jax import config as config_lib
 from pipelinerl_jax.models import lora as lora_lib
 from pipelinerl_jax.models import transformer
 from pipelinerl_jax.models.transformer import ModelConfig, RopeScaling
@@ -805,7 +806,7 @@ def _write_json(path: Path, obj):
   os.replace(tmp, path)
 
 
-def save_peft(adapters, model_config: ModelConfig, lora: lora_lib.LoraConfig, out_dir,
+def save_peft(adapters, model_config: ModelConfig, lora: config_lib.LoraSettings, out_dir,
               base_model: str, dtype: Any = None) -> list[Path]:
   """Writes a PEFT adapter dir that `peft.PeftModel.from_pretrained(<base model>, out_dir)` and
   vLLM's LoRARequest load; returns the files written."""

@@ -178,7 +178,7 @@ def claim_outputs(config: config_lib.Config, workdir: str, model_dir: str
     m = config.model
     model_config = hf_io.load_config(model_dir, param_dtype=m.param_dtype, dtype=m.dtype)
     one = checkpoint_lib.state_bytes(model_config, train.make_optimizer(config.optimizer),
-                                     lora_lib.LoraConfig.from_settings(m.lora))
+                                     lora_lib.active(m.lora))
     keep = config.checkpoint.keep
     have = min(keep, sum(name.isdigit() for name in os.listdir(ckpt_dir)))
     workdir_lib.check_free_space([  # orbax writes a new checkpoint before pruning the oldest

@@ -27,7 +27,6 @@ import numpy as np
 import ray
 
 from pipelinerl_jax import cluster
-from pipelinerl_jax.generation import engines
 from pipelinerl_jax.generation.actors import generator as generator_lib
 from pipelinerl_jax.generation.actors import members as members_lib
 from pipelinerl_jax.generation.transport import layout
@@ -45,7 +44,7 @@ class Updates:
     self.latest: tuple[Any, int, str] | None = None  # (object ref or params, version, digest)
     self.transport_errors: list[str] = []
     self.sender = self._plan = None
-    self.lora = engines.lora_config(spec.engine)
+    self.lora = spec.engine.lora
     if spec.transport != 'object_store':
       from pipelinerl_jax.generation.transport import collective
       from pipelinerl_jax.generation.transport import hf_tensors
