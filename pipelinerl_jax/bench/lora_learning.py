@@ -65,44 +65,27 @@ def main(argv=None):
   parser.add_argument('--full', default='tiny', help='the full fine-tuning preset')
   parser.add_argument('--lora', default='tiny_lora', help='its LoRA twin')
   parser.add_argument('--seeds', default='0,1,2')
-  parser.add_argument('--steps', type=int, default=None,
-                      help='optimizer steps per run (default 300, --smoke 3; 0 = only the '
-                      'wall-clock cap)')
-  parser.add_argument('--budget_s', type=float, default=0.0,
-                      help='wall-clock cap per run, compilation included (0 = none)')
   parser.add_argument('--target', type=float, default=0.8, help='10-step mean reward target')
   parser.add_argument('--out', default='/tmp/pipelinerl_jax_bench/lora_learning.json')
   parser.add_argument('--workdir', default='', help="run dirs ('' = a temporary dir)")
-  parser.add_argument('--cache_dir', default='', help="demo model cache ('' = the default)")
-  parser.add_argument('--smoke', action='store_true',
-                      help='seconds: an untrained model, small batches, --steps steps')
+  ablations.add_budget_flags(parser, default_steps=300)
   args = parser.parse_args(argv)
   try:
     seeds = learning_speed.parse_seeds(args.seeds)
   except ValueError as e:
     parser.error(str(e))
-  if args.steps is None:
-    args.steps = 3 if args.smoke else 300
-  if args.steps < 0 or args.budget_s < 0 or not (args.steps or args.budget_s):
-    parser.error('--steps and --budget_s must be >= 0, and one of them > 0')
   import matplotlib
   matplotlib.use('Agg')
   configs = {}
   for name in (args.full, args.lora):
     c = ablations.preset(name)
     c.log.tensorboard = c.log.progress = False
-    if args.cache_dir:
-      c.model.cache_dir = args.cache_dir
-    if args.smoke:
-      c = ablations.smoke(c, args.cache_dir)
-    c.rl.total_steps, c.rl.max_time_s = args.steps or 10**7, args.budget_s
-    configs[name] = c
+    configs[name] = ablations.budgeted(parser, args, c)
   model_dir = ablations.model_dir_for(configs[args.full])
   if ablations.model_dir_for(configs[args.lora]) != model_dir:
     parser.error(f'{args.full} and {args.lora} warm-start different models')
   workdir = args.workdir or tempfile.mkdtemp(prefix='lora_learning_')
-  budget = ' and '.join(([f'{args.steps} steps'] if args.steps else [])
-                        + ([f'{args.budget_s:.0f} s'] if args.budget_s else []))
+  budget = ablations.budget_text(args)
   print(f'device: {jax.devices()[0].device_kind}, {os.cpu_count()} CPUs; model {model_dir}; '
         f'{budget} per run; seeds {seeds}; runs in {workdir}; '
         f'load {os.getloadavg()[0]:.1f}', flush=True)
@@ -115,13 +98,8 @@ def main(argv=None):
                                   name=name)
       results.append(result)
       rows.append(run_row(seed, result, args.target))
-  print('\nlearning (reward per step; trend: bench/reward_trend.py):')
-  print(ablations.table(rows, LEARNING_COLUMNS))
-  print('\ncost:')
-  print(ablations.table(rows, COST_COLUMNS))
-  seed_text, over_seeds = reward_trend.seed_table(rows, SEED_COLUMNS)
-  print(f'\nover seeds {seeds} (median [min-max]):')
-  print(ablations.table(seed_text, reward_trend.text_columns(SEED_COLUMNS)))
+  over_seeds = reward_trend.print_tables(rows, LEARNING_COLUMNS, 'cost', COST_COLUMNS,
+                                         SEED_COLUMNS, seeds)
   rise = [over_seeds[name]['rise']['median'] for name in configs]
   ratio = rise[0] / rise[1] if None not in rise and rise[1] else None
   if ratio is not None:

@@ -1,7 +1,7 @@
 """Routing replay on a mixture of experts: how it changes the train / sampler mismatch, and
 whether the tiny MoE learns with it and without it.
 
-  python -m pipelinerl_jax.bench.moe_replay [--seeds 0,1,2] [--steps 120] [--budget_s 0]
+  python -m pipelinerl_jax.bench.moe_replay [--seeds 0,1,2] [--steps 300] [--budget_s 0]
       [--target 0.8] [--lags 1,2,4,8] [--set SECTION.FIELD=VALUE ...]
       [--out PATH.json] [--smoke] [--skip_learning] [--skip_mismatch]
 
@@ -215,20 +215,13 @@ def plot_mismatch(results: list[dict], path: str, title: str):
 def main(argv=None):
   parser = argparse.ArgumentParser(description=__doc__.split('\n\n')[0])
   parser.add_argument('--seeds', default='0,1,2', help='comma-separated RL seeds')
-  parser.add_argument('--steps', type=int, default=None,
-                      help='optimizer steps per run (default 120, --smoke 3; 0 = only the '
-                      'wall-clock cap)')
-  parser.add_argument('--budget_s', type=float, default=0.0,
-                      help='wall-clock cap per run, compilation included (0 = none)')
   parser.add_argument('--target', type=float, default=0.8, help='10-step mean reward target')
   parser.add_argument('--lags', default='1,2,4,8', help='policies the mismatch part scores with')
   parser.add_argument('--set', action='append', default=[], metavar='SECTION.FIELD=VALUE',
                       help='config override for every run (after --smoke and the budget)')
   parser.add_argument('--out', default='/tmp/pipelinerl_jax_bench/moe_replay.json')
   parser.add_argument('--workdir', default='', help="run dirs ('' = a temporary dir)")
-  parser.add_argument('--cache_dir', default='', help="demo model cache ('' = the default)")
-  parser.add_argument('--smoke', action='store_true',
-                      help='seconds: an untrained model, small batches, --steps steps')
+  ablations.add_budget_flags(parser, default_steps=300)
   parser.add_argument('--skip_learning', action='store_true')
   parser.add_argument('--skip_mismatch', action='store_true')
   args = parser.parse_args(argv)
@@ -240,17 +233,9 @@ def main(argv=None):
     sets = learning_speed.parse_sets(args.set)
   except ValueError as e:
     parser.error(str(e))
-  if args.steps is None:
-    args.steps = 3 if args.smoke else 120
-  if args.steps < 0 or args.budget_s < 0 or not (args.steps or args.budget_s):
-    parser.error('--steps and --budget_s must be >= 0, and one of them > 0')
   base = ablations.preset(PRESET)
   base.log.tensorboard = False
-  if args.cache_dir:
-    base.model.cache_dir = args.cache_dir
-  if args.smoke:
-    base = ablations.smoke(base, args.cache_dir)
-  base.rl.total_steps, base.rl.max_time_s = args.steps or 10**7, args.budget_s
+  base = ablations.budgeted(parser, args, base)
   try:
     base = ablations.override(base, **sets)
   except (KeyError, TypeError) as e:
@@ -288,13 +273,9 @@ def main(argv=None):
                                     model_dir, name=routing)
         results.append(result)
         rows.append(run_row(seed, result, args.target, targets))
-    print('\nlearning (reward per step; trend: bench/reward_trend.py):')
-    print(ablations.table(rows, LEARNING_COLUMNS))
-    print('\nmismatch over the steps of each run, and cost:')
-    print(ablations.table(rows, RUN_COLUMNS))
-    seed_text, over_seeds = reward_trend.seed_table(rows, SEED_COLUMNS)
-    print(f'\nover seeds {seeds} (median [min-max]):')
-    print(ablations.table(seed_text, reward_trend.text_columns(SEED_COLUMNS, 'routing')))
+    over_seeds = reward_trend.print_tables(
+        rows, LEARNING_COLUMNS, 'mismatch over the steps of each run, and cost', RUN_COLUMNS,
+        SEED_COLUMNS, seeds, name_header='routing')
     over = {routing: ablations.to_target_over_seeds([r for r in rows if r['name'] == routing],
                                                     args.target) for routing in ROUTINGS}
     for routing, o in over.items():

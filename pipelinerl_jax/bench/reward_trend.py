@@ -96,3 +96,19 @@ def text_columns(columns: Sequence[tuple[str, str, str]], name_header: str = 'ru
   """`ablations.table` columns for `seed_table`'s text rows."""
   return ((name_header, 'name', 's'), ('seeds', 'seeds', 'd'),
           *((header, key, 's') for header, key, _ in columns))
+
+
+def print_tables(rows: Sequence[dict[str, Any]], learning_columns, other_title: str,
+                 other_columns, seed_columns, seeds: Sequence[int], name_header: str = 'run'
+                 ) -> dict[str, Any]:
+  """A learning bench's tables, one row per run: the learning columns (with the trend), the
+  bench's other columns under `other_title`, then `seed_table` over `seeds`. Returns the
+  over-seeds statistics for the JSON."""
+  print('\nlearning (reward per step; trend: bench/reward_trend.py):')
+  print(ablations.table(rows, learning_columns))
+  print(f'\n{other_title}:')
+  print(ablations.table(rows, other_columns))
+  seed_text, stats = seed_table(rows, seed_columns)
+  print(f'\nover seeds {list(seeds)} (median [min-max]):')
+  print(ablations.table(seed_text, text_columns(seed_columns, name_header)))
+  return stats
