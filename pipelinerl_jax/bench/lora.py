@@ -238,6 +238,8 @@ def main(argv=None):
   parser.add_argument('--out', default='/tmp/pipelinerl_jax_bench/lora.json')
   parser.add_argument('--one', help=argparse.SUPPRESS)  # internal: SIZE:ENGINE, prints JSON
   args = parser.parse_args(argv)
+  if args.rank < 1:
+    parser.error(f'--rank={args.rank}: must be >= 1')
   if args.one:
     size, engine = args.one.split(':')
     result = run_jax(size, args) if engine == 'jax' else run_vllm(size, engine[5:], args)
