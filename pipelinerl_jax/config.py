@@ -186,7 +186,10 @@ LORA_TARGETS = ('q_proj', 'k_proj', 'v_proj', 'o_proj', 'gate_proj', 'up_proj', 
 class LoraSettings(_Section):
   """LoRA (models/lora.py, docs/lora.md): the base stays frozen, in model.dtype, and only
   adapters are trained, y = x W + (alpha / rank) (x A) B on each target projection; only the
-  adapters (and their Adam state) are optimized, checkpointed and sent to the generators."""
+  adapters (and their Adam state) are optimized, checkpointed and sent to the generators.
+
+  Also what the model code, the engines and the transports take as a run's LoRA (checked here
+  once; `lora.active` gives None when off). Targets are kept in LORA_TARGETS' order."""
   rank: int = 0                   # r; 0 = off (every weight is trained)
   alpha: float = 32.0             # the delta is scaled by alpha / rank
   targets: tuple[str, ...] = LORA_TARGETS  # default: all seven projections of every layer
@@ -199,10 +202,16 @@ class LoraSettings(_Section):
     bad = [t for t in self.targets if t not in LORA_TARGETS]
     _check(bool(self.targets) and not bad and len(set(self.targets)) == len(self.targets),
            'targets', f'must be distinct names from {LORA_TARGETS}, got {self.targets}')
+    object.__setattr__(self, 'targets', tuple(t for t in LORA_TARGETS if t in self.targets))
 
   @property
   def enabled(self) -> bool:
     return self.rank > 0
+
+  @property
+  def scale(self) -> float:
+    """s = alpha / rank, the delta's scale."""
+    return self.alpha / self.rank
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,6 +1,7 @@
 """Benchmarks: --quick / --smoke runs end to end (train step, generation, log-prob agreement,
-learning speed; one MoE layer's runs in the GPU kit's moe_layer section, gpu_kit_test), the FLOP
-count the train-step bench reports, and the throughput model calibrated on a learning-speed run
+learning speed, LoRA and MoE-replay learning; one MoE layer's runs in the GPU kit's moe_layer
+section, gpu_kit_test), the reward trend the learning benches share, the FLOP count the
+train-step bench reports, and the throughput model calibrated on a learning-speed run
 (bench/throughput_model.py, learning_speed --report)."""
 
 import functools
@@ -18,9 +19,11 @@ import pytest
 
 from pipelinerl_jax import config as config_lib
 from pipelinerl_jax.bench import ablations
+from pipelinerl_jax.bench import reward_trend
 from pipelinerl_jax.bench import throughput_model
 from pipelinerl_jax.bench import train_step as bench
 from pipelinerl_jax.models import transformer
+from pipelinerl_jax.pipeline import metrics as metrics_lib
 from pipelinerl_jax.sim import throughput as tp
 
 import needs  # tests/ is on sys.path
@@ -539,3 +542,90 @@ def test_step_profile_counts_loop_matmuls_and_splits_kernel_time_by_scope():
   assert p['kernels'] > 0 and p['kernel_s'] == pytest.approx(sum(p['seconds'].values()))
   assert p['seconds']['attention'] > 0 and p['seconds']['matmul'] > 0
   assert p['seconds']['lm_head'] == 0 and sum(p['shares'].values()) == pytest.approx(1)
+
+
+# ---------------------------------------------------------------------------------------------
+# The learning benches behind docs/lora.md and docs/moe.md: one trend computation, raw rewards.
+
+
+def test_reward_trend_recovers_a_known_line_and_its_noise():
+  steps = np.arange(1, 101)
+  exact = reward_trend.trend(steps, 0.3 + 0.002 * steps)
+  assert exact['slope'] == pytest.approx(0.2) and exact['slope_se'] == pytest.approx(0, abs=1e-9)
+  assert exact['line_first'] == pytest.approx(0.302) and exact['line_last'] == pytest.approx(0.5)
+  # Quarters of 25 steps: means at steps 13 and 88.
+  assert exact['quarter_first'] == pytest.approx(0.326)
+  assert exact['rise'] == pytest.approx(0.15)
+  rng = np.random.default_rng(0)
+  noisy = reward_trend.trend(steps, 0.3 + 0.002 * steps + rng.normal(0, 0.05, 100))
+  assert abs(noisy['slope'] - 0.2) < 3 * noisy['slope_se'] and 0.01 < noisy['slope_se'] < 0.03
+  # Two quarters' means of 25 values with sd 0.05 (plus the line within a quarter):
+  # sqrt(2 / 25) * 0.05 = 0.014.
+  assert noisy['noise'] == pytest.approx(0.0145, rel=0.25)
+  assert noisy['rise_over_noise'] == pytest.approx(noisy['rise'] / noisy['noise'])
+  short = reward_trend.trend([1, 2, 3], [0.1, 0.2, 0.4])
+  assert short['slope'] == pytest.approx(15) and math.isnan(short['rise'])
+  assert all(math.isnan(v) for v in reward_trend.trend([1, 2], [0.1, 0.2]).values())
+  with pytest.raises(ValueError, match='3 steps but 2 rewards'):
+    reward_trend.trend([1, 2, 3], [0.1, 0.2])
+  stats = reward_trend.over_seeds([dict(rise=0.1), dict(rise=float('nan')), dict(rise=0.3)],
+                                  ['rise'])
+  assert stats['rise'] == dict(median=pytest.approx(0.2), min=0.1, max=0.3, n=2, seeds=3)
+
+
+def _run_learning_bench(module, tmp_path, *flags):
+  """`python -m pipelinerl_jax.bench.<module> --smoke` on seed 0 with 8 steps a run (enough for
+  the trend's quarters); returns (its JSON, its stdout)."""
+  out = tmp_path / f'{module}.json'
+  proc = subprocess.run(
+      [sys.executable, '-m', f'pipelinerl_jax.bench.{module}', '--smoke', '--seeds=0',
+       '--steps=8', f'--out={out}', f'--cache_dir={tmp_path / "cache"}',
+       f'--workdir={tmp_path / "runs"}', *flags],
+      cwd=ROOT, env=xla_env.one_device(), capture_output=True, text=True, timeout=600)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  return json.loads(out.read_text()), proc.stdout
+
+
+def _assert_raw_rewards_give_the_trend(report, tmp_path, names):
+  """Every run's JSON keeps its raw per-step rewards, the ones its metrics.jsonl logged, and its
+  row's trend is `reward_trend.trend` of them."""
+  assert sorted(report['raw']) == sorted(f'{n}/seed0' for n in names)
+  for row in report['runs']:
+    raw = report['raw'][f"{row['name']}/seed0"]
+    logged = metrics_lib.read_metrics(str(tmp_path / 'runs' / row['name'] / 'seed0' /
+                                          'metrics.jsonl'))
+    assert raw['step'] == [r['step'] for r in logged] == list(range(1, 9))
+    assert raw['reward_mean'] == [r['reward_mean'] for r in logged]
+    recomputed = reward_trend.trend(raw['step'], raw['reward_mean'])
+    assert not math.isnan(recomputed['noise'])   # 8 steps: quarters of 2
+    for key, value in recomputed.items():
+      assert row[key] == pytest.approx(value, nan_ok=True), key
+
+
+def test_lora_learning_smoke_keeps_raw_rewards_and_computes_the_trend(tmp_path):
+  report, stdout = _run_learning_bench('lora_learning', tmp_path)
+  _assert_raw_rewards_give_the_trend(report, tmp_path, ['tiny', 'tiny_lora'])
+  full, lora = report['runs']
+  assert (full['name'], lora['name']) == ('tiny', 'tiny_lora')
+  assert full['steps'] == lora['steps'] == 8 and full['samples'] == lora['samples']
+  assert 0 < lora['publish_mb'] < full['publish_mb'] / 3   # adapters only
+  assert set(report['over_seeds']) == {'tiny', 'tiny_lora'}
+  assert report['over_seeds']['tiny']['rise']['seeds'] == 1
+  assert 'rise/noise' in stdout and 'over seeds [0]' in stdout
+  assert pathlib.Path(report['png']).stat().st_size > 10_000
+
+
+def test_moe_replay_smoke_keeps_raw_rewards_and_computes_the_trend(tmp_path):
+  report, stdout = _run_learning_bench('moe_replay', tmp_path)
+  _assert_raw_rewards_give_the_trend(report, tmp_path, ['replay', 'recompute'])
+  assert [r['name'] for r in report['runs']] == ['replay', 'recompute']
+  # The mismatch part: one batch scored at lags 0-2 both ways; at lag 0 in fp32 the trainer
+  # and the engine agree whatever the routing.
+  rows = {(r['dtype'], r['lag'], r['routing']): r for r in report['mismatch']}
+  assert set(rows) == {(d, lag, routing) for d in ('float32', 'bfloat16') for lag in (0, 1, 2)
+                       for routing in ('replay', 'recompute')}
+  assert rows['float32', 0, 'replay']['abs_logp_diff'] < 1e-4
+  assert rows['float32', 0, 'recompute']['routes_differ'] == 0
+  assert 'routes_used_differ' not in json.dumps(report)
+  assert '|logpi-logmu| replay' in stdout and 'rise/noise' in stdout
+  assert pathlib.Path(report['png']).stat().st_size > 10_000

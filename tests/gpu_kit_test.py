@@ -443,7 +443,7 @@ def test_quick_one_gpu_section_runs_the_preset_on_a_tiny_qwen3(optional, section
   model_config = hf_io.config_from_hf(config)
   lora = config_lib.load_preset(preset).model.lora
   if lora.rank:
-    sent = lora_lib.num_params(model_config, lora_lib.LoraConfig(
+    sent = lora_lib.num_params(model_config, config_lib.LoraSettings(
         lora.rank, lora.alpha, tuple(lora.targets)))
   else:
     sent = sum(x.size for x in jax.tree.leaves(

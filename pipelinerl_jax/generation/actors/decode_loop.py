@@ -80,7 +80,7 @@ class DecodeLoop:
       if hf_views is not None:
         from pipelinerl_jax.generation.transport import hf_tensors
         # a copy: the views are free after it
-        tree = hf_tensors.update_from_hf(hf_views, self._model(), engines.lora_config(self._spec))
+        tree = hf_tensors.update_from_hf(hf_views, self._model(), self._spec.lora)
         release()
       # On the device before this returns, so "version v applied" means it is there. (On CPU
       # the device array may alias the object store's copy, which it then keeps alive.)
@@ -111,7 +111,7 @@ class DecodeLoop:
       return engine
     if hf_views is not None:
       from pipelinerl_jax.generation.transport import hf_tensors
-      tree = hf_tensors.update_from_hf(hf_views, model, engines.lora_config(spec))
+      tree = hf_tensors.update_from_hf(hf_views, model, spec.lora)
     if spec.backend == 'jax':
       import jax
       build['device'] = jax.local_devices()[0]

@@ -147,7 +147,7 @@ class Generator:
     if incarnation != self.incarnation:
       return None
     got = layout.tree_digest(tree)
-    want = layout.expected_digest(self._model(), engines.lora_config(self.spec.engine))
+    want = layout.expected_digest(self._model(), self.spec.engine.lora)
     if digest != got or got != want:
       raise ValueError(f'{self.name}: weight update {version} refused: layout digest {got} '
                        f'(sent as {digest}) is not this model\'s {want}')
@@ -190,7 +190,7 @@ class Generator:
     try:
       model = self._model()
       plan = collective.make_plan(
-          hf_tensors.update_shapes(model, engines.lora_config(self.spec.engine)),
+          hf_tensors.update_shapes(model, self.spec.engine.lora),
           self.spec.wire_dtype, self.spec.bucket_mb << 20)
       self._receiver = collective.Receiver(comm, plan, device)
     except BaseException:

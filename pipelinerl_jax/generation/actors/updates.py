@@ -29,7 +29,6 @@ import numpy as np
 import ray
 
 from pipelinerl_jax import cluster
-from pipelinerl_jax.generation import engines
 from pipelinerl_jax.generation.actors import generator as generator_lib
 from pipelinerl_jax.generation.actors import members as members_lib
 from pipelinerl_jax.generation.transport import layout
@@ -48,7 +47,7 @@ class Updates:
     self._checksum = ''  # the latest version's, with spec.verify_updates
     self.transport_errors: list[str] = []
     self.sender = self._plan = None
-    self.lora = engines.lora_config(spec.engine)
+    self.lora = spec.engine.lora
     if spec.transport != 'object_store':
       from pipelinerl_jax.generation.transport import collective
       from pipelinerl_jax.generation.transport import hf_tensors

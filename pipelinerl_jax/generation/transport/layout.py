@@ -45,7 +45,7 @@ def params_checksum(tree, to_host: Callable[[Any], Any] | None = None) -> str:
 
 def expected_digest(model_config, lora=None) -> str:
   """`tree_digest` of the params this model's engine takes, from its config alone; with `lora`
-  (a `lora.LoraConfig`) of the adapters, which are then its updates."""
+  (a `config.LoraSettings`) of the adapters, which are then its updates."""
   import numpy as np
   from pipelinerl_jax.models import hf_io
   from pipelinerl_jax.models import lora as lora_lib
