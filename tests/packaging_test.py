@@ -240,7 +240,7 @@ def test_an_installed_wheel_finds_the_experiment_files(tmp_path):
   loads the tiny preset from there, with the clone nowhere on the path."""
   src = tmp_path / 'src'
   src.mkdir()
-  for name in ('pyproject.toml', 'README.md'):
+  for name in ('pyproject.toml', 'README.md', 'LICENSE'):
     shutil.copy(ROOT / name, src / name)
   for name in ('pipelinerl_jax', 'configs'):
     shutil.copytree(ROOT / name, src / name, ignore=shutil.ignore_patterns('__pycache__'))
@@ -252,7 +252,12 @@ def test_an_installed_wheel_finds_the_experiment_files(tmp_path):
   files = {str(p.relative_to(site)) for p in site.rglob('*.py')}
   assert 'pipelinerl_jax/configs/math.py' in files
   assert not {f for f in files if f.startswith(('tests/', 'configs/', 'colabs/'))}
-  entry_points = next(site.glob('*.dist-info')).joinpath('entry_points.txt').read_text()
+  dist_info = next(site.glob('*.dist-info'))
+  metadata = dist_info.joinpath('METADATA').read_text()
+  assert 'License-Expression: Apache-2.0' in metadata.splitlines()
+  assert dist_info.joinpath('licenses', 'LICENSE').read_text() == (ROOT / 'LICENSE').read_text()
+  assert 'Apache License' in (ROOT / 'LICENSE').read_text().splitlines()[1]
+  entry_points = dist_info.joinpath('entry_points.txt').read_text()
   for name, target in PROJECT['scripts'].items():
     assert f'{name} = {target}' in entry_points
   out = subprocess.run(
