@@ -134,6 +134,7 @@ def providers(module: str) -> set[str]:
 PIN_FILES = {
     'requirements.txt': ('3.11', with_included('test')),
     'requirements-gpu.txt': ('3.12', {'', 'gpu', 'vllm-gpu', 'ray', 'notebooks', 'test'}),
+    'requirements-gpu-cuda12.txt': ('3.12', {'', 'gpu-cuda12'}),
 }
 
 
@@ -182,6 +183,9 @@ def test_every_declared_package_is_pinned():
   gpu = pins('requirements-gpu.txt')
   missing = sorted(set(dists({'gpu', 'vllm-gpu'})) - set(gpu) - PINNED_BY_VLLM)
   assert not missing, f'declared for CUDA but not pinned in requirements-gpu.txt: {missing}'
+  cuda12 = pins('requirements-gpu-cuda12.txt')
+  missing = sorted(set(dists({'gpu-cuda12'})) - set(cuda12))
+  assert not missing, f'declared for CUDA 12 but not pinned in requirements-gpu-cuda12.txt: {missing}'
 
 
 def test_every_import_is_declared():
