@@ -450,6 +450,29 @@ def _gpu_model(c):
   c.log.progress = True
 
 
+# What each preset is laid out for: `runs_on` in words; for the GPU presets also the model config
+# it was planned with (configs/models/), and the devices and card (accelerators.py) the memory
+# plan places it on; for the others, `about` its model. `python -m pipelinerl_jax.sim.presets` prints the README's preset table
+# from this, with each GPU preset's plan and predicted speed.
+HARDWARE = {
+    'tiny': dict(runs_on='a CPU (2 cores)', about='built on first use'),
+    'tiny_lora': dict(runs_on='a CPU (2 cores)', about='built on first use'),
+    'tiny_moe': dict(runs_on='a CPU (2 cores)', about='built on first use'),
+    'reasoning': dict(runs_on='a CPU (2 cores)', about='built on first use'),
+    'tools': dict(runs_on='a CPU (2 cores)', about='built on first use'),
+    'qwen3_1p7b_1xgpu': dict(runs_on='one GPU of 80 GB', model='Qwen3-1.7B', devices=1,
+                             card='h100'),
+    'qwen3_8b_lora_1xgpu': dict(runs_on='one GPU of 80 GB', model='Qwen3-8B', devices=1,
+                                card='h100'),
+    'qwen1p5b_8xh100': dict(runs_on='one host of 8 GPUs of 80 GB', model='Qwen2.5-Math-1.5B',
+                            devices=8, card='h100'),
+    'paper_7b': dict(runs_on='one host of 8 GPUs of 80 GB', model='Qwen2.5-7B', devices=8,
+                     card='h100'),
+    'qwen3_30b_a3b': dict(runs_on='3 hosts of 8 GPUs of 80 GB', model='Qwen3-30B-A3B',
+                          devices=24, card='h100'),
+    'eval': dict(runs_on='where the model fits (evaluation only)', about='the one evaluated'),
+}
+
 PRESETS = {'tiny': tiny, 'tiny_lora': tiny_lora, 'tiny_moe': tiny_moe, 'reasoning': reasoning,
            'tools': tools, 'qwen1p5b_8xh100': qwen1p5b_8xh100, 'paper_7b': paper_7b,
            'qwen3_1p7b_1xgpu': qwen3_1p7b_1xgpu, 'qwen3_8b_lora_1xgpu': qwen3_8b_lora_1xgpu,

@@ -89,3 +89,22 @@ def test_a_working_note_is_found(tmp_path):
                   'It was released; a pleasant, relentless problem.\n')
   assert working_notes([page]) == ["p.md:1: 'Session 10'", "p.md:1: 'lent'",
                                    "p.md:1: 'issue #25'", "p.md:1: 'lease'"]
+
+
+def test_the_readme_preset_table_is_what_the_tool_prints():
+  from pipelinerl_jax.sim import presets  # imports JAX: only this test needs it
+  table = presets.markdown(presets.rows(presets.read_measured(presets.DEFAULT_MEASURED)))
+  assert table in (ROOT / 'README.md').read_text(), (
+      f'README.md: the preset table is not what `{presets.COMMAND}` prints now; paste its output')
+
+
+def test_the_readme_names_every_preset_and_model_config():
+  from pipelinerl_jax import config as config_lib
+  readme = (ROOT / 'README.md').read_text()
+  experiment = config_lib.load_experiment()
+  assert [p for p in experiment.PRESETS if f'`{p}`' not in readme] == []
+  models = sorted(d.name for d in (config_lib.CONFIGS_DIR / 'models').iterdir()
+                  if (d / 'config.json').is_file())
+  assert models and [m for m in models if m not in readme] == []
+  planned = {h['model'] for h in experiment.HARDWARE.values() if 'model' in h}
+  assert planned <= set(models), planned - set(models)
