@@ -64,8 +64,8 @@ def tiny_lora():
   the base frozen; only the adapters are trained, published and saved. LoRA RL wants about 10x
   the full fine-tuning learning rate at the widths that rule was found at (~4096: LoRA Without
   Regret, Thinking Machines 2025); A's init scale 1/sqrt(I) makes each step move the weights
-  8x more at this model's width of 64, and 10x (3e-3) degraded the reward in 300 s probes where
-  1e-3 and 2e-3 raised it (docs/lora.md)."""
+  8x more at this model's width of 64, so 2e-3 (picked from short probes of 1e-3 to 3e-3;
+  docs/lora.md)."""
   c = tiny()
   c.model.lora.rank = 8
   c.model.lora.alpha = 32.0
@@ -89,7 +89,7 @@ def tiny_moe():
   # examples.
   c.task.sft_pool_mod = 4
   demo.sft_examples = 2000
-  # At tiny's 3e-4 the reward of this model fell well below the warm start's (docs/moe.md).
+  # A third of tiny's rate: a first try at tiny's 3e-4 did worse (docs/moe.md).
   c.optimizer.lr = 1e-4
   return c
 

@@ -74,7 +74,7 @@ def _manager(path: str | os.PathLike, keep: int | None = None,
 
 
 def trainable_params(model_config: transformer.ModelConfig, rng: jax.Array,
-                     lora: lora_lib.LoraConfig | None = None):
+                     lora: config_lib.LoraSettings | None = None):
   """What a run trains, freshly initialized: every param, or with `lora` the adapters (in the
   param dtype)."""
   if lora is None:
@@ -83,7 +83,7 @@ def trainable_params(model_config: transformer.ModelConfig, rng: jax.Array,
 
 
 def abstract_state(model_config: transformer.ModelConfig, optimizer: optax.GradientTransformation,
-                   mesh, lora: lora_lib.LoraConfig | None = None
+                   mesh, lora: config_lib.LoraSettings | None = None
                    ) -> tuple[train.TrainState, train.TrainState]:
   """(ShapeDtypeStructs carrying the trainer's shardings, the shardings): a restore target."""
   shapes = jax.eval_shape(
@@ -97,7 +97,7 @@ def abstract_state(model_config: transformer.ModelConfig, optimizer: optax.Gradi
 
 def state_bytes(model_config: transformer.ModelConfig,
                 optimizer: optax.GradientTransformation,
-                lora: lora_lib.LoraConfig | None = None) -> int:
+                lora: config_lib.LoraSettings | None = None) -> int:
   """Bytes of one checkpoint's arrays (params and optimizer state), from shapes alone."""
   shapes = jax.eval_shape(
       lambda k: train.init_train_state(trainable_params(model_config, k, lora), optimizer),
@@ -203,18 +203,19 @@ def check_resumable(meta: dict[str, Any], config: config_lib.Config, path: str) 
                      'new directory')
 
 
-def saved_lora(meta: dict[str, Any]) -> lora_lib.LoraConfig | None:
+def saved_lora(meta: dict[str, Any]) -> config_lib.LoraSettings | None:
   """The LoRA a checkpoint's state was trained with (None: every weight; also for checkpoints
   written before LoRA existed)."""
   saved = meta.get('config', {}).get('model', {}).get('lora')
-  return lora_lib.LoraConfig.from_settings(config_lib.LoraSettings(**saved)) if saved else None
+  return lora_lib.active(config_lib.LoraSettings(**saved)) if saved else None
 
 
 def check_same_trainable(meta: dict[str, Any], config: config_lib.Config, path: str) -> None:
   """A checkpoint holds what its run trained (every weight, or adapters of one rank and set of
   targets): another config.model.lora could not restore it."""
-  saved, wanted = saved_lora(meta), lora_lib.LoraConfig.from_settings(config.model.lora)
-  if saved != wanted:
+  saved, wanted = saved_lora(meta), lora_lib.active(config.model.lora)
+  trained = lambda l: l and (l.rank, l.alpha, l.targets)  # A's init seed: no matter once saved
+  if trained(saved) != trained(wanted):
     describe = lambda l: 'full fine-tuning' if l is None else (
         f'LoRA rank {l.rank} alpha {l.alpha:g} on {",".join(l.targets)}')
     raise ValueError(f'config.model.lora: this run is {describe(wanted)}, the checkpoints in '
@@ -233,7 +234,7 @@ def restore_latest(config: config_lib.Config, checkpoints: Checkpointer,
   # Before restoring: a state of another shape would otherwise read as an unreadable checkpoint.
   check_same_trainable(read_meta(checkpoints.path), config, checkpoints.path)
   target, shardings = abstract_state(model_config, optimizer, mesh,
-                                     lora_lib.LoraConfig.from_settings(config.model.lora))
+                                     lora_lib.active(config.model.lora))
   state, meta = _restore_newest_readable(checkpoints, target)
   check_resumable(meta, config, checkpoints.path)
   print(f'[run] resuming from {checkpoints.path} at step {int(state.step)}', flush=True)
@@ -415,7 +416,7 @@ def frozen_base_config(model_config: transformer.ModelConfig) -> transformer.Mod
 
 
 def _restore_params(root: Path, step: int, model_config: transformer.ModelConfig,
-                    lora: lora_lib.LoraConfig | None, shardings):
+                    lora: config_lib.LoraSettings | None, shardings):
   """The state's params (every weight, or the adapters) of one step."""
   shapes = jax.eval_shape(functools.partial(trainable_params, model_config, lora=lora),
                           jax.random.PRNGKey(0))

@@ -186,7 +186,10 @@ LORA_TARGETS = ('q_proj', 'k_proj', 'v_proj', 'o_proj', 'gate_proj', 'up_proj', 
 class LoraSettings(_Section):
   """LoRA (models/lora.py, docs/lora.md): the base stays frozen, in model.dtype, and only
   adapters are trained, y = x W + (alpha / rank) (x A) B on each target projection; only the
-  adapters (and their Adam state) are optimized, checkpointed and sent to the generators."""
+  adapters (and their Adam state) are optimized, checkpointed and sent to the generators.
+
+  Also what the model code, the engines and the transports take as a run's LoRA (checked here
+  once; `lora.active` gives None when off). Targets are kept in LORA_TARGETS' order."""
   rank: int = 0                   # r; 0 = off (every weight is trained)
   alpha: float = 32.0             # the delta is scaled by alpha / rank
   targets: tuple[str, ...] = LORA_TARGETS  # default: all seven projections of every layer
@@ -199,10 +202,16 @@ class LoraSettings(_Section):
     bad = [t for t in self.targets if t not in LORA_TARGETS]
     _check(bool(self.targets) and not bad and len(set(self.targets)) == len(self.targets),
            'targets', f'must be distinct names from {LORA_TARGETS}, got {self.targets}')
+    object.__setattr__(self, 'targets', tuple(t for t in LORA_TARGETS if t in self.targets))
 
   @property
   def enabled(self) -> bool:
     return self.rank > 0
+
+  @property
+  def scale(self) -> float:
+    """s = alpha / rank, the delta's scale."""
+    return self.alpha / self.rank
 
 
 @dataclasses.dataclass(frozen=True)
@@ -421,6 +430,11 @@ class RemoteConfig(_Section):
   # cut off from the driver's, and Ray leaves such an actor running (holding its devices; seen
   # for over a minute).
   heartbeat_timeout_s: float = 60.0
+  # Each actor checks every update whole: a checksum of the params it hands its engine against
+  # the trainer's of what it published (in the wire dtype); a mismatch stops the run in one line.
+  # A host copy and a hash of the params per update on both sides: for proving a cluster's
+  # transport, not for speed. JAX engine only (vLLM keeps the weights in layouts of its own).
+  verify_updates: bool = False
 
   def _check_values(self):
     _check(self.max_restarts >= 0, 'max_restarts', f'must be >= 0, got {self.max_restarts}')
@@ -852,6 +866,12 @@ class Config(_Section):
     _check(not self.cluster.address or not g.remote.devices, 'generation.remote.devices',
            f'picks GPUs for a local Ray start; cluster.address={self.cluster.address!r} joins a '
            'cluster whose GPUs `ray start` gave it (CUDA_VISIBLE_DEVICES=... ray start ...)')
+    _check(not g.remote.verify_updates or g.backend == 'jax', 'generation.remote.verify_updates',
+           f"checks the params the actors hand the JAX engine (backend 'jax'), not {g.backend!r}")
+    _check(not g.remote.verify_updates or self.train.num_processes == 1
+           or g.remote.weight_transport != 'object_store', 'generation.remote.verify_updates',
+           'needs the whole params on one trainer process: with several, use weight_transport '
+           "'gloo' or 'nccl' (over the object store each process sends its own pieces)")
     _check(self.model.moe_routing == 'recompute' or g.backend == 'jax', 'model.moe_routing',
            f"'replay' needs the experts each token was routed to, which the JAX engine records "
            f"and backend {g.backend!r} does not return here: use backend 'jax' or "

@@ -127,6 +127,7 @@ LARGE_PARAM_FRACTION = 0.01            # a parameter with >= 1% of the model mus
 STEP_TERMS = ('grads', 'gathered', 'saved', 'layer', 'attention', 'logits', 'batch')
 
 
+
 @dataclasses.dataclass(frozen=True)
 class Plan:
   """Per-device bytes by term, derived figures, and the reasons it cannot fit (none = fits)."""
@@ -236,7 +237,7 @@ def trainer_memory(m: transformer.ModelConfig, config: config_lib.Config,
   memory, facts = train_step_memory(m, config.optimizer, mesh, rows // data_parallel,
                                     rows_per_micro, config.train.seq_len,
                                     config.train.max_segments_per_row,
-                                    lora=lora_lib.LoraConfig.from_settings(config.model.lora))
+                                    lora=lora_lib.active(config.model.lora))
   facts.update(rows_per_step=rows,
                micro_batches=rows // (rows_per_micro * data_parallel))
   return memory, facts
@@ -245,7 +246,7 @@ def trainer_memory(m: transformer.ModelConfig, config: config_lib.Config,
 def train_step_memory(m: transformer.ModelConfig, optimizer_config: config_lib.OptimizerConfig,
                       mesh: AbstractMesh, rows_per_shard: int, rows_per_micro: int, t: int,
                       max_segments_per_row: int = config_lib.TrainConfig.max_segments_per_row,
-                      lora: lora_lib.LoraConfig | None = None
+                      lora: config_lib.LoraSettings | None = None
                       ) -> tuple[dict[str, int], dict[str, Any]]:
   """One trainer device's terms for a step over `rows_per_shard` packed rows of `t` tokens, run
   `rows_per_micro` rows at a time (what the GPU kit compares with measured peaks).
@@ -313,7 +314,7 @@ def train_step_memory(m: transformer.ModelConfig, optimizer_config: config_lib.O
                 batch=rows_per_shard * (t * (BATCH_BYTES_PER_TOKEN + routes)
                                         + 8 * max_segments_per_row))
   if lora is not None:
-    # The adapters' x A of every projection, saved for the backward pass: [tokens, U] each.
+    # The adapters' x A of every projection, saved for the backward pass: [U, Ra] each.
     memory['saved'] += l * len(lora.targets) * tokens * lora.rank * dt
     memory = dict(base=base_bytes, adapters=memory.pop('params'), **memory)
   facts = dict(rows_per_micro_batch=rows_per_micro, tokens_per_micro_batch=tokens,
@@ -334,7 +335,7 @@ def publishing_memory(m: transformer.ModelConfig, config: config_lib.Config, par
   g = config.generation
   if g.placement != 'ray' or g.remote.weight_transport == 'object_store':
     return {}
-  lora = lora_lib.LoraConfig.from_settings(config.model.lora)
+  lora = lora_lib.active(config.model.lora)
   if lora is not None:  # the adapters, replicated, in their dtype (transport_dtype)
     largest = budget.largest_tensor_bytes(lora_lib.peft_shapes(m, lora).values(), wire)
     return dict(published=2 * param_bytes, sending=max(largest, param_bytes) + largest
@@ -351,7 +352,7 @@ def publishing_memory(m: transformer.ModelConfig, config: config_lib.Config, par
 
 def generator_memory(m: transformer.ModelConfig, config: config_lib.Config,
                      serving_dtype: str, device_bytes: int, kv: str, wire: str,
-                     used_by_trainer: int = 0, lora: lora_lib.LoraConfig | None = None
+                     used_by_trainer: int = 0, lora: config_lib.LoraSettings | None = None
                      ) -> tuple[dict[str, int], dict[str, Any]]:
   """The terms of one vLLM generator device; `used_by_trainer`: what the trainer holds on the
   same device (in-process vLLM shares device 0 with it). Raises ValueError (one line) when the
@@ -380,12 +381,12 @@ def generator_memory(m: transformer.ModelConfig, config: config_lib.Config,
   host_base = 0
   if lora is not None and g.vllm.lora_update == 'merge':
     # The base's kernels of every module an adapter touches, kept on the host to merge from.
-    kept = lora_lib.LoraConfig(1, 1.0, lora_lib.merged_targets(lora))
+    kept = config_lib.LoraSettings(1, 1.0, lora_lib.merged_targets(lora))
     host_base = m.num_layers * sum(s.in_features * s.out_features
                                    for s in lora_lib.specs(m, kept)) * sb
   if lora is not None and g.vllm.lora_update == 'slot':
     # vLLM's one LoRA slot: every targeted projection's A and B at its padded rank.
-    padded = lora_lib.LoraConfig(budget.vllm_lora_rank(lora.rank), lora.alpha, lora.targets)
+    padded = config_lib.LoraSettings(budget.vllm_lora_rank(lora.rank), lora.alpha, lora.targets)
     weights += lora_lib.num_params(m, padded) * sb
   memory = dict(context=CUDA_CONTEXT_BYTES, staging=staging, weights=weights,
                 activations=activations)
@@ -426,7 +427,7 @@ def evaluation_memory(m: transformer.ModelConfig, config: config_lib.Config,
                                max_seq_len=g.max_prompt_len + (ev.max_tokens or g.max_new_tokens),
                                page_size=g.kv_page_size, page_bytes=page_bytes,
                                pool_mb=ev.kv_pool_mb or g.kv_pool_mb)
-  lora = lora_lib.LoraConfig.from_settings(config.model.lora)
+  lora = lora_lib.active(config.model.lora)
   weights = m.num_params * _bytes(m.dtype)
   if lora is not None:
     weights = (0 if shares_base else weights) + lora_lib.num_params(m, lora) * _bytes(m.dtype)
@@ -435,10 +436,10 @@ def evaluation_memory(m: transformer.ModelConfig, config: config_lib.Config,
 
 def _evaluation_problems(p_trainer: dict[str, int], generator: dict[str, int],
                          evaluation: dict[str, int], config: config_lib.Config, mesh_size: int,
-                         num_devices: int, device_gib: float, facts: dict[str, Any]) -> list[str]:
+                         device: '_Device', facts: dict[str, Any]) -> list[str]:
   """Where the in-run evaluation's engine goes, and whether that device holds it then."""
   g = config.generation
-  device_bytes = int(device_gib * GIB)
+  num_devices, device_bytes, device_gib = device.count, device.bytes, device.gib
   total = sum(evaluation.values())
   if mesh_size < num_devices:  # the first free device
     facts['evaluation_device'] = mesh_size
@@ -486,22 +487,53 @@ def plan(config: ml_collections.ConfigDict | config_lib.Config, hf_config: dict,
                            remat_policy=mc.remat_policy, attention=mc.attention,
                            attention_block_q=mc.attention_block_q,
                            attention_block_kv=mc.attention_block_kv)
-  device_bytes = int(device_gib * GIB)
-  g = config.generation
+  device = _Device(num_devices, device_gib)
   sizes = mesh_sizes(config.train.mesh, num_devices)
   mesh = AbstractMesh(sizes, sharding_lib.MESH_AXES)
-  problems = []
+  lora = lora_lib.active(config.model.lora)
   trainer, facts = trainer_memory(m, config, mesh)
   serving = budget.serving_dtype(hf_config) or 'bfloat16'
+  g = config.generation
   wire = budget.wire_dtype(g.remote.weight_transport, g.backend, serving, m.param_dtype)
-  lora = lora_lib.LoraConfig.from_settings(config.model.lora)
   if lora is not None:  # adapters travel in their own dtype (placements.transport_dtype)
     wire = m.param_dtype
   trainer.update(publishing_memory(m, config, trainer['adapters' if lora else 'params'], wire,
                                    mesh.size))
-  facts.update(mesh=sharding_lib.mesh_text(sizes), train_devices=mesh.size, device_bytes=device_bytes,
-               params=m.num_params, active_params=m.num_active_params)
+  facts.update(mesh=sharding_lib.mesh_text(sizes), train_devices=mesh.size,
+               device_bytes=device.bytes, params=m.num_params,
+               active_params=m.num_active_params)
+  problems = _trainer_problems(config, sizes, trainer, facts, device)
+  if g.backend == 'jax':
+    generator, more = _jax_engine_plan(m, config, mesh.size, trainer, facts, lora, device)
+  else:
+    generator, more = _vllm_plan(m, config, mesh.size, trainer, facts, lora, device, serving,
+                                 kv, wire)
+  problems += more
+  evaluation = {}
+  if config.eval.every_steps:
+    shares = (lora is not None and mesh.size == 1 and num_devices == 1)
+    evaluation = evaluation_memory(m, config, shares)
+    problems += _evaluation_problems(trainer, generator, evaluation, config, mesh.size, device,
+                                     facts)
+  return Plan(trainer=trainer, generator=generator, facts=facts, problems=tuple(problems),
+              evaluation=evaluation)
 
+
+@dataclasses.dataclass(frozen=True)
+class _Device:
+  """The devices a plan places onto: how many, and each one's memory."""
+  count: int
+  gib: float
+
+  @property
+  def bytes(self) -> int:
+    return int(self.gib * GIB)
+
+
+def _trainer_problems(config: config_lib.Config, sizes, trainer: dict[str, int],
+                      facts: dict[str, Any], device: _Device) -> list[str]:
+  """A mesh that shards no large parameter, a trainer device over its memory."""
+  problems = []
   if facts['replicated_on_fsdp']:
     name, shape = facts['replicated_on_fsdp'][0]
     n = len(facts['replicated_on_fsdp'])
@@ -509,93 +541,97 @@ def plan(config: ml_collections.ConfigDict | config_lib.Config, hf_config: dict,
         f"train.mesh={config.train.mesh}: fsdp={sizes[1]} divides no dimension of {n} large "
         f"parameter(s) (e.g. {name} {list(shape)}), so each of the {sizes[1]} devices holds "
         f'them whole')
-  if sum(trainer.values()) > device_bytes:
+  if sum(trainer.values()) > device.bytes:
     top = sorted(trainer.items(), key=lambda kv_: -kv_[1])[:3]
     problems.append(
-        f'a trainer device needs {sum(trainer.values()) / GIB:.1f} GiB > {device_gib:g} GiB ('
+        f'a trainer device needs {sum(trainer.values()) / GIB:.1f} GiB > {device.gib:g} GiB ('
         + ', '.join(f'{k} {b / GIB:.1f}' for k, b in top) + ')')
+  return problems
 
-  generator = {}
-  if g.backend == 'jax':
-    # The JAX engine (the module doc's terms). Placement 'inline': on the first device the mesh
-    # leaves free (or on device 0, beside the trainer); 'ray': one device per generator, beside
-    # the mesh, each with its share of the slots.
-    page_bytes = budget.kv_page_bytes(m.num_layers, m.num_kv_heads, m.head_dim, g.kv_page_size,
-                                      m.dtype)
-    pages = budget.kv_pool_pages(num_slots=g.generator_slots, max_seq_len=g.max_seq_len,
-                                 page_size=g.kv_page_size, page_bytes=page_bytes,
-                                 pool_mb=g.kv_pool_mb)
-    facts['generator_devices'] = 1 if mesh.size < num_devices else 0
-    # Served weights, the next published copy (it lands while they serve) and the KV pool.
-    weights = update = m.num_params * _bytes(m.dtype)
-    if lora is not None:
-      # Adapters alone, served in the compute dtype and published in the param dtype; the base
-      # too unless the engine reads the trainer's (inline on device 0, the whole mesh one
-      # device: placements.base_on).
-      shares = (not facts['generator_devices'] and g.placement == 'inline' and mesh.size == 1)
-      n = lora_lib.num_params(m, lora)
-      weights = (0 if shares else weights) + n * _bytes(m.dtype)
-      update = n * _bytes(m.param_dtype)
-      facts['engine_shares_base'] = shares
-    generator = dict(weights=weights, update=update, kv=pages * page_bytes)
-    engine = sum(generator.values())
-    # The trash page holds no sequence; a full-length sequence takes whole pages.
-    facts.update(kv_pool_tokens=(pages - 1) * g.kv_page_size,
-                 kv_pool_full_sequences=(pages - 1) // -(-g.max_seq_len // g.kv_page_size),
-                 slots_per_generator=g.generator_slots)
-    if g.placement == 'ray':
-      facts['generator_devices'] = g.num_generators
-      if mesh.size + g.num_generators > num_devices:
-        problems.append(f'train.mesh={config.train.mesh} takes {mesh.size} of {num_devices} '
-                        f'devices, {g.num_generators} generator(s) need one each')
-      if engine > device_bytes:
-        problems.append(f'a generator device holds the JAX engine: {engine / GIB:.1f} GiB > '
-                        f'{device_gib:g} GiB')
-    else:
-      facts['generator_devices'] = 1 if mesh.size < num_devices else 0
-      if mesh.size > num_devices:
-        problems.append(f'train.mesh={config.train.mesh} needs {mesh.size} devices, the host '
-                        f'has {num_devices}')
-      elif not facts['generator_devices'] and sum(trainer.values()) + engine > device_bytes:
-        problems.append(f'device 0 holds the trainer and the JAX engine: '
-                        f'{(sum(trainer.values()) + engine) / GIB:.1f} GiB > {device_gib:g} GiB')
-      elif engine > device_bytes:
-        problems.append(f'the device of the JAX engine needs {engine / GIB:.1f} GiB > '
-                        f'{device_gib:g} GiB')
-  else:
-    # placement 'ray': one GPU per generator actor, beside the mesh; 'inline': in the trainer's
-    # process, on its device 0.
-    in_process = g.placement == 'inline'
-    generators = 0 if in_process else g.num_generators
-    facts['generator_devices'] = generators
-    if mesh.size + generators > num_devices:
-      problems.append(f'train.mesh={config.train.mesh} takes {mesh.size} of {num_devices} '
-                      f'devices, {generators} generator(s) need one each')
-    shared = sum(trainer.values()) if in_process else 0
-    try:
-      generator, gen_facts = generator_memory(m, config, serving, device_bytes, kv, wire,
-                                              used_by_trainer=shared, lora=lora)
-    except ValueError as e:  # the share leaves vLLM nothing
-      return Plan(trainer=trainer, generator={}, facts=facts, problems=(*problems, str(e)))
-    facts.update(gen_facts)
-    if gen_facts['kv_full_requests'] < 1:
-      problems.append(
-          f"the KV cache ({generator['kv'] / 2**20:.0f} MiB per generator, kv={kv}) holds "
-          f"{gen_facts['kv_full_requests']:.2f} of one full-length request "
-          f"({g.max_prompt_len + g.max_new_tokens} tokens = "
-          f"{gen_facts['full_request_bytes'] / 2**20:.0f} MiB)")
-    if sum(generator.values()) + shared > device_bytes:
-      where = 'device 0 (trainer and in-process vLLM)' if in_process else 'a generator device'
-      problems.append(f'{where} needs {(sum(generator.values()) + shared) / GIB:.1f} GiB > '
-                      f'{device_gib:g} GiB')
-  evaluation = {}
-  if config.eval.every_steps:
-    shares = (lora is not None and mesh.size == 1 and num_devices == 1)
-    evaluation = evaluation_memory(m, config, shares)
-    problems += _evaluation_problems(trainer, generator, evaluation, config, mesh.size,
-                                     num_devices, device_gib, facts)
-  return Plan(trainer=trainer, generator=generator, facts=facts, problems=tuple(problems),
-              evaluation=evaluation)
+
+def _jax_engine_plan(m: transformer.ModelConfig, config: config_lib.Config, mesh_size: int,
+                     trainer: dict[str, int], facts: dict[str, Any],
+                     lora: config_lib.LoraSettings | None, device: _Device
+                     ) -> tuple[dict[str, int], list[str]]:
+  """The JAX engine's terms (the module doc's) and where they do not fit. Placement 'inline': on
+  the first device the mesh leaves free (or on device 0, beside the trainer); 'ray': one device
+  per generator, beside the mesh, each with its share of the slots."""
+  g = config.generation
+  page_bytes = budget.kv_page_bytes(m.num_layers, m.num_kv_heads, m.head_dim, g.kv_page_size,
+                                    m.dtype)
+  pages = budget.kv_pool_pages(num_slots=g.generator_slots, max_seq_len=g.max_seq_len,
+                               page_size=g.kv_page_size, page_bytes=page_bytes,
+                               pool_mb=g.kv_pool_mb)
+  facts['generator_devices'] = 1 if mesh_size < device.count else 0
+  # Served weights, the next published copy (it lands while they serve) and the KV pool.
+  weights = update = m.num_params * _bytes(m.dtype)
+  if lora is not None:
+    # Adapters alone, served in the compute dtype and published in the param dtype; the base
+    # too unless the engine reads the trainer's (inline on device 0, the whole mesh one
+    # device: placements.base_on).
+    shares = (not facts['generator_devices'] and g.placement == 'inline' and mesh_size == 1)
+    n = lora_lib.num_params(m, lora)
+    weights = (0 if shares else weights) + n * _bytes(m.dtype)
+    update = n * _bytes(m.param_dtype)
+    facts['engine_shares_base'] = shares
+  generator = dict(weights=weights, update=update, kv=pages * page_bytes)
+  engine = sum(generator.values())
+  # The trash page holds no sequence; a full-length sequence takes whole pages.
+  facts.update(kv_pool_tokens=(pages - 1) * g.kv_page_size,
+               kv_pool_full_sequences=(pages - 1) // -(-g.max_seq_len // g.kv_page_size),
+               slots_per_generator=g.generator_slots)
+  problems = []
+  mesh_text, gib = config.train.mesh, f'{device.gib:g} GiB'
+  if g.placement == 'ray':
+    facts['generator_devices'] = g.num_generators
+    if mesh_size + g.num_generators > device.count:
+      problems.append(f'train.mesh={mesh_text} takes {mesh_size} of {device.count} devices, '
+                      f'{g.num_generators} generator(s) need one each')
+    if engine > device.bytes:
+      problems.append(f'a generator device holds the JAX engine: {engine / GIB:.1f} GiB > {gib}')
+  elif mesh_size > device.count:
+    problems.append(f'train.mesh={mesh_text} needs {mesh_size} devices, the host has '
+                    f'{device.count}')
+  elif not facts['generator_devices'] and sum(trainer.values()) + engine > device.bytes:
+    problems.append(f'device 0 holds the trainer and the JAX engine: '
+                    f'{(sum(trainer.values()) + engine) / GIB:.1f} GiB > {gib}')
+  elif engine > device.bytes:
+    problems.append(f'the device of the JAX engine needs {engine / GIB:.1f} GiB > {gib}')
+  return generator, problems
+
+
+def _vllm_plan(m: transformer.ModelConfig, config: config_lib.Config, mesh_size: int,
+               trainer: dict[str, int], facts: dict[str, Any],
+               lora: config_lib.LoraSettings | None, device: _Device, serving: str, kv: str,
+               wire: str) -> tuple[dict[str, int], list[str]]:
+  """vLLM's terms (`generator_memory`) and where they do not fit. Placement 'ray': one GPU per
+  generator actor, beside the mesh; 'inline': in the trainer's process, on its device 0."""
+  g = config.generation
+  in_process = g.placement == 'inline'
+  generators = 0 if in_process else g.num_generators
+  facts['generator_devices'] = generators
+  problems = []
+  if mesh_size + generators > device.count:
+    problems.append(f'train.mesh={config.train.mesh} takes {mesh_size} of {device.count} '
+                    f'devices, {generators} generator(s) need one each')
+  shared = sum(trainer.values()) if in_process else 0
+  try:
+    generator, gen_facts = generator_memory(m, config, serving, device.bytes, kv, wire,
+                                            used_by_trainer=shared, lora=lora)
+  except ValueError as e:  # the share leaves vLLM nothing
+    return {}, problems + [str(e)]
+  facts.update(gen_facts)
+  if gen_facts['kv_full_requests'] < 1:
+    problems.append(
+        f"the KV cache ({generator['kv'] / 2**20:.0f} MiB per generator, kv={kv}) holds "
+        f"{gen_facts['kv_full_requests']:.2f} of one full-length request "
+        f"({g.max_prompt_len + g.max_new_tokens} tokens = "
+        f"{gen_facts['full_request_bytes'] / 2**20:.0f} MiB)")
+  if sum(generator.values()) + shared > device.bytes:
+    where = 'device 0 (trainer and in-process vLLM)' if in_process else 'a generator device'
+    problems.append(f'{where} needs {(sum(generator.values()) + shared) / GIB:.1f} GiB > '
+                    f'{device.gib:g} GiB')
+  return generator, problems
 
 
 def read_hf_config(path: str | os.PathLike) -> tuple[dict, str]:

@@ -216,7 +216,7 @@ def test_test_sets_are_named_by_data_source_and_a_name_from_two_files_is_refused
 
 
 def _chat_tokenizer():
-  transformers = pytest.importorskip('transformers')
+  import transformers
   from pipelinerl_jax.demo import char_tokenizer
   tok = transformers.PreTrainedTokenizerFast(
       tokenizer_object=char_tokenizer.build_char_tokenizer(), eos_token='<eos>')

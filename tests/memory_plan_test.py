@@ -58,7 +58,7 @@ def test_gpu_presets_fit_eight_80gb_gpus(preset):
 def test_the_plan_gives_vllm_what_the_engine_would_on_the_gpu():
   """Same rule, same numbers: the fraction the plan derives is what `device_kwargs` passes vLLM
   on a GPU holding the generator's CUDA context and staging buffer when vLLM starts."""
-  engine = pytest.importorskip('pipelinerl_jax.generation.vllm.engine')
+  from pipelinerl_jax.generation.vllm import engine  # torch only: vLLM is imported later
   p = preset_plan('paper_7b')
   total = 80 * memory_plan.GIB
   free = total - p.generator['context'] - p.generator['staging']

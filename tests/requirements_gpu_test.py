@@ -2,7 +2,7 @@
 2.11.0 pinned by vLLM 0.26.0) on one CUDA major (13); requirements-gpu-cuda12.txt, the JAX path
 for older drivers, to JAX 0.11.2 on CUDA 12 alone, without torch, vLLM or Ray.
 
-The checker runs offline on two recorded pip reports; the live resolve needs PyPI and is skipped
+The checker runs offline on three recorded pip reports; the live resolve needs PyPI and is skipped
 with a reason when PyPI cannot be reached, or when the index gives no PEP 658 metadata files
 (pip then downloads every wheel, ~4.8 GB; PIPELINERL_RESOLVE_GPU=1 runs it anyway).
 """
@@ -17,6 +17,8 @@ import urllib.error
 import urllib.request
 
 import pytest
+
+import needs  # tests/ is on sys.path
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 DATA = ROOT / 'tests' / 'data'
@@ -164,10 +166,10 @@ def test_requirements_gpu_resolves_to_one_cuda_stack(requirements, tmp_path):
   this machine's pip config (local wheel folders, the CPU torch constraint) is left out."""
   state = _pypi_metadata_state()
   if state.startswith('PyPI unreachable'):
-    pytest.skip(f'{state}: cannot resolve {requirements}')
+    needs.missing('pypi_metadata', f'{state}: cannot resolve {requirements}')
   if state == 'no-metadata' and os.environ.get('PIPELINERL_RESOLVE_GPU') != '1':
-    pytest.skip('the index serves no PEP 658 metadata files, so the resolve would download '
-                'every wheel (~4.8 GB); set PIPELINERL_RESOLVE_GPU=1 to run it anyway')
+    needs.missing('pypi_metadata', 'the index serves no PEP 658 metadata files, so the resolve '
+                  'would download every wheel (~4.8 GB); set PIPELINERL_RESOLVE_GPU=1 to run it')
   env = {k: v for k, v in os.environ.items() if not k.startswith('PIP_')}
   env['PIP_CONFIG_FILE'] = os.devnull
   report = tmp_path / 'report.json'

@@ -122,10 +122,11 @@ def timed(fn, repeats: int) -> tuple[float, list[float]]:
 
 def run_jax(size: str, args) -> dict:
   import jax
+  from pipelinerl_jax import config as config_lib
   from pipelinerl_jax.generation import jax_engine
   from pipelinerl_jax.models import lora as lora_lib
   from pipelinerl_jax.pipeline import placements
-  config, lora = model_config(size), lora_lib.LoraConfig(args.rank, 2.0 * args.rank)
+  config, lora = model_config(size), config_lib.LoraSettings(args.rank, 2.0 * args.rank)
   device = jax.devices()[0]
   params = random_params(config, 0)  # (each update is a fresh copy: what a publish moves)
   engine_config = jax_engine.EngineConfig(num_slots=args.requests,
@@ -160,10 +161,11 @@ def run_jax(size: str, args) -> dict:
 
 
 def run_vllm(size: str, way: str, args) -> dict:
+  from pipelinerl_jax import config as config_lib
   from pipelinerl_jax.generation.vllm import engine as vllm_engine
   from pipelinerl_jax.models import hf_io
   from pipelinerl_jax.models import lora as lora_lib
-  config, lora = model_config(size), lora_lib.LoraConfig(args.rank, 2.0 * args.rank)
+  config, lora = model_config(size), config_lib.LoraSettings(args.rank, 2.0 * args.rank)
   model_dir = pathlib.Path(args.workdir) / f'qwen2_{size}'
   if not (model_dir / hf_io.CONFIG_FILE).is_file():
     hf_io.save_params(random_params(config, 0), config, model_dir, dtype='bfloat16')
@@ -236,6 +238,8 @@ def main(argv=None):
   parser.add_argument('--out', default='/tmp/pipelinerl_jax_bench/lora.json')
   parser.add_argument('--one', help=argparse.SUPPRESS)  # internal: SIZE:ENGINE, prints JSON
   args = parser.parse_args(argv)
+  if args.rank < 1:
+    parser.error(f'--rank={args.rank}: must be >= 1')
   if args.one:
     size, engine = args.one.split(':')
     result = run_jax(size, args) if engine == 'jax' else run_vllm(size, engine[5:], args)

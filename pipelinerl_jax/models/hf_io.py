@@ -29,6 +29,7 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 
+from pipelinerl_jax import config as config_lib
 from pipelinerl_jax.models import lora as lora_lib
 from pipelinerl_jax.models import transformer
 from pipelinerl_jax.models.transformer import ModelConfig, RopeScaling
@@ -331,13 +332,14 @@ def hf_config(config: ModelConfig, dtype: str = 'bfloat16', extra: dict | None =
                      f'qk_norm={c.qk_norm}')
   if c.is_moe and not family.moe:
     raise ValueError(f'{c.architecture} has no experts; config has moe_layers={c.moe_layers}')
-  rope = {'rope_theta': c.rope_theta, 'rope_type': 'default'}
+  scaling = {}
   if c.rope_scaling is not None:
     s = c.rope_scaling
-    rope.update(rope_type=s.kind, factor=s.factor)
+    scaling = dict(rope_type=s.kind, factor=s.factor)
     if s.kind == 'llama3':
-      rope.update(low_freq_factor=s.low_freq_factor, high_freq_factor=s.high_freq_factor,
-                  original_max_position_embeddings=s.original_max_position_embeddings)
+      scaling.update(low_freq_factor=s.low_freq_factor, high_freq_factor=s.high_freq_factor,
+                     original_max_position_embeddings=s.original_max_position_embeddings)
+  rope = {'rope_theta': c.rope_theta, 'rope_type': 'default', **scaling}
   ours = {
       'architectures': [c.architecture],
       'model_type': family.model_type,
@@ -352,6 +354,10 @@ def hf_config(config: ModelConfig, dtype: str = 'bfloat16', extra: dict | None =
       'max_position_embeddings': c.max_position_embeddings,
       'rms_norm_eps': c.rms_norm_eps,
       'rope_parameters': rope,
+      # The older schema's fields too (transformers < 5 and other readers ignore
+      # rope_parameters and would take the default theta, 1e4), alike in meaning.
+      'rope_theta': c.rope_theta,
+      **({'rope_scaling': scaling} if scaling else {}),
       'tie_word_embeddings': c.tie_embeddings,
       'dtype': dtype,
       'torch_dtype': dtype,  # the key transformers < 4.56 reads
@@ -800,7 +806,7 @@ def _write_json(path: Path, obj):
   os.replace(tmp, path)
 
 
-def save_peft(adapters, model_config: ModelConfig, lora: lora_lib.LoraConfig, out_dir,
+def save_peft(adapters, model_config: ModelConfig, lora: config_lib.LoraSettings, out_dir,
               base_model: str, dtype: Any = None) -> list[Path]:
   """Writes a PEFT adapter dir that `peft.PeftModel.from_pretrained(<base model>, out_dir)` and
   vLLM's LoRARequest load; returns the files written."""

@@ -62,7 +62,7 @@ class Learner:
   train_step: Callable                 # jitted (state, batch) -> (state, metrics), state donated
   checkpoints: checkpoint_lib.Checkpointer
   resumed: dict[str, Any] | None       # the restored checkpoint's meta; None for a fresh start
-  lora: lora_lib.LoraConfig | None = None  # config.model.lora: state.params are the adapters
+  lora: config_lib.LoraSettings | None = None  # config.model.lora: state.params are the adapters
   base: Any = None                     # LoRA: the frozen base, in the trainer's shardings
 
   def served(self, params):
@@ -114,7 +114,7 @@ def build_learner(config: config_lib.Config, workdir: str, model_dir: str,
   if started is not None:
     started.callback(_quietly, checkpoints.close)
   restored = checkpoint_lib.restore_latest(config, checkpoints, model_config, optimizer, mesh)
-  lora = lora_lib.LoraConfig.from_settings(config.model.lora)
+  lora = lora_lib.active(config.model.lora)
   base = None
   if lora is not None or not restored:
     # The model dir's weights: trained (full fine-tuning), or the frozen base of LoRA.

@@ -100,10 +100,14 @@ def prepare_saying_last_words(config: config_lib.Config, workdir: str, *args) ->
 def check(config: config_lib.Config, workdir: str,
           installed: stack_lib.Stack | None = None) -> None:
   """What a run needs beyond a consistent config: the model and the data named, what the
-  installed stack can run (`installed`, default: read now, JAX's device included), the backend
-  installed (vLLM, Ray), the workdir writable, config.cluster.interface on this host."""
+  installed stack can run (`installed`, default: read now, JAX's device included), a model dir
+  LoRA can adapt, the backend installed (vLLM, Ray), the workdir writable,
+  config.cluster.interface on this host."""
   config.check_runnable()
   stack_lib.check(config, installed)  # reads the model's config.json, never its weights
+  if config.model.lora.enabled and config.model.path:  # its config.json, before any weight loads
+    lora_lib.check_base(hf_io.load_config(
+        hf_io.check_model_dir(config.model.path, 'config.model.path')))
   build_lib.check_backend_installed(config)  # before the demo model is built
   workdir_lib.check_dir(workdir, '--workdir')
   if config.cluster.interface:  # this host's side of the network the hosts share
@@ -174,7 +178,7 @@ def claim_outputs(config: config_lib.Config, workdir: str, model_dir: str
     m = config.model
     model_config = hf_io.load_config(model_dir, param_dtype=m.param_dtype, dtype=m.dtype)
     one = checkpoint_lib.state_bytes(model_config, train.make_optimizer(config.optimizer),
-                                     lora_lib.LoraConfig.from_settings(m.lora))
+                                     lora_lib.active(m.lora))
     keep = config.checkpoint.keep
     have = min(keep, sum(name.isdigit() for name in os.listdir(ckpt_dir)))
     workdir_lib.check_free_space([  # orbax writes a new checkpoint before pruning the oldest
