@@ -435,7 +435,7 @@ def _gpu_placement(c):
 def _gpu_model(c):
   """bf16 compute with fp32 master weights (Adam at lr 1e-6 would lose updates in bf16), a bf16
   lm_head with fp32 accumulation (log pi moves by 3-7e-3 nats on average against an fp32 head,
-  inside the 1e-2 budget: docs/attention-2026-11-26.md), rematerialized layers for
+  inside the 1e-2 budget: docs/dev/attention-2026-11-26.md), rematerialized layers for
   long sequences. The run refuses to start where JAX has no GPU (--config.allow_cpu=True to
   debug on a CPU, with --config.model.attention=blockwise)."""
   c.platform = 'gpu'
