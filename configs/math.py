@@ -13,7 +13,8 @@
                    the JAX engine in one process
   qwen3_8b_lora_1xgpu  Qwen3-8B with LoRA on one 80 GB GPU: trainer and JAX engine share the
                    frozen bf16 base (one copy)
-  qwen3_30b_a3b    Qwen3-30B-A3B (a mixture of experts) on 24 GPUs of 80 GB: 16 train, 8 vLLM
+  qwen3_30b_a3b    Qwen3-30B-A3B (a mixture of experts) on 3 hosts of 8 GPUs of 80 GB: two
+                   trainer processes on 16 GPUs, 8 vLLM generators
   eval             what `pipelinerl-eval` uses for an HF model dir or a PEFT adapter dir when no
                    --config is given: math test files, greedy, up to 4096 new tokens
 
@@ -239,18 +240,27 @@ def paper_7b():
 
 def qwen3_30b_a3b():
   """Qwen3-30B-A3B (a mixture of experts: 30.5B params, 3.3B active a token; configs/models/
-  Qwen3-30B-A3B) on math, full fine-tuning with fp32 master weights, on 80 GB GPUs: the
-  smallest layout the memory plan finds (docs/moe.md). 16 GPUs train, rows and experts split
-  4 x 4 (train.mesh 1,4,1,4: fsdp x expert); 8 generate with vLLM, one GPU each (3 hosts of 8).
+  Qwen3-30B-A3B) on math, full fine-tuning with fp32 master weights, on three hosts of 8 GPUs of
+  80 GB: the smallest layout the memory plan finds (docs/moe.md). 16 GPUs train as two trainer
+  processes, one per host (train.num_processes=2): process 0 is this command on the Ray head
+  (`ray start --head --num-gpus=0`, so that no generator takes its GPUs), process 1 a Ray actor
+  on another host; rows and experts split 4 x 4 over the 16 (train.mesh 1,4,1,4: fsdp x expert).
+  The third host's 8 GPUs generate with vLLM, one each. The run joins the Ray cluster already
+  started (cluster.address='auto'); the workdir and checkpoints must be on a filesystem every
+  host shares (docs/gpu-kit.md: several hosts).
   Routing is recomputed: routing replay needs the JAX engine's routes, and the JAX engine holds
   the whole model and the next update on one device, 2 x 61 GB in bf16, which no 80 GB GPU
-  holds (the memory plan refuses it in one line; on 141 GB GPUs it fits:
-  --config.model.moe_routing=replay --config.generation.backend=jax). Not run on GPUs."""
+  holds (the memory plan refuses it in one line; on 141 GB GPUs it fits, one host training:
+  --config.model.moe_routing=replay --config.generation.backend=jax --config.train.mesh=1,8,1,1
+  --config.train.num_processes=1). Not run on GPUs."""
   c = config_lib.base_config()
   _math_task(c)
   _gpu_model(c)
   _gpu_placement(c)
   c.train.mesh = '1,4,1,4'
+  # One trainer process sees its own host's 8 GPUs: the 16-device mesh takes two of them.
+  c.train.num_processes = 2
+  c.cluster.address = 'auto'
   c.generation.num_generators = 8
   # vLLM holds 61 GB of bf16 weights on each 80 GB GPU: an update reaches it one tensor at a
   # time through Ray's object store, where nccl would stage a whole second copy on the GPU.
@@ -425,7 +435,7 @@ def _gpu_placement(c):
 def _gpu_model(c):
   """bf16 compute with fp32 master weights (Adam at lr 1e-6 would lose updates in bf16), a bf16
   lm_head with fp32 accumulation (log pi moves by 3-7e-3 nats on average against an fp32 head,
-  inside the 1e-2 budget: docs/attention-2026-11-26.md), rematerialized layers for
+  inside the 1e-2 budget: docs/dev/attention-2026-11-26.md), rematerialized layers for
   long sequences. The run refuses to start where JAX has no GPU (--config.allow_cpu=True to
   debug on a CPU, with --config.model.attention=blockwise)."""
   c.platform = 'gpu'
@@ -439,6 +449,29 @@ def _gpu_model(c):
   c.model.remat = True
   c.log.progress = True
 
+
+# What each preset is laid out for: `runs_on` in words; for the GPU presets also the model config
+# it was planned with (configs/models/), and the devices and card (accelerators.py) the memory
+# plan places it on; for the others, `about` its model. `python -m pipelinerl_jax.sim.presets` prints the README's preset table
+# from this, with each GPU preset's plan and predicted speed.
+HARDWARE = {
+    'tiny': dict(runs_on='a CPU (2 cores)', about='built on first use'),
+    'tiny_lora': dict(runs_on='a CPU (2 cores)', about='built on first use'),
+    'tiny_moe': dict(runs_on='a CPU (2 cores)', about='built on first use'),
+    'reasoning': dict(runs_on='a CPU (2 cores)', about='built on first use'),
+    'tools': dict(runs_on='a CPU (2 cores)', about='built on first use'),
+    'qwen3_1p7b_1xgpu': dict(runs_on='one GPU of 80 GB', model='Qwen3-1.7B', devices=1,
+                             card='h100'),
+    'qwen3_8b_lora_1xgpu': dict(runs_on='one GPU of 80 GB', model='Qwen3-8B', devices=1,
+                                card='h100'),
+    'qwen1p5b_8xh100': dict(runs_on='one host of 8 GPUs of 80 GB', model='Qwen2.5-Math-1.5B',
+                            devices=8, card='h100'),
+    'paper_7b': dict(runs_on='one host of 8 GPUs of 80 GB', model='Qwen2.5-7B', devices=8,
+                     card='h100'),
+    'qwen3_30b_a3b': dict(runs_on='3 hosts of 8 GPUs of 80 GB', model='Qwen3-30B-A3B',
+                          devices=24, card='h100'),
+    'eval': dict(runs_on='where the model fits (evaluation only)', about='the one evaluated'),
+}
 
 PRESETS = {'tiny': tiny, 'tiny_lora': tiny_lora, 'tiny_moe': tiny_moe, 'reasoning': reasoning,
            'tools': tools, 'qwen1p5b_8xh100': qwen1p5b_8xh100, 'paper_7b': paper_7b,

@@ -998,11 +998,16 @@ def validate(config: ml_collections.ConfigDict | Config, runnable: bool = True) 
   return config
 
 
-def load_preset(name: str = 'tiny', path: str | pathlib.Path = MATH_CONFIG
-                ) -> ml_collections.ConfigDict:
-  """`get_config(name)` of an experiment file (what `--config=path:name` gives `main`), loaded
-  by path: configs/ is not a package. For notebooks, benchmarks and tests."""
+def load_experiment(path: str | pathlib.Path = MATH_CONFIG):
+  """An experiment file as a module, loaded by path: configs/ is not a package."""
   spec = importlib.util.spec_from_file_location('experiment_config', path)
   module = importlib.util.module_from_spec(spec)
   spec.loader.exec_module(module)
-  return module.get_config(name)
+  return module
+
+
+def load_preset(name: str = 'tiny', path: str | pathlib.Path = MATH_CONFIG
+                ) -> ml_collections.ConfigDict:
+  """`get_config(name)` of an experiment file (what `--config=path:name` gives `main`). For
+  notebooks, benchmarks and tests."""
+  return load_experiment(path).get_config(name)
