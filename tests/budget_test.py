@@ -51,7 +51,7 @@ def test_staged_bytes_align_every_tensor():
 
 
 def test_engine_device_kwargs_per_platform():
-  engine = pytest.importorskip('pipelinerl_jax.generation.vllm.engine')
+  from pipelinerl_jax.generation.vllm import engine  # torch only: vLLM is imported later
   config = engine.VllmEngineConfig(kv_cache_bytes=64 << 20, gpu_memory_utilization=0.9,
                                    reserve_bytes=GIB)
   # CPU: the explicit KV size, eager (whatever the GPU settings say).

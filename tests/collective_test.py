@@ -307,8 +307,8 @@ class Disabled:
     pass
 
 
+@pytest.mark.needs('vllm')
 def test_a_disabled_nccl_communicator_is_refused_in_one_line():
-  pytest.importorskip('vllm')
   rendezvous = collective.Rendezvous('nccl', timeout_s=30, communicator=Disabled)
   joined = {}
 
@@ -330,10 +330,10 @@ def test_a_disabled_nccl_communicator_is_refused_in_one_line():
   assert 'VLLM_NCCL_SO_PATH' in joined['error']
 
 
+@pytest.mark.needs('vllm')
 def test_vllm_pynccl_communicator_without_nccl_is_refused_with_its_cause():
   """The real class over the real StatelessProcessGroup: on a host without NCCL (this one),
   vLLM's communicator disables itself silently; the rendezvous names why instead."""
-  pytest.importorskip('vllm')
   rendezvous = collective.Rendezvous('nccl', timeout_s=30)
   errors = {}
 
@@ -389,8 +389,8 @@ def _nccl_path_receiver(endpoint, results):
     release()
 
 
+@pytest.mark.needs('vllm')
 def test_nccl_rendezvous_and_protocol_across_processes_with_a_stand_in_communicator():
-  pytest.importorskip('vllm')
   import multiprocessing as mp
   plan = collective.make_plan(hf_tensors.expected_shapes(CONFIG), 'bfloat16', 30_000)
   rendezvous = collective.Rendezvous('nccl', timeout_s=60, communicator=StoreCommunicator)

@@ -11,10 +11,13 @@ wants the default (a learning run of hundreds of steps) starts one without it (r
 `make test` runs most tests on pytest-xdist workers, each a session of its own: a costly build
 that tests only read goes through the `built_once` fixture, which makes it once for all of them.
 
-JAX's persistent compilation cache (`.cache/jax-tests`, every program however quick to compile)
-is shared by both phases, every worker and every process a test starts: the tests build the same
-few small models again and again, and XLA's key (the program, the flags, the JAX version) makes a
-hit the very executable a fresh compile would give. JAX_COMPILATION_CACHE_DIR='' turns it off.
+JAX's persistent compilation cache (every program however quick to compile) is shared by both
+phases, every worker and every process a test starts, and by later runs on the same machine: it
+lives outside the checkout, in ~/.cache/pipelinerl_jax/jax-tests ($XDG_CACHE_HOME if set), so
+CI's next run and a fresh clone start warm. The tests build the same few small models again and
+again, and XLA's key (the program, the flags, the JAX version) makes a hit the very executable a
+fresh compile would give. Past COMPILATION_CACHE_LIMIT_BYTES the next run starts it afresh.
+JAX_COMPILATION_CACHE_DIR names another directory; set to '' it turns the cache off (a cold run).
 """
 import fcntl
 import os
@@ -31,23 +34,41 @@ os.environ['XLA_FLAGS'] = (os.environ.get('XLA_FLAGS', '') + f' {FAST_COMPILE}'
                            ' --xla_force_host_platform_device_count=8').strip()
 os.environ.setdefault('JAX_PLATFORMS', 'cpu')
 os.environ.setdefault('TOKENIZERS_PARALLELISM', 'false')
-COMPILATION_CACHE = pathlib.Path(__file__).resolve().parent.parent / '.cache' / 'jax-tests'
+_CACHE_HOME = pathlib.Path(os.environ.get('XDG_CACHE_HOME') or pathlib.Path.home() / '.cache')
+COMPILATION_CACHE = _CACHE_HOME / 'pipelinerl_jax' / 'jax-tests'
 COMPILATION_CACHE_LIMIT_BYTES = 1 << 30
 
 
 def _empty_if_over(path: pathlib.Path, limit_bytes: int) -> None:
   """Runs of changed code add entries; past the limit the next run starts the cache afresh. (JAX's
   own jax_compilation_cache_max_size re-reads the whole directory on every write, under a lock
-  all processes share: with the suite's thousands of entries that cost more than it saved.)"""
-  if path.is_dir() and sum(f.stat().st_size for f in path.iterdir()) > limit_bytes:
-    shutil.rmtree(path, ignore_errors=True)
+  all processes share: with the suite's thousands of entries that cost more than it saved.) The
+  directory is moved aside before it is removed: a run of another checkout reading it meanwhile
+  finds no entries there (misses), not files vanishing as it reads them."""
+  try:
+    size = sum(f.stat().st_size for f in path.iterdir()) if path.is_dir() else 0
+  except FileNotFoundError:  # another run moved it aside meanwhile
+    return
+  if size > limit_bytes:
+    aside = path.with_name(f'{path.name}.old-{os.getpid()}')
+    try:
+      path.rename(aside)
+    except OSError:
+      return
+    shutil.rmtree(aside, ignore_errors=True)
 
 
 if 'JAX_COMPILATION_CACHE_DIR' not in os.environ:
   if not os.environ.get('PYTEST_XDIST_WORKER'):  # the session's first process, before any worker
     _empty_if_over(COMPILATION_CACHE, COMPILATION_CACHE_LIMIT_BYTES)
+  COMPILATION_CACHE.mkdir(parents=True, exist_ok=True)
   os.environ['JAX_COMPILATION_CACHE_DIR'] = str(COMPILATION_CACHE)
 os.environ.setdefault('JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS', '0')
+
+
+# What a test needs of the machine: skipped without it, failed where CI requires it.
+from needs import (pytest_configure, pytest_make_collect_report,  # noqa: E402,F401
+                   pytest_runtest_makereport, pytest_runtest_setup)
 
 
 @pytest.fixture(scope='session')

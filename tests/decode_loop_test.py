@@ -76,3 +76,57 @@ def test_a_failed_decode_loop_is_raised_by_poll_in_one_line(monkeypatch):
       poll_until(loop, ack=0, count=1)
   finally:
     loop.close()
+
+
+# --- verified updates (generation.remote.verify_updates) ------------------------------------------
+
+
+def test_params_checksum_changes_with_any_bit_and_not_with_key_order():
+  from pipelinerl_jax.generation.transport import layout
+  tree = {'b': {'w': np.arange(6, dtype=np.float32).reshape(2, 3)}, 'a': np.ones(4, np.float32)}
+  same = {'a': np.ones(4, np.float32), 'b': {'w': np.arange(6, dtype=np.float32).reshape(2, 3)}}
+  flipped = {'a': tree['a'].copy(), 'b': {'w': tree['b']['w'].copy()}}
+  flipped['b']['w'].view(np.uint32)[1, 2] ^= 1  # the lowest mantissa bit of one value
+  as_f16 = {'a': tree['a'].astype(np.float16), 'b': tree['b']}
+  moved = {'a': tree['a'], 'b': {'v': tree['b']['w']}}
+  sums = [layout.params_checksum(t) for t in (tree, same, flipped, as_f16, moved)]
+  assert sums[0] == sums[1] and len(set(sums[1:])) == 4
+
+
+def test_a_verifying_generator_applies_what_was_published_and_refuses_a_changed_update(
+    monkeypatch):
+  """The actor's own code without Ray, on the scripted engine: an update whose params are the
+  trainer's, bit for bit, is counted; one with a single bit changed on the way stops it in one
+  line naming the version and both checksums."""
+  from pipelinerl_jax.generation.actors import generator
+  from pipelinerl_jax.generation.transport import layout
+  from pipelinerl_jax.models import transformer
+  monkeypatch.setattr(decode_loop.engines, 'make_engine',
+                      lambda spec, model, *, params, version, **kw: scripted.ScriptedEngine(4))
+  config = transformer.ModelConfig(vocab_size=16, hidden_size=8, intermediate_size=16,
+                                   num_layers=1, num_heads=2, num_kv_heads=1, head_dim=4)
+  spec = generator.GeneratorSpec(
+      engine=engines.EngineSpec(backend='jax', num_slots=4, max_seq_len=16, eos_token_ids=(1,)),
+      model_dir='/nowhere', model_overrides={}, verify_updates=True)
+  actor = generator.Generator(spec, 'generator-0')
+  actor._model_config = config
+  import jax
+  params = jax.tree.map(np.asarray, transformer.init_params(config, jax.random.PRNGKey(0)))
+  digest = layout.tree_digest(params)
+  try:
+    for version in (0, 1):  # the first builds the engine, the next goes to the running one
+      assert actor.update(params, version, digest, actor.incarnation,
+                          layout.params_checksum(params)) == version
+    assert actor._stats()['updates_verified'] == 2
+    changed = jax.tree.map(np.copy, params)
+    changed['embed']['embedding'].view(np.uint32)[3, 1] ^= 1
+    want = layout.params_checksum(params)
+    with pytest.raises(ValueError) as e:
+      actor.update(changed, 2, digest, actor.incarnation, want)
+    assert str(e.value) == (
+        f'generator-0: weight update 2 arrived changed: the params its engine was handed have '
+        f'checksum {layout.params_checksum(changed)}, the trainer published {want} '
+        '(generation.remote.verify_updates)')
+    assert actor._stats()['updates_verified'] == 2
+  finally:
+    actor.close()

@@ -1,6 +1,8 @@
 """The README and docs/ pages: every relative link resolves (file and heading), the README stays an
 entry page, and the docs and code comments speak of the project and its users, not of how it was
-made (no session or issue numbers, leases or borrowed machines)."""
+made (no session or issue numbers, leases or borrowed machines). The user pages (README and
+docs/, not docs/dev/, the contributors' pages) hold no working notes either: no windows of device
+time, carried folders, numbered rounds, uncommitted trials or work-log labels."""
 
 import pathlib
 import re
@@ -8,7 +10,8 @@ import re
 import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
-PAGES = [ROOT / 'README.md', *sorted((ROOT / 'docs').glob('*.md'))]
+USER_PAGES = [ROOT / 'README.md', *sorted((ROOT / 'docs').glob('*.md'))]
+PAGES = [*USER_PAGES, *sorted((ROOT / 'docs' / 'dev').glob('*.md'))]
 README_MAX_LINES = 250
 
 LINK = re.compile(r'!?\[[^\]]*\]\(([^)\s]+)\)')
@@ -66,14 +69,21 @@ def test_readme_is_an_entry_page():
 # How the project was made, not what a user reads: session / issue numbers, machines lent to it.
 WORKING_NOTES = re.compile(r'\b(session \d+|issue[ #]*\d+|leases?|lent|borrowed|device tool)\b',
                            re.I)
+# What belongs to the contributors' pages (docs/dev/) and not to a user's: the GPU machine's
+# windows of device time and the folders a call carries, numbered rounds and what changed
+# "this round", trials left uncommitted, and the labels of a work log.
+CONTRIBUTOR_NOTES = re.compile(
+    r'\b(windows? of [^.|]*device time|device windows?|window \d+|round \d+|(?:this|that|'
+    r'next|previous) round|not committed|this commit|today\b|today\'s plan|for the next run)'
+    r'|`carry`|\bcarried (?:folders?|paths?)\b', re.I)
 
 
-def working_notes(paths) -> list[str]:
+def working_notes(paths, pattern=WORKING_NOTES) -> list[str]:
   found = []
   for path in paths:
     name = path.relative_to(ROOT) if path.is_relative_to(ROOT) else path.name
     for n, line in enumerate(path.read_text().splitlines(), 1):
-      found += [f'{name}:{n}: {m[0]!r}' for m in WORKING_NOTES.finditer(line)]
+      found += [f'{name}:{n}: {m[0]!r}' for m in pattern.finditer(line)]
   return found
 
 
@@ -83,9 +93,45 @@ def test_docs_and_code_comments_hold_no_working_notes():
   assert working_notes(PAGES + code) == []
 
 
+def test_user_pages_hold_no_contributor_notes():
+  assert working_notes(USER_PAGES, CONTRIBUTOR_NOTES) == []
+
+
+def test_a_contributor_note_is_found_and_dev_pages_may_hold_them(tmp_path):
+  page = tmp_path / 'p.md'
+  page.write_text('Window 1 runs rows 1-3 in 15 minutes of device time: each carries `.whl` as its\n'
+                  '`carry`. Round 3 (not committed) beat this round; 16.8k today.\n'
+                  'Every carry written out; a round of tests; the window of a context.\n')
+  assert working_notes([page], CONTRIBUTOR_NOTES) == [
+      "p.md:1: 'Window 1'", "p.md:2: '`carry`'", "p.md:2: 'Round 3'",
+      "p.md:2: 'not committed'", "p.md:2: 'this round'", "p.md:2: 'today'"]
+  assert all(p.parent.name == 'dev' for p in set(PAGES) - set(USER_PAGES))
+  assert (ROOT / 'docs' / 'dev' / 'gpu-ledger.md') in PAGES
+  assert working_notes([ROOT / 'docs' / 'dev' / 'gpu-ledger.md'], CONTRIBUTOR_NOTES)
+
+
 def test_a_working_note_is_found(tmp_path):
   page = tmp_path / 'p.md'
   page.write_text('Measured in Session 10 on the lent GPU (issue #25; a second lease).\n'
                   'It was released; a pleasant, relentless problem.\n')
   assert working_notes([page]) == ["p.md:1: 'Session 10'", "p.md:1: 'lent'",
                                    "p.md:1: 'issue #25'", "p.md:1: 'lease'"]
+
+
+def test_the_readme_preset_table_is_what_the_tool_prints():
+  from pipelinerl_jax.sim import presets  # imports JAX: only this test needs it
+  table = presets.markdown(presets.rows(presets.read_measured(presets.DEFAULT_MEASURED)))
+  assert table in (ROOT / 'README.md').read_text(), (
+      f'README.md: the preset table is not what `{presets.COMMAND}` prints now; paste its output')
+
+
+def test_the_readme_names_every_preset_and_model_config():
+  from pipelinerl_jax import config as config_lib
+  readme = (ROOT / 'README.md').read_text()
+  experiment = config_lib.load_experiment()
+  assert [p for p in experiment.PRESETS if f'`{p}`' not in readme] == []
+  models = sorted(d.name for d in (config_lib.CONFIGS_DIR / 'models').iterdir()
+                  if (d / 'config.json').is_file())
+  assert models and [m for m in models if m not in readme] == []
+  planned = {h['model'] for h in experiment.HARDWARE.values() if 'model' in h}
+  assert planned <= set(models), planned - set(models)

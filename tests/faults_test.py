@@ -40,6 +40,7 @@ from pipelinerl_jax.pipeline import metrics as metrics_lib
 from pipelinerl_jax.pipeline import supervise
 from pipelinerl_jax.pipeline import trainer as trainer_lib
 
+import needs
 import pipeline_test  # its small_config (tests/ is on sys.path under pytest)
 import procs
 import xla_env
@@ -82,7 +83,7 @@ def small_disk(tmp_path):
     r = subprocess.run(['mount', '-t', 'tmpfs', '-o', f'size={size_mb}m', 'tmpfs', str(d)],
                        capture_output=True, text=True)
     if r.returncode:
-      pytest.skip(f'cannot mount a tmpfs here ({r.stderr.strip()})')
+      needs.missing('tmpfs', f'cannot mount a tmpfs here ({r.stderr.strip()})')
     mounted.append(d)
     return d
   yield mount
@@ -630,7 +631,7 @@ def test_generation_rate_is_never_negative_after_an_engine_restart():
 
 def test_wandb_logs_the_records_and_a_resumed_run_continues_the_same_run(model_dir, tmp_path,
                                                                          monkeypatch):
-  pytest.importorskip('wandb')
+  needs.check('wandb')
   monkeypatch.setenv('WANDB_MODE', 'offline')
   monkeypatch.setenv('WANDB_SILENT', 'true')
   c = small_config(total_steps=2)
@@ -677,7 +678,7 @@ def wandb_history(path):
 def test_wandb_service_processes_die_with_a_killed_run(tmp_path):
   """W&B starts helper processes (wandb-core, its system monitor): a kill -9 of the run must
   not leave them behind."""
-  pytest.importorskip('wandb')
+  needs.check('wandb')
   ready = tmp_path / 'ready'
   script = textwrap.dedent(f'''
       import time, wandb

@@ -17,6 +17,8 @@ from pipelinerl_jax.generation import jax_engine as engine_lib
 from pipelinerl_jax.generation import sampling
 from pipelinerl_jax.models import transformer
 
+import needs  # tests/ is on sys.path
+
 CFG = transformer.ModelConfig(vocab_size=40, hidden_size=32, intermediate_size=64, num_layers=2,
                               num_heads=4, num_kv_heads=2, head_dim=8)
 S = 64
@@ -396,9 +398,8 @@ def test_deleted_params_are_refused(params_a):
 
 
 def test_generation_on_another_device(params_a):
+  needs.check('two_devices')
   devices = jax.devices()
-  if len(devices) < 2:
-    pytest.skip('needs two devices')
   reqs = [request(0, PROMPTS[4], 5)]
   source = jax.device_put(jax.tree.map(jnp.copy, params_a), devices[0])
   eng = engine_lib.JaxEngine(CFG, source, ENGINE, device=devices[1])

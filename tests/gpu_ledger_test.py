@@ -1,4 +1,4 @@
-"""docs/gpu-ledger.md against the kit and the tools it calls: every command parses with the kit's
+"""docs/dev/gpu-ledger.md against the kit and the tools it calls: every command parses with the kit's
 own flags and names registered sections, every carried path is made by a prepare step the page
 documents (and kept out of git), each call fits its timeout and one command, each planned window
 fits the device time, and the staging rows are the calls tools/gpu_stage.py prints."""
@@ -18,7 +18,7 @@ from pipelinerl_jax.bench.gpu import runner
 from pipelinerl_jax.bench.gpu import time_budget
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
-LEDGER = ROOT / 'docs' / 'gpu-ledger.md'
+LEDGER = ROOT / 'docs' / 'dev' / 'gpu-ledger.md'
 _spec = importlib.util.spec_from_file_location('gpu_stage', ROOT / 'tools' / 'gpu_stage.py')
 stage = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(stage)

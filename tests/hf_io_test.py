@@ -165,6 +165,27 @@ def test_legacy_rope_fields_and_model_type_fallback(checkpoint, tmp_path):
     assert hf_schema.load_config(tmp_path) == hf_schema.load_config(src), name
 
 
+@pytest.mark.parametrize('name', ['qwen3_tied', 'llama_tied_linear', 'llama32_style'])
+def test_export_carries_the_older_rope_fields_too(checkpoint, name):
+  """An exported config.json holds rope_theta (and rope_scaling when set) at the top level as
+  well: a reader of the older schema, which ignores rope_parameters, gets the model's theta (not
+  the default 1e4) and scaling, and so do our loader and transformers from those fields alone."""
+  config = hf_schema.load_config(checkpoint(name)[0])
+  written = hf_schema.hf_config(config)
+  assert written['rope_theta'] == config.rope_theta != 10000.0
+  old = {k: v for k, v in written.items() if k != 'rope_parameters'}
+  if config.rope_scaling is None:
+    assert 'rope_scaling' not in written
+  else:
+    assert old['rope_scaling']['rope_type'] == config.rope_scaling.kind
+    assert old['rope_scaling']['factor'] == config.rope_scaling.factor
+  assert hf_schema.config_from_hf(old) == hf_schema.config_from_hf(written) == config
+  hf_class = type(transformers.AutoConfig.for_model(written['model_type']))
+  from_old, from_both = hf_class(**old), hf_class(**written)
+  assert from_old.rope_parameters == from_both.rope_parameters
+  assert from_old.rope_parameters['rope_theta'] == config.rope_theta
+
+
 def test_overrides_set_numerics(checkpoint):
   path, _ = checkpoint('qwen2_tied')
   config = hf_schema.load_config(path, param_dtype='bfloat16', dtype='bfloat16', lm_head_fp32=False,
@@ -340,7 +361,8 @@ def test_qwen3_config_is_written_as_transformers_reads_it(checkpoint):
   assert (written['model_type'], written['attention_bias'], written['use_sliding_window'],
           written['head_dim']) == ('qwen3', False, False, 16)
   assert written['eos_token_id'] == [151645, 151643]  # the original's own keys are kept
-  assert not {'layer_types', 'max_window_layers', 'rope_theta', 'rope_scaling'} & set(written)
+  assert not {'layer_types', 'max_window_layers', 'rope_scaling'} & set(written)
+  assert written['rope_theta'] == config.rope_theta != hub['rope_theta']  # ours, not the stale
   assert hf_schema.config_from_hf(written) == config
   assert transformers.Qwen3Config(**written).head_dim == 16
   for field in ('qk_norm', 'qkv_bias'):  # what Qwen3ForCausalLM cannot express

@@ -31,7 +31,7 @@ import pipeline_test  # its small_config (tests/ is on sys.path under pytest)
 import train_test  # its tiny CONFIG and packed random batches
 
 CONFIG = train_test.CONFIG
-LORA = lora_lib.LoraConfig(rank=4, alpha=8.0)
+LORA = config_lib.LoraSettings(rank=4, alpha=8.0)
 MAX_LEN = 64
 
 
@@ -65,11 +65,11 @@ def test_zero_b_is_exactly_the_base_and_any_b_is_the_merged_model():
   merged = logprobs(lora_lib.merge(params, adapters, scale=LORA.scale), CONFIG, tokens)
   assert np.abs(unmerged - base).max() > 1e-2  # the delta matters
   np.testing.assert_allclose(unmerged, merged, atol=1e-5)
-  only_o = lora_lib.LoraConfig(rank=2, alpha=2.0, targets=('o_proj',))
+  only_o = config_lib.LoraSettings(rank=2, alpha=2.0, targets=('o_proj',))
   assert lora_lib.shapes(CONFIG, only_o) == {('layers', 'attn', 'o_proj', 'a'): (2, 64, 2),
                                              ('layers', 'attn', 'o_proj', 'b'): (2, 2, 64)}
   # A merged reload sends fused modules whole: q with k and v, up with gate.
-  assert lora_lib.merged_targets(lora_lib.LoraConfig(2, 2.0, ('up_proj', 'q_proj'))) == (
+  assert lora_lib.merged_targets(config_lib.LoraSettings(2, 2.0, ('up_proj', 'q_proj'))) == (
       'q_proj', 'k_proj', 'v_proj', 'gate_proj', 'up_proj')
 
 
@@ -175,18 +175,19 @@ def test_jax_engine_serves_adapters_on_the_trainers_own_base():
     assert changed  # the new adapters took over
 
     with pytest.raises(ValueError, match='adapter update to version 3 rejected'):
-      engine.update_params(random_adapters(CONFIG, lora_lib.LoraConfig(2, 2.0), 0), 3)
+      engine.update_params(random_adapters(CONFIG, config_lib.LoraSettings(2, 2.0), 0), 3)
 
-    others = [copy(a2)] + [copy(random_adapters(CONFIG, LORA, 100 + k)) for k in range(3)]
-    for v in range(1000):  # updates between steps, each applied (a step applies it first)
-      engine.update_params(others[v % 4], 3 + v)
-      engine.step()
-    engine.update_params(copy(a1), 2000)
+    # An update swaps the served adapters (nothing is merged into the base, so nothing can
+    # accumulate): after others, a1 again gives a1's tokens and log mu bit for bit.
+    for v, other in enumerate([copy(a2), copy(random_adapters(CONFIG, LORA, 100))]):
+      engine.update_params(other, 3 + v)
+      engine.step()  # a step applies a pending update first
+    engine.update_params(copy(a1), 10)
     again = _run(engine, _requests('a'))
     for c, before in zip(again, first):
       np.testing.assert_array_equal(c.tokens, before.tokens)
       np.testing.assert_array_equal(c.logprobs, before.logprobs)
-    assert engine.stats()['updates'] >= 1002
+    assert engine.stats()['updates'] >= 4
     for mine, theirs in zip(jax.tree.leaves(engine._params.base), jax.tree.leaves(base)):
       assert mine.unsafe_buffer_pointer() == theirs.unsafe_buffer_pointer()
 
@@ -207,15 +208,18 @@ def test_lora_run_publishes_adapters_only_and_its_checkpoint_restores_exactly(
   checkpoint restores bit for bit (the base is referenced by its model dir)."""
   c = _lora_config(max_lag=1, total_steps=3)
   c.checkpoint.every_steps = 0  # only at exit
+  c.eval.every_steps, c.eval.num_problems, c.eval.k = 3, 4, 2  # evaluated in the run, LoRA too
   summary = launch.run_experiment(c, str(tmp_path), model_dir=model_dir)
   assert summary['steps'] == 3
   model_config = hf_schema.load_config(model_dir)
-  lora = lora_lib.LoraConfig(rank=4, alpha=8.0)
+  lora = config_lib.LoraSettings(rank=4, alpha=8.0)
   state = summary['final_state']
   lora_lib.check_adapters(state.params, model_config, lora)  # the state: adapters
   assert np.abs(np.asarray(state.params['layers']['mlp']['down_proj']['b'])).max() > 0
   records = metrics_lib.read_metrics(str(tmp_path / 'metrics.jsonl'))
   assert [r['step'] for r in records] == [1, 2, 3]
+  assert 0 <= records[-1]['eval/pass@1'] <= 1 and records[-1]['eval/mean_tokens'] > 0
+  assert 'eval/pass@1' not in records[0]
   for r in records:
     assert r['publish_bytes'] == 4 * lora_lib.num_params(model_config, lora)
     assert 1 <= r['versions_per_sample_mean'] <= r['versions_per_sample_max'] <= 2
@@ -244,7 +248,7 @@ def test_peft_export_loads_in_peft_with_the_merged_exports_logits(model_dir, tmp
   import torch
   import transformers
   model_config = hf_schema.load_config(model_dir)
-  lora = lora_lib.LoraConfig(rank=4, alpha=8.0, targets=config_lib.LORA_TARGETS)
+  lora = config_lib.LoraSettings(rank=4, alpha=8.0, targets=config_lib.LORA_TARGETS)
   adapters = random_adapters(model_config, lora, 7, b_scale=0.2)
   mesh = sharding_lib.make_mesh(devices=jax.devices()[:1])
   state, _ = train.create_sharded_state(adapters, optax.adam(1e-3), mesh)
@@ -302,6 +306,20 @@ def test_lora_settings_errors_name_the_key():
     lora_lib.shapes(moe_config, LORA)
 
 
+def test_lora_on_a_moe_model_dir_is_refused_from_its_config_json(tmp_path):
+  """A Qwen3-MoE model dir is refused by the run's own entry point from its config.json: the dir
+  holds nothing else, so any weight load would have failed otherwise, and the workdir is not
+  even claimed."""
+  c = config_lib.base_config()
+  c.model.lora.rank = 8
+  c.model.path = str(config_lib.CONFIGS_DIR / 'models' / 'Qwen3-30B-A3B')
+  assert os.listdir(c.model.path) == ['config.json']
+  with pytest.raises(ValueError, match=r'^config.model.lora: LoRA on a mixture-of-experts model '
+                                       r'\(128 experts in 48 layers\) is not supported'):
+    launch.run_experiment(c, str(tmp_path / 'run'))
+  assert not (tmp_path / 'run').exists()
+
+
 def test_adapters_over_a_collective_reach_a_generators_engine_whole(model_dir):
   """A generator actor's side, without Ray: its decode loop builds a JAX engine on the base in
   its model dir from the first adapters (object store: a pytree), then takes an update over a
@@ -319,7 +337,7 @@ def test_adapters_over_a_collective_reach_a_generators_engine_whole(model_dir):
   assert plan.nbytes == 4 * lora_lib.num_params(model_config, LORA) < full.nbytes / 4
 
   spec = engines.EngineSpec(backend='jax', num_slots=4, max_seq_len=MAX_LEN, eos_token_ids=(),
-                            lora=(LORA.rank, LORA.alpha, LORA.targets))
+                            lora=LORA)
   loop = decode_loop.DecodeLoop('g0', spec, model_dir, staged_updates=True,
                                 model=lambda: model_config)
   try:

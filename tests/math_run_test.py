@@ -87,7 +87,7 @@ def test_load_splits_test_files_or_a_held_out_fraction():
   train, test = math_task.load_splits(files, test_fraction=0.3)
   assert list(test) == ['math_problems', 'math_solutions']
   for part, held in zip(train, test.values()):
-    assert len(held) == 3 and not {p.prompt for p in part} & {p.prompt for p in held}
+    assert len(held) == 3 and not {p.messages for p in part} & {p.messages for p in held}
   assert math_task.load_splits(files, test_fraction=0.3) == (train, test)  # seed-independent
 
 

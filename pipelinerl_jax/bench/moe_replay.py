@@ -1,10 +1,9 @@
 """Routing replay on a mixture of experts: how it changes the train / sampler mismatch, and
 whether the tiny MoE learns with it and without it.
 
-  python -m pipelinerl_jax.bench.moe_replay [--seeds 0,1,2] [--budget_s 600]
-      [--budget_samples N] [--target 0.8] [--lags 1,2,4,8] [--set SECTION.FIELD=VALUE ...]
-      [--out PATH.json] [--smoke]
-      [--skip_learning] [--skip_mismatch]
+  python -m pipelinerl_jax.bench.moe_replay [--seeds 0,1,2] [--steps 300] [--budget_s 0]
+      [--target 0.8] [--lags 1,2,4,8] [--set SECTION.FIELD=VALUE ...]
+      [--out PATH.json] [--smoke] [--skip_learning] [--skip_mismatch]
 
 Both parts start from the warm-started demo MoE of the `tiny_moe` preset (configs/math.py).
 
@@ -18,14 +17,15 @@ sampler's. Lag 0 in bfloat16 is the engine-vs-trainer numerics alone (bf16 on bo
 engine decodes one token at a time over its paged cache, the trainer a whole row at once).
 
 Learning: per seed, one PipelineRL run of the preset per routing ('replay', 'recompute'), the
-seeds the outer loop, each stopped by the same wall-clock cap or sample budget; per run the time
-and samples to the target reward (10-step trailing mean), the final reward, the line fitted to
-the per-step reward (slope per 100 steps, its standard error), and the means over
-its steps of abs_logp_diff, ESS, frac_is_capped and moe/routes_differ, and the largest
-moe/routes_used_differ of a step (0 under replay). Tables, a JSON file and two PNGs: the
-learning curves (reward vs time and samples, ESS, lag; median and min-max band over seeds) and
-the mismatch over the runs (abs_logp_diff, moe/routes_differ). Nothing here asserts a figure;
-`--smoke` (an untrained model, 3 steps, small batches) only runs the code paths.
+seeds the outer loop, each for --steps optimizer steps (the same samples for both routings,
+whatever the host's load) or until a --budget_s wall-clock cap (0: none). Per run: the time and
+samples to the target reward (10-step trailing mean), the first and the last 10 steps' reward,
+the trend of the per-step reward with its noise (bench/reward_trend.py), and the means over its
+steps of abs_logp_diff, ESS, frac_is_capped and moe/routes_differ; then the trend and the
+mismatch over seeds. Tables, a JSON file (with every run's raw per-step rewards) and two PNGs:
+the learning curves (reward vs time and samples, ESS, lag; median and min-max band over seeds)
+and the mismatch over the runs (abs_logp_diff, moe/routes_differ). Nothing here asserts a
+figure; `--smoke` (an untrained model, a few steps, small batches) only runs the code paths.
 """
 
 from __future__ import annotations
@@ -46,6 +46,7 @@ import numpy as np
 from pipelinerl_jax import packing
 from pipelinerl_jax.bench import ablations
 from pipelinerl_jax.bench import learning_speed
+from pipelinerl_jax.bench import reward_trend
 from pipelinerl_jax.demo import warmstart
 from pipelinerl_jax.generation import api
 from pipelinerl_jax.generation import jax_engine
@@ -56,22 +57,28 @@ from pipelinerl_jax.pipeline import metrics as metrics_lib
 
 ROUTINGS = ('replay', 'recompute')
 PRESET = 'tiny_moe'
-MISMATCH_COLUMNS = (('dtype', 'dtype', 's'), ('lag', 'lag', 'd'), ('routing', 'routing', 's'),
-                    ('|logpi-logmu|', 'abs_logp_diff', '.2e'), ('ess', 'ess', '.4f'),
-                    ('routes_differ', 'routes_differ', '.4f'), ('tokens', 'tokens', 'd'))
-RUN_COLUMNS = (('routing', 'name', 's'), ('seed', 'seed', 'd'), ('steps', 'steps', 'd'),
-               ('samples', 'samples', ',d'), ('run_s', 'time_s', '.0f'),
+# The mismatch table with the two routings side by side, one row per (dtype, lag).
+PAIRED_COLUMNS = (('dtype', 'dtype', 's'), ('lag', 'lag', 'd'),
+                  ('|logpi-logmu| replay', 'abs_logp_diff_replay', '.2e'),
+                  ('recompute', 'abs_logp_diff_recompute', '.2e'),
+                  ('ess replay', 'ess_replay', '.4f'), ('recompute', 'ess_recompute', '.4f'),
+                  ('routes_differ', 'routes_differ_recompute', '.4f'),
+                  ('tokens', 'tokens_recompute', 'd'))
+LEARNING_COLUMNS = ((('routing', 'name', 's'), ('seed', 'seed', 'd'), ('steps', 'steps', 'd'),
+                     ('samples', 'samples', ',d'), ('reward_first', 'reward_first', '.3f'),
+                     ('last10', 'reward_final', '.3f')) + reward_trend.COLUMNS)
+RUN_COLUMNS = (('routing', 'name', 's'), ('seed', 'seed', 'd'), ('run_s', 'time_s', '.0f'),
                ('t->target', 't_target', '.0f'), ('samples->target', 's_target', ',d'),
-               ('reward_final', 'reward_final', '.3f'),
-               ('line_first', 'reward_line_first', '.3f'),
-               ('line_last', 'reward_line_last', '.3f'),
-               ('slope/100', 'reward_slope', '+.3f'), ('se', 'reward_slope_se', '.3f'),
                ('|logpi-logmu|', 'abs_logp_diff', '.2e'),
                ('ess', 'ess_mean', '.4f'), ('capped', 'frac_is_capped', '.4f'),
                ('routes_differ', 'routes_differ', '.4f'),
-               ('used_differ_max', 'routes_used_differ_max', '.4f'),
-               ('train_step_s', 'train_step_s', '.2f'),
+               ('lag_mean', 'lag_mean', '.2f'), ('train_step_s', 'train_step_s', '.2f'),
                ('load', 'load', '.1f'))
+# Over seeds, per routing: median [min-max] of each.
+SEED_COLUMNS = (('last10', 'reward_final', '.3f'), ('rise', 'rise', '.3f'),
+                ('rise/noise', 'rise_over_noise', '.1f'), ('slope/100', 'slope', '.3f'),
+                ('|logpi-logmu|', 'abs_logp_diff', '.2e'), ('ess', 'ess_mean', '.4f'),
+                ('routes_differ', 'routes_differ', '.4f'))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -155,32 +162,28 @@ def mismatch(model_dir: str, snapshots: dict[int, dict], *, prompts: int, group_
 # Learning runs.
 
 
-def reward_trend(records: list[dict]) -> dict:
-  """The least-squares line of the per-step reward against the step: its slope per 100 steps,
-  the slope's standard error, and the line's values at the first and the last step (a rise a
-  10-step mean would hide in the noise of 128 samples a step)."""
-  if len(records) < 3:
-    return dict(reward_slope=float('nan'), reward_slope_se=float('nan'),
-                reward_line_first=float('nan'), reward_line_last=float('nan'))
-  step = np.array([r['step'] for r in records], np.float64)
-  reward = np.array([r['reward_mean'] for r in records], np.float64)
-  slope, intercept = np.polyfit(step, reward, 1)
-  residual = reward - (slope * step + intercept)
-  se = np.sqrt(residual.var(ddof=2) / ((step - step.mean()) ** 2).sum())
-  return dict(reward_slope=100 * float(slope), reward_slope_se=100 * float(se),
-              reward_line_first=float(slope * step[0] + intercept),
-              reward_line_last=float(slope * step[-1] + intercept))
-
-
-def run_row(summary: dict, records: list[dict], target: float) -> dict:
+def run_row(seed: int, result: dict, target: float, targets) -> dict:
+  """One run's table row: `ablations.summarize`, the reward trend, the means of its mismatch
+  metrics over the steps, the load."""
+  records = result['records']
+  summary = ablations.summarize(result, targets)
   mean = lambda key: float(np.mean([r[key] for r in records])) if records else float('nan')
   reached = summary['to_target'][f'{target:g}']
-  return dict(summary, **reward_trend(records), t_target=reached and reached['time_s'],
-              s_target=reached and reached['samples'], abs_logp_diff=mean('abs_logp_diff'),
-              ess_mean=summary['ess']['mean'], routes_differ=mean('moe/routes_differ'),
-              routes_used_differ_max=max((r['moe/routes_used_differ'] for r in records),
-                                         default=float('nan')),
+  return dict(summary, **reward_trend.of_records(records), seed=seed,
+              t_target=reached and reached['time_s'], s_target=reached and reached['samples'],
+              abs_logp_diff=mean('abs_logp_diff'), ess_mean=summary['ess']['mean'],
+              routes_differ=mean('moe/routes_differ'),
               load=(summary['load_before'] + summary['load_after']) / 2)
+
+
+def paired(rows: list[dict]) -> list[dict]:
+  """The mismatch rows of one (dtype, lag) side by side: keys suffixed by the routing."""
+  out = {}
+  for r in rows:
+    row = out.setdefault((r['dtype'], r['lag']), dict(dtype=r['dtype'], lag=r['lag']))
+    row.update({f"{k}_{r['routing']}": v for k, v in r.items()
+                if k not in ('dtype', 'lag', 'routing')})
+  return list(out.values())
 
 
 def plot_mismatch(results: list[dict], path: str, title: str):
@@ -212,17 +215,13 @@ def plot_mismatch(results: list[dict], path: str, title: str):
 def main(argv=None):
   parser = argparse.ArgumentParser(description=__doc__.split('\n\n')[0])
   parser.add_argument('--seeds', default='0,1,2', help='comma-separated RL seeds')
-  parser.add_argument('--budget_s', type=float, default=600.0, help='wall-clock cap per run')
-  parser.add_argument('--budget_samples', type=int, default=0,
-                      help='samples trained on per run (0 = only the time cap)')
   parser.add_argument('--target', type=float, default=0.8, help='10-step mean reward target')
   parser.add_argument('--lags', default='1,2,4,8', help='policies the mismatch part scores with')
   parser.add_argument('--set', action='append', default=[], metavar='SECTION.FIELD=VALUE',
                       help='config override for every run (after --smoke and the budget)')
   parser.add_argument('--out', default='/tmp/pipelinerl_jax_bench/moe_replay.json')
   parser.add_argument('--workdir', default='', help="run dirs ('' = a temporary dir)")
-  parser.add_argument('--cache_dir', default='', help="demo model cache ('' = the default)")
-  parser.add_argument('--smoke', action='store_true', help='seconds: an untrained model')
+  ablations.add_budget_flags(parser, default_steps=300)
   parser.add_argument('--skip_learning', action='store_true')
   parser.add_argument('--skip_mismatch', action='store_true')
   args = parser.parse_args(argv)
@@ -236,14 +235,7 @@ def main(argv=None):
     parser.error(str(e))
   base = ablations.preset(PRESET)
   base.log.tensorboard = False
-  if args.cache_dir:
-    base.model.cache_dir = args.cache_dir
-  if args.smoke:
-    base = ablations.smoke(base, args.cache_dir)
-  else:
-    base.rl.max_time_s = args.budget_s
-    base.rl.total_steps = (max(1, args.budget_samples // base.rl.batch_size)
-                           if args.budget_samples else 10**7)
+  base = ablations.budgeted(parser, args, base)
   try:
     base = ablations.override(base, **sets)
   except (KeyError, TypeError) as e:
@@ -267,7 +259,7 @@ def main(argv=None):
     sizes = dict(prompts=4, group_size=4) if args.smoke else dict(prompts=32, group_size=8)
     rows = mismatch(model_dir, snapshots, max_tokens=base.generation.max_new_tokens, **sizes)
     print('\nmismatch of one batch sampled under policy 0, scored by policy <lag>:')
-    print(ablations.table(rows, MISMATCH_COLUMNS), flush=True)
+    print(ablations.table(paired(rows), PAIRED_COLUMNS), flush=True)
     report['mismatch'] = rows
 
   if not args.skip_learning:
@@ -280,10 +272,10 @@ def main(argv=None):
         result = ablations.run_once(config, os.path.join(workdir, routing, f'seed{seed}'),
                                     model_dir, name=routing)
         results.append(result)
-        rows.append(dict(seed=seed, **run_row(ablations.summarize(result, targets),
-                                              result['records'], args.target)))
-    print()
-    print(ablations.table(rows, RUN_COLUMNS))
+        rows.append(run_row(seed, result, args.target, targets))
+    over_seeds = reward_trend.print_tables(
+        rows, LEARNING_COLUMNS, 'mismatch over the steps of each run, and cost', RUN_COLUMNS,
+        SEED_COLUMNS, seeds, name_header='routing')
     over = {routing: ablations.to_target_over_seeds([r for r in rows if r['name'] == routing],
                                                     args.target) for routing in ROUTINGS}
     for routing, o in over.items():
@@ -299,9 +291,10 @@ def main(argv=None):
     mismatch_png = out.with_name(out.stem + '_mismatch.png')
     plot_mismatch(results, str(mismatch_png), f'{PRESET}: train / sampler mismatch, '
                   f'{seeds_text}')
-    report.update(runs=rows, to_target=over, png=str(png), mismatch_png=str(mismatch_png),
-                  curves={f"{r['name']}/seed{row['seed']}": learning_speed.curve(r['records'])
-                          for r, row in zip(results, rows)})
+    report.update(runs=rows, over_seeds=over_seeds, to_target=over, png=str(png),
+                  mismatch_png=str(mismatch_png),
+                  raw={f"{r['name']}/seed{row['seed']}": reward_trend.raw(r['records'])
+                       for r, row in zip(results, rows)})
   out.parent.mkdir(parents=True, exist_ok=True)
   out.write_text(json.dumps(report, indent=1, default=str) + '\n')
   print(f'\nwrote {out}')

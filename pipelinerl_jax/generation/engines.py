@@ -18,7 +18,10 @@ threads, and the engine (JAX or vLLM, and their thread pools) only in `make_engi
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+  from pipelinerl_jax import config as config_lib
 
 
 @dataclasses.dataclass(frozen=True)
@@ -32,9 +35,9 @@ class EngineSpec:
   gpu_memory_utilization: float = 0.9  # vLLM on CUDA: generation/budget.py
   cuda_graphs: bool = True         # vLLM on CUDA
   lm_head_fp32: bool = False       # vLLM: logits in fp32, as the trainer's
-  # LoRA (config.model.lora): (rank, alpha, targets), () = none. The engine serves the model
-  # dir's weights as the frozen base, and takes adapters as its params and updates.
-  lora: tuple = ()
+  # LoRA (config.model.lora, None = none): the engine serves the model dir's weights as the
+  # frozen base, and takes adapters as its params and updates.
+  lora: config_lib.LoraSettings | None = None
   lora_update: str = 'merge'       # vLLM: how adapter updates land (vllm/lora_updates.py)
 
   def __post_init__(self):
@@ -60,22 +63,9 @@ def spec_from_config(config, eos_token_ids, **overrides) -> EngineSpec:
       eos_token_ids=tuple(eos_token_ids), jax_options=jax_options(g),
       kv_cache_mb=g.vllm.kv_cache_mb, gpu_memory_utilization=g.vllm.gpu_memory_utilization,
       cuda_graphs=g.vllm.cuda_graphs, lm_head_fp32=config.model.lm_head_fp32,
-      lora=lora_tuple(config.model.lora), lora_update=g.vllm.lora_update)
+      lora=config.model.lora if config.model.lora.enabled else None,
+      lora_update=g.vllm.lora_update)
   return dataclasses.replace(spec, **overrides)
-
-
-def lora_tuple(settings) -> tuple:
-  """`EngineSpec.lora` of config.model.lora: (rank, alpha, targets), or () when off."""
-  return (settings.rank, settings.alpha, tuple(settings.targets)) if settings.rank else ()
-
-
-def lora_config(spec: EngineSpec):
-  """The spec's `lora.LoraConfig`, or None (imports JAX)."""
-  if not spec.lora:
-    return None
-  from pipelinerl_jax.models.layers import lora as lora_lib
-  rank, alpha, targets = spec.lora
-  return lora_lib.LoraConfig(rank=rank, alpha=alpha, targets=tuple(targets))
 
 
 def slots_for(num_requests: int, most: int) -> int:
@@ -124,7 +114,7 @@ def make_engine(spec: EngineSpec, model_config, *, params=None, version: int = 0
   checkpoint as `version`. `staged_updates`: later updates arrive in a staging buffer
   (`reserve_bytes`). With `spec.lora`, `params` may be the adapters alone: the JAX engine then
   loads its base from `model_dir` (in the compute dtype), vLLM serves that checkpoint as it."""
-  lora = lora_config(spec)
+  lora = spec.lora
   if spec.backend == 'jax':
     if params is None:
       raise ValueError('make_engine: the JAX engine needs params')

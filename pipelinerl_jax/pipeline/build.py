@@ -64,7 +64,7 @@ class Learner:
   train_step: Callable                 # jitted (state, batch) -> (state, metrics), state donated
   checkpoints: checkpoint_lib.Checkpointer
   resumed: dict[str, Any] | None       # the restored checkpoint's meta; None for a fresh start
-  lora: lora_lib.LoraConfig | None = None  # config.model.lora: state.params are the adapters
+  lora: config_lib.LoraSettings | None = None  # config.model.lora: state.params are the adapters
   base: Any = None                     # LoRA: the frozen base, in the trainer's shardings
 
   def served(self, params):
@@ -116,7 +116,7 @@ def build_learner(config: config_lib.Config, workdir: str, model_dir: str,
   if started is not None:
     started.callback(_quietly, checkpoints.close)
   restored = checkpoint_lib.restore_latest(config, checkpoints, model_config, optimizer, mesh)
-  lora = lora_lib.LoraConfig.from_settings(config.model.lora)
+  lora = lora_lib.active(config.model.lora)
   base = None
   if lora is not None or not restored:
     # The model dir's weights: trained (full fine-tuning), or the frozen base of LoRA.
@@ -293,10 +293,13 @@ def evaluator(config: config_lib.Config, workdir: str, learner: Learner, tokeniz
   workdir/eval/samples-<step>.jsonl."""
   problems = task.held_out(config.eval.num_problems, config.eval.seed)
   device = placements.generation_device(learner.mesh)
-  copy = placements.copy_params_fn(device)
-  if learner.lora is not None:
+  if learner.lora is None:
+    # In the compute dtype, as the publisher's copy: the engine would cast a param-dtype copy
+    # (a second copy on the device; the memory plan counts one).
+    copy = placements.copy_params_fn(device, learner.model_config.dtype)
+  else:
     base = placements.base_on(learner.base, device)
-    copy_adapters = copy
+    copy_adapters = placements.copy_params_fn(device)
     copy = lambda adapters: lora_lib.Adapted(base, copy_adapters(adapters), learner.lora.scale)
 
   def evaluate(params, step: int) -> dict:

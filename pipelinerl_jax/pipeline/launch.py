@@ -100,15 +100,20 @@ def prepare_saying_last_words(config: config_lib.Config, workdir: str, *args) ->
 def check(config: config_lib.Config, workdir: str,
           installed: stack_lib.Stack | None = None) -> None:
   """What a run needs beyond a consistent config: the model and the data named, what the
-  installed stack can run (`installed`, default: read now, JAX's device included), the backend
-  installed (vLLM, Ray), a model the JAX engine serves (backend 'jax'), the workdir writable,
-  config.cluster.interface on this host."""
+  installed stack can run (`installed`, default: read now, JAX's device included), a model dir
+  LoRA can adapt and the JAX engine serves (backend 'jax'), the backend installed (vLLM, Ray),
+  the workdir writable, config.cluster.interface on this host."""
   config.check_runnable()
   stack_lib.check(config, installed)  # reads the model's config.json, never its weights
-  if config.generation.backend == 'jax' and config.model.path:
-    from pipelinerl_jax.generation import jax_engine
-    jax_engine.check_servable(hf_schema.load_config(
-        hf_schema.check_model_dir(config.model.path, 'config.model.path')))
+  lora, jax_backend = config.model.lora.enabled, config.generation.backend == 'jax'
+  if (lora or jax_backend) and config.model.path:  # its config.json, before any weight loads
+    model_config = hf_schema.load_config(
+        hf_schema.check_model_dir(config.model.path, 'config.model.path'))
+    if lora:
+      lora_lib.check_base(model_config)
+    if jax_backend:
+      from pipelinerl_jax.generation import jax_engine
+      jax_engine.check_servable(model_config)
   build_lib.check_backend_installed(config)  # before the demo model is built
   workdir_lib.check_dir(workdir, '--workdir')
   if config.cluster.interface:  # this host's side of the network the hosts share
@@ -179,7 +184,7 @@ def claim_outputs(config: config_lib.Config, workdir: str, model_dir: str
     m = config.model
     model_config = hf_schema.load_config(model_dir, param_dtype=m.param_dtype, dtype=m.dtype)
     one = checkpoint_lib.state_bytes(model_config, train.make_optimizer(config.optimizer),
-                                     lora_lib.LoraConfig.from_settings(m.lora))
+                                     lora_lib.active(m.lora))
     keep = config.checkpoint.keep
     have = min(keep, sum(name.isdigit() for name in os.listdir(ckpt_dir)))
     workdir_lib.check_free_space([  # orbax writes a new checkpoint before pruning the oldest

@@ -169,7 +169,8 @@ def _ray_engine(config: config_lib.Config, model_config, model_dir: str, *, mesh
                              lm_head_fp32=model_config.lm_head_fp32),
         transport=remote.weight_transport, transport_timeout_s=remote.transport_timeout_s,
         wire_dtype=transport_dtype(config, model_config, model_dir),
-        interface=config.cluster.interface, heartbeat_timeout_s=remote.heartbeat_timeout_s)
+        interface=config.cluster.interface, heartbeat_timeout_s=remote.heartbeat_timeout_s,
+        verify_updates=remote.verify_updates)
     return pool.RayGenerators(
         spec, model_config, num_generators=g.num_generators, params=params, version=version,
         cpus_per_generator=remote.cpus_per_generator, gpus_per_generator=gpus_each,

@@ -128,6 +128,18 @@ class Task(abc.ABC):
   def close(self) -> None:
     """Releases what the task holds (worker processes); scoring again may restart them."""
 
+  # Majority voting (evaluation.py's maj@k) groups samples by their final answers.
+
+  def answer_of(self, completion_text: str) -> str | None:
+    """A completion's final answer, None when it gives none (or the task cannot tell): the
+    content of its last `\\boxed{}`, as every built-in task reads it."""
+    boxed = extract_boxed(completion_text) if isinstance(completion_text, str) else None
+    return None if boxed is None else boxed.strip()
+
+  def same_answers(self, pairs: Sequence[tuple[str, str]]) -> list[bool]:
+    """Whether each pair of answers is equivalent (here: equal text)."""
+    return [a == b for a, b in pairs]
+
   # Multi-turn tasks. A task without an environment is one turn: the actor scores each group's
   # completions with `score_many`.
 

@@ -1,15 +1,20 @@
-"""Math problems with a reference answer: chat prompts, a `\\boxed{}` answer, judged by math-verify.
+"""Math problems with a reference answer: chat prompts, the completion's final answer judged by
+math-verify (or by a scoring function of the user's).
 
+The problems come from tasks/data.py (files as they ship, rendered through the chat template).
 Scoring a sample:
   1. truncated (no EOS) and `truncated` is 'mask' or 'penalize' -> not judged, status no_answer
-  2. no complete `\\boxed{...}` in the completion               -> no_answer
-  3. pre-checks on the boxed answer, each counted: empty, longer than max_answer_chars, or
+  2. the completion's answer (`answer_format`): the last complete `\\boxed{...}`, or the text
+     after the last 'Answer:' ('answer_line', DAPO-Math-17k's prompts); none -> no_answer
+  3. pre-checks on the answer, each counted: empty, longer than max_answer_chars, or
      holding control characters / lone surrogates (broken UTF-8) -> unparsable
   4. math-verify in the worker pool (verify.py), hard timeout per sample -> correct | wrong |
      unparsable. A timeout is reported as 'unparsable', not 'wrong': the grader could not read
      the answer in time, which says nothing about whether it was right, and 'wrong' should stay a
      clean accuracy signal. The default rewards are the same (0), and `counters['timeout']`
      tells the two apart.
+With `score_fn` (config.task.score_fn) steps 2-4 are the user's function, run in the same worker
+pool under the same timeout and memory limit: it gets the whole completion and the reference.
 Rewards come from `config.RewardConfig`; it also holds the options for truncated completions and
 DAPO's soft overlong penalty.
 
@@ -21,53 +26,47 @@ whose samples are all masked is dropped. Its `status` is still counted in the me
 
 from __future__ import annotations
 
-import dataclasses
-import json
 import logging
-import os
 import random
 import re
 import threading
-from typing import Any, Iterator, Mapping, Sequence
+from typing import Iterator, Sequence
 
 from pipelinerl_jax import config as config_lib
+from pipelinerl_jax.tasks import data as data_lib
 from pipelinerl_jax.tasks.base import STATUSES, Problem, Score, Task, extract_boxed
 from pipelinerl_jax.tasks.verify import VerifyPool
 
-SYSTEM_PROMPT = 'Please reason step by step, and put your final answer within \\boxed{}.'
-PROBLEM_FIELDS = ('problem', 'question', 'prompt')
-ANSWER_FIELDS = ('answer', 'final_answer', 'solution')  # tried in this order
+ANSWER_FORMATS = ('boxed', 'answer_line')
 # Pre-check and pool outcomes, counted next to the statuses (a sample can add to several).
 EVENTS = ('truncated', 'masked', 'empty_answer', 'too_long', 'bad_chars', 'timeout',
           'gold_unparsable', 'worker_error')
 _BAD_CHARS = re.compile('[\x00-\x08\x0b\x0c\x0e-\x1f\x7f\ud800-\udfff]')
+_ANSWER_LINE = re.compile(r'answer\s{0,8}:', re.I)
 
 
-def format_prompt(problem_text: str, tokenizer=None,
-                  chat_template_kwargs: Mapping[str, Any] | None = None) -> str:
-  """The text the model continues: the tokenizer's chat template when it has one, given
-  `chat_template_kwargs` (e.g. Qwen3's enable_thinking)."""
-  if tokenizer is not None and getattr(tokenizer, 'chat_template', None):
-    messages = [{'role': 'system', 'content': SYSTEM_PROMPT},
-                {'role': 'user', 'content': problem_text}]
-    return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False,
-                                         **(chat_template_kwargs or {}))
-  return f'{SYSTEM_PROMPT}\n\nProblem: {problem_text}\n\nSolution:'
+def extract_answer_line(text: str) -> str | None:
+  """The text after the last 'Answer:' up to the end of its line, without surrounding '$' or a
+  final period (a \\boxed{} inside it: its content); None when there is none. Linear in
+  len(text)."""
+  last = None
+  for last in _ANSWER_LINE.finditer(text):
+    pass
+  if last is None:
+    return None
+  answer = text[last.end():].split('\n', 1)[0].strip()
+  boxed = extract_boxed(answer)
+  if boxed is not None:
+    return boxed.strip()
+  return answer.rstrip('.').strip().strip('$').strip()
 
 
-def check_chat_template_kwargs(tokenizer, chat_template_kwargs: Mapping[str, Any]) -> None:
-  """A kwarg the template cannot read would be dropped without a word by Jinja: refused here,
-  naming the config key."""
-  if not chat_template_kwargs:
-    return
-  template = getattr(tokenizer, 'chat_template', None) if tokenizer is not None else None
-  if not isinstance(template, str) or not template:
-    raise ValueError(f'config.task.chat_template_kwargs: {dict(chat_template_kwargs)} given, but '
-                     'the tokenizer has no chat template (prompts are plain text)')
-  unread = sorted(name for name in chat_template_kwargs if name not in template)
-  if unread:
-    raise ValueError(f'config.task.chat_template_kwargs: the chat template never mentions '
-                     f'{unread}')
+def extract_answer(text: str, answer_format: str = 'boxed') -> str | None:
+  """A completion's final answer by `answer_format` (ANSWER_FORMATS), None when it gives none."""
+  if not isinstance(text, str):
+    return None
+  found = extract_boxed(text) if answer_format == 'boxed' else extract_answer_line(text)
+  return None if found is None else found.strip()
 
 
 # --- rewards ---------------------------------------------------------------------------------
@@ -84,13 +83,14 @@ def soft_overlong_penalty(length: int, max_len: int, buffer: int) -> float:
 
 
 def make_score(status: str, config: config_lib.RewardConfig, truncated: bool = False,
-               num_tokens: int | None = None) -> Score:
-  """The reward for a judged status (pure): table value, truncation rule, overlong penalty."""
+               num_tokens: int | None = None, reward: float | None = None) -> Score:
+  """The reward for a judged status (pure): table value (or `reward`, a scoring function's
+  own), truncation rule, overlong penalty."""
   if truncated and config.truncated == 'mask':
     return Score(0.0, status, mask=True)
   if truncated and config.truncated == 'penalize':
     reward = config.truncated_reward
-  else:
+  elif reward is None:
     reward = getattr(config, status)
   if config.overlong_max_len and num_tokens is not None:
     reward += soft_overlong_penalty(num_tokens, config.overlong_max_len, config.overlong_buffer)
@@ -99,110 +99,33 @@ def make_score(status: str, config: config_lib.RewardConfig, truncated: bool = F
 
 # --- datasets --------------------------------------------------------------------------------
 
-def load_problems(path: str, problem_field: str | None = None,
-                  answer_field: str | None = None) -> list[Problem]:
-  """Problems from a local .jsonl / .json / .parquet file, read offline with `datasets`.
+def split_problems(records: Sequence[data_lib.Record], test_fraction: float,
+                   seed: int = 0) -> tuple[list[data_lib.Record], list[data_lib.Record]]:
+  """(train, test), a function of (records, test_fraction, seed); each keeps the input order.
 
-  Fields default to the first present of PROBLEM_FIELDS and ANSWER_FIELDS. An answer holding a
-  `\\boxed{}` (a full solution) gives its last boxed content; a 'solution' field without one is
-  an error. `Problem.prompt` is the raw problem text: MathTask formats it for the model. Ids are
-  `<file stem>-<row>`.
-  """
-  path = os.fspath(path)
-  kind = {'.jsonl': 'json', '.json': 'json', '.parquet': 'parquet'}.get(
-      os.path.splitext(path)[1].lower())
-  if kind is None:
-    raise ValueError(f'{path}: unknown format (expected .jsonl, .json or .parquet)')
-  if not os.path.isfile(path):
-    raise FileNotFoundError(f'{path}: no such file')
-  if path.lower().endswith('.jsonl'):
-    _check_jsonl(path)  # `datasets` names neither the bad line nor an empty file
-  import datasets  # imported here: slow, and only the loader needs it
-  try:
-    ds = datasets.load_dataset(kind, data_files=path, split='train')
-  except Exception as e:
-    first_line = (str(e).strip().splitlines() or [''])[0]
-    raise ValueError(f'{path}: cannot read as {kind}: {type(e).__name__}: {first_line}') from e
-  columns = ds.column_names
-  pf = _pick_field(path, columns, problem_field, PROBLEM_FIELDS, 'problem')
-  af = _pick_field(path, columns, answer_field, ANSWER_FIELDS, 'answer')
-  stem = os.path.splitext(os.path.basename(path))[0]
-  problems = []
-  for row, (text, answer) in enumerate(zip(ds[pf], ds[af])):
-    where = f'{path}: row {row}'
-    if not isinstance(text, str) or not text.strip():
-      raise ValueError(f'{where}: field {pf!r} is empty or not text: {text!r:.80}')
-    answer = '' if answer is None else str(answer).strip()
-    boxed = extract_boxed(answer)
-    if boxed is not None:
-      answer = boxed.strip()
-    elif af == 'solution':
-      raise ValueError(f'{where}: field {af!r} holds no \\boxed{{}} answer')
-    if not answer:
-      raise ValueError(f'{where}: field {af!r} is empty')
-    problems.append(Problem(id=f'{stem}-{row}', prompt=text, answer=answer))
-  if not problems:
-    raise ValueError(f'{path}: holds no problems')
-  return problems
-
-
-def _check_jsonl(path: str) -> None:
-  """Every non-blank line is a JSON object, and there is one at least; errors name the line."""
-  count = 0
-  with open(path, encoding='utf-8', errors='replace') as f:
-    for lineno, line in enumerate(f, 1):
-      if not line.strip():
-        continue
-      try:
-        record = json.loads(line.rstrip('\n'))
-      except json.JSONDecodeError as e:
-        raise ValueError(f'{path}: line {lineno}: not valid JSON ({e.msg} at column {e.colno})'
-                         ) from None
-      if not isinstance(record, dict):
-        raise ValueError(f'{path}: line {lineno}: not a JSON object: {line.strip()[:80]}')
-      count += 1
-  if not count:
-    raise ValueError(f'{path}: holds no problems (the file is empty)')
-
-
-def _pick_field(path, columns, given, candidates, what):
-  if given is not None:
-    if given not in columns:
-      raise ValueError(f'{path}: no {what} field {given!r} (columns: {", ".join(columns)})')
-    return given
-  for name in candidates:
-    if name in columns:
-      return name
-  raise ValueError(f'{path}: no {what} field (looked for {", ".join(candidates)}; '
-                   f'columns: {", ".join(columns)})')
-
-
-def split_problems(problems: Sequence[Problem], test_fraction: float,
-                   seed: int = 0) -> tuple[list[Problem], list[Problem]]:
-  """(train, test), a function of (problems, test_fraction, seed); each keeps the input order.
-
-  The split is over distinct problem texts, so a problem listed twice never lands on both sides.
+  The split is over distinct prompts, so a problem listed twice never lands on both sides.
   """
   if not 0.0 <= test_fraction <= 1.0:
     raise ValueError(f'test_fraction={test_fraction} must be in [0, 1]')
-  texts = list(dict.fromkeys(p.prompt for p in problems))
-  random.Random(f'math-split/{seed}').shuffle(texts)
-  test_texts = set(texts[:round(len(texts) * test_fraction)])
-  train = [p for p in problems if p.prompt not in test_texts]
-  test = [p for p in problems if p.prompt in test_texts]
+  prompts = list(dict.fromkeys(r.messages for r in records))
+  random.Random(f'math-split/{seed}').shuffle(prompts)
+  test_prompts = set(prompts[:round(len(prompts) * test_fraction)])
+  train = [r for r in records if r.messages not in test_prompts]
+  test = [r for r in records if r.messages in test_prompts]
   return train, test
 
 
-def mixed_stream(datasets: Sequence[tuple[Sequence[Problem], float]], seed: int,
-                 tokenizer=None, chat_template_kwargs: Mapping[str, Any] | None = None
-                 ) -> Iterator[Problem]:
-  """An infinite stream over [(problems, weight), ...], a function of (datasets, seed).
+def mixed_stream(datasets: Sequence[tuple[Sequence[data_lib.Record], float]], seed: int,
+                 render=None) -> Iterator[Problem]:
+  """An infinite stream over [(records, weight), ...], a function of (datasets, seed).
 
   Each draw picks a dataset with probability proportional to its weight, then takes that
   dataset's next problem in a shuffled order that is redrawn every epoch (so no problem repeats
-  before all of its dataset has been seen). Prompts are formatted with `format_prompt`.
+  before all of its dataset has been seen). Prompts are rendered by `render` (a
+  data.PromptRenderer; default: plain text with the default system prompt).
   """
   datasets = _check_datasets(datasets)
+  render = render or data_lib.PromptRenderer()
   rng = random.Random(f'math/{seed}')
   weights = [weight for _, weight in datasets]
   remaining = [[] for _ in datasets]  # per dataset: indices left in its epoch
@@ -211,44 +134,55 @@ def mixed_stream(datasets: Sequence[tuple[Sequence[Problem], float]], seed: int,
     if not remaining[d]:
       remaining[d] = list(range(len(datasets[d][0])))
       rng.shuffle(remaining[d])
-    p = datasets[d][0][remaining[d].pop()]
-    yield dataclasses.replace(p, prompt=format_prompt(p.prompt, tokenizer, chat_template_kwargs))
+    r = datasets[d][0][remaining[d].pop()]
+    yield Problem(id=r.id, prompt=render(r), answer=r.answer)
 
 
-def dataset_name(path: str) -> str:
-  """A dataset's name in metrics and evaluation output: its file stem."""
-  return os.path.splitext(os.path.basename(os.fspath(path)))[0]
+def by_dataset(parts: Sequence[tuple[str, Sequence[data_lib.Record]]]
+               ) -> dict[str, list[data_lib.Record]]:
+  """{dataset name: records} of [(path, records), ...]; one name from two paths is refused
+  (name them 'NAME=PATH')."""
+  out: dict[str, list[data_lib.Record]] = {}
+  origin: dict[str, str] = {}
+  for path, records in parts:
+    for r in records:
+      if origin.setdefault(r.dataset, path) != path:
+        raise ValueError(f'config.task.test_files: {origin[r.dataset]} and {path} both give '
+                         f"dataset {r.dataset!r}; name them apart, as 'NAME=PATH'")
+      out.setdefault(r.dataset, []).append(r)
+  return out
 
 
 def load_splits(train_files: Sequence[str], test_files: Sequence[str] = (),
-                test_fraction: float = 0.0, problem_field: str | None = None,
-                answer_field: str | None = None
-                ) -> tuple[list[list[Problem]], dict[str, list[Problem]]]:
-  """(train problems per train file, {name: test problems}): what a run trains and evaluates on.
+                test_fraction: float = 0.0, problem_field: str = '', answer_field: str = '',
+                answer_rule: str = 'auto'
+                ) -> tuple[list[list[data_lib.Record]], dict[str, list[data_lib.Record]]]:
+  """(train records per train file, {dataset: test records}): what a run trains and evaluates on.
 
-  With test_files, each is a test set and the train files are used whole. Without, each train
-  file gives `test_fraction` of its problems (split_problems, seed 0: the same split for every
-  run seed) to a test set of the same name. Test sets never share a problem text with training
-  unless the files themselves overlap.
+  With test_files, each is a test set (or one per `data_source` value of its rows) and the train
+  files are used whole. Without, each train file gives `test_fraction` of its problems
+  (split_problems, seed 0: the same split for every run seed) to a test set of its dataset's
+  name. Test sets never share a prompt with training unless the files themselves overlap.
   """
-  load = lambda path: load_problems(path, problem_field or None, answer_field or None)
+  load = lambda path: list(data_lib.load(path, problem_field, answer_field, answer_rule).records)
   train = [load(path) for path in train_files]
   if test_files:
-    return train, {dataset_name(path): load(path) for path in test_files}
-  test = {}
+    return train, by_dataset([(path, load(path)) for path in test_files])
+  held = []
   if test_fraction > 0:
-    for i, (path, problems) in enumerate(zip(train_files, train)):
-      train[i], test[dataset_name(path)] = split_problems(problems, test_fraction, seed=0)
-  return train, test
+    for i, (path, records) in enumerate(zip(train_files, train)):
+      train[i], test = split_problems(records, test_fraction, seed=0)
+      held.append((path, test))
+  return train, by_dataset(held)
 
 
 def _check_datasets(datasets):
-  datasets = [(list(problems), float(weight)) for problems, weight in datasets]
+  datasets = [(list(records), float(weight)) for records, weight in datasets]
   if not datasets:
     raise ValueError('need at least one dataset')
-  for i, (problems, weight) in enumerate(datasets):
-    if not problems or not weight > 0:
-      raise ValueError(f'dataset {i}: needs problems and a weight > 0 (has {len(problems)} '
+  for i, (records, weight) in enumerate(datasets):
+    if not records or not weight > 0:
+      raise ValueError(f'dataset {i}: needs problems and a weight > 0 (has {len(records)} '
                        f'problems, weight {weight})')
   return datasets
 
@@ -256,31 +190,43 @@ def _check_datasets(datasets):
 # --- the task --------------------------------------------------------------------------------
 
 class MathTask(Task):
-  """The Task protocol over weighted datasets, scored by math-verify in a worker pool.
+  """The Task protocol over weighted datasets, scored by math-verify (or `score_fn`) in a worker
+  pool.
 
-  datasets: [(problems, weight), ...], streamed by `mixed_stream`.
-  tokenizer, chat_template_kwargs: for `format_prompt` (no tokenizer: the plain-text prompt).
-  test_sets: {name: problems} held out for evaluation (`held_out`).
+  datasets: [(records, weight), ...] (data.Record), streamed by `mixed_stream`.
+  render: a data.PromptRenderer (the tokenizer's chat template, the system prompt); None: plain
+    text with the default system prompt.
+  test_sets: {name: records} held out for evaluation (`held_out`).
+  answer_format: how a completion states its answer (ANSWER_FORMATS).
+  score_fn: the user's scoring function ('module:function'), judged in the pool instead of
+    math-verify (verify.py).
   timeout_s: hard per-sample verification limit. The pool (num_workers processes) starts with
     the task; `close()` ends it (a later score starts a new one).
   """
 
-  def __init__(self, datasets: Sequence[tuple[Sequence[Problem], float]], tokenizer=None,
+  def __init__(self, datasets: Sequence[tuple[Sequence[data_lib.Record], float]],
+               render: data_lib.PromptRenderer | None = None,
                rewards: config_lib.RewardConfig = config_lib.RewardConfig(), *,
-               test_sets: dict[str, Sequence[Problem]] | None = None, timeout_s: float = 5.0,
-               num_workers: int = 2, max_answer_chars: int = 1000, memory_limit_mb: int = 4096,
-               chat_template_kwargs: Mapping[str, Any] | None = None):
-    self.datasets = _check_datasets(datasets)
-    self.test_sets = {name: list(problems) for name, problems in (test_sets or {}).items()}
-    check_chat_template_kwargs(tokenizer, chat_template_kwargs or {})
-    self.tokenizer, self.rewards = tokenizer, rewards
-    self.chat_template_kwargs = dict(chat_template_kwargs or {})
+               test_sets: dict[str, Sequence[data_lib.Record]] | None = None,
+               answer_format: str = 'boxed', score_fn: str = '', timeout_s: float = 5.0,
+               num_workers: int = 2, max_answer_chars: int = 1000, memory_limit_mb: int = 4096):
+    if answer_format not in ANSWER_FORMATS:
+      raise ValueError(f'answer_format={answer_format!r}: expected one of '
+                       f'{", ".join(ANSWER_FORMATS)}')
+    self.test_sets = {name: list(records) for name, records in (test_sets or {}).items()}
+    # No training problems: a task to evaluate on its test sets only (pipelinerl-eval).
+    self.datasets = _check_datasets(datasets) if datasets or not self.test_sets else []
+    self.render = render or data_lib.PromptRenderer()
+    self.rewards, self.answer_format, self.score_fn = rewards, answer_format, score_fn
     self.max_answer_chars = max_answer_chars
     self._pool_args = dict(num_workers=num_workers, timeout_s=timeout_s,
-                           memory_limit_mb=memory_limit_mb)
+                           memory_limit_mb=memory_limit_mb, score_fn=score_fn)
     self._counts = dict.fromkeys(STATUSES + EVENTS, 0)
     self._lock = threading.Lock()
-    self._pool = VerifyPool(**self._pool_args)
+    try:
+      self._pool = VerifyPool(**self._pool_args)
+    except ValueError as e:  # a score_fn that does not import
+      raise ValueError(f'config.task.score_fn: {e}') from None
 
   @property
   def counters(self) -> dict[str, int]:
@@ -310,19 +256,20 @@ class MathTask(Task):
   # --- the Task protocol ---------------------------------------------------------------------
 
   def problems(self, seed: int) -> Iterator[Problem]:
-    return mixed_stream(self.datasets, seed, self.tokenizer, self.chat_template_kwargs)
+    if not self.datasets:
+      raise ValueError('config.task.train_files: no training problems (this task evaluates only)')
+    return mixed_stream(self.datasets, seed, self.render)
 
   def held_out(self, num_problems: int, seed: int) -> dict[str, list[Problem]]:
-    """The test sets, the first `num_problems` of each (0 = all), prompts formatted as in
+    """The test sets, the first `num_problems` of each (0 = all), prompts rendered as in
     training. `seed` is unused: the sets are fixed."""
     del seed
     if not any(self.test_sets.values()):
       raise ValueError('config.task: no held-out problems to evaluate on (set task.test_files '
                        'or task.test_fraction)')
-    return {name: [dataclasses.replace(p, prompt=format_prompt(p.prompt, self.tokenizer,
-                                                               self.chat_template_kwargs))
-                   for p in (problems[:num_problems] if num_problems else problems)]
-            for name, problems in self.test_sets.items()}
+    return {name: [Problem(id=r.id, prompt=self.render(r), answer=r.answer)
+                   for r in (records[:num_problems] if num_problems else records)]
+            for name, records in self.test_sets.items()}
 
   def score(self, problem: Problem, completion_text: str, truncated: bool = False,
             num_tokens: int | None = None) -> Score:
@@ -345,15 +292,16 @@ class MathTask(Task):
         raise ValueError(f'score_many: {len(problems)} problems, {n} texts, {len(truncated)} '
                          f'truncated flags, {len(num_tokens)} lengths')
       events = []
-      statuses = [self._precheck(p, t, tr, events) for p, t, tr in
-                  zip(problems, texts, truncated)]
-      jobs = [i for i, s in enumerate(statuses) if isinstance(s, tuple)]
+      judged = [self._precheck(p, t, tr, events) for p, t, tr in
+                zip(problems, texts, truncated)]
+      jobs = [i for i, s in enumerate(judged) if isinstance(s, tuple)]
       if jobs:
-        verdicts = self._verify([statuses[i] for i in jobs])
+        verdicts = self._verify([judged[i] for i in jobs])
         for i, verdict in zip(jobs, verdicts):
-          statuses[i] = _status_of_verdict(verdict, events)
-      scores = [make_score(s, self.rewards, tr, nt)
-                for s, tr, nt in zip(statuses, truncated, num_tokens)]
+          judged[i] = _status_of_verdict(verdict, events)
+      scores = [make_score(status, self.rewards, tr, nt, reward)
+                for (status, reward), tr, nt in zip(map(_with_reward, judged), truncated,
+                                                    num_tokens)]
     except Exception:  # a scorer bug must never take the actor down
       logging.exception('MathTask.score_many failed; %d samples scored unparsable', n)
       events, scores = ['worker_error'] * n, [Score(0.0, 'unparsable')] * n
@@ -365,18 +313,37 @@ class MathTask(Task):
         self._counts[e] += 1
     return scores
 
+  # --- answers, for majority voting (evaluation.py) -------------------------------------------
+
+  def answer_of(self, completion_text: str) -> str | None:
+    """The completion's final answer as `score` reads it (None with a score_fn: its reading is
+    the user's)."""
+    return None if self.score_fn else extract_answer(completion_text, self.answer_format)
+
+  def same_answers(self, pairs: Sequence[tuple[str, str]]) -> list[bool]:
+    """Whether each pair of answers is equivalent, by math-verify in the pool (the second read
+    against the first as the reference); identical strings without asking."""
+    out = [a == b for a, b in pairs]
+    ask = [i for i, same in enumerate(out) if not same]
+    if ask and not self.score_fn:
+      for i, verdict in zip(ask, self._verify([pairs[i] for i in ask])):
+        out[i] = verdict == 'correct'
+    return out
+
   # --- internals -----------------------------------------------------------------------------
 
   def _precheck(self, problem, text, truncated, events):
-    """A status decided without math-verify, or the (gold, answer) pair to send to the pool."""
+    """A status decided without the pool, or the pair to send it: (gold, answer) for
+    math-verify, (reference, completion) for a score_fn."""
     if truncated:
       events.append('truncated')
       if self.rewards.truncated != 'none':
         return 'no_answer'  # its reward does not depend on the answer: skip judging it
-    boxed = extract_boxed(text) if isinstance(text, str) else None
-    if boxed is None:
+    if self.score_fn:
+      return (problem.answer, text) if isinstance(text, str) else 'unparsable'
+    answer = extract_answer(text, self.answer_format)
+    if answer is None:
       return 'no_answer'
-    answer = boxed.strip()
     for event, bad in (('empty_answer', not answer),
                        ('too_long', len(answer) > self.max_answer_chars),
                        ('bad_chars', _BAD_CHARS.search(answer) is not None)):
@@ -395,9 +362,17 @@ class MathTask(Task):
     return self._get_pool().verify_many(pairs)
 
 
-def _status_of_verdict(verdict: str, events: list) -> str:
-  if verdict in ('correct', 'wrong', 'unparsable'):
+def _status_of_verdict(verdict, events: list):
+  """A pool verdict as a status, or (status, reward) for a score_fn's ('scored', reward,
+  status)."""
+  if isinstance(verdict, tuple):
+    return verdict[2], verdict[1]
+  if verdict in ('correct', 'wrong', 'unparsable', 'no_answer'):
     return verdict
   events.append({'timeout': 'timeout', 'gold_unparsable': 'gold_unparsable'}.get(
       verdict, 'worker_error'))
   return 'unparsable'
+
+
+def _with_reward(judged) -> tuple[str, float | None]:
+  return judged if isinstance(judged, tuple) else (judged, None)

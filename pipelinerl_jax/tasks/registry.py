@@ -6,6 +6,7 @@ from pipelinerl_jax import config as config_lib
 from pipelinerl_jax.tasks import arithmetic
 from pipelinerl_jax.tasks import base
 from pipelinerl_jax.tasks import calculator
+from pipelinerl_jax.tasks import data
 from pipelinerl_jax.tasks import math as math_task
 from pipelinerl_jax.tasks import reasoning
 
@@ -29,12 +30,13 @@ def make_task(config: config_lib.TaskConfig, tokenizer=None) -> base.Task:
                                      max_turns=config.max_turns,
                                      max_episode_tokens=config.max_episode_tokens, **cut)
   if config.name == 'math':
+    render = data.PromptRenderer.from_config(config, tokenizer)  # before the files: its checks
     train_sets, test_sets = math_task.load_splits(
         config.train_files, config.test_files, config.test_fraction, config.problem_field,
-        config.answer_field)
+        config.answer_field, config.answer_rule)
     weights = config.train_weights or (1.0,) * len(train_sets)
-    return math_task.MathTask(list(zip(train_sets, weights)), tokenizer, config.reward,
-                              test_sets=test_sets, timeout_s=config.verify_timeout_s,
-                              num_workers=config.verify_workers,
-                              chat_template_kwargs=config.chat_template_kwargs)
+    return math_task.MathTask(list(zip(train_sets, weights)), render, config.reward,
+                              test_sets=test_sets, answer_format=config.answer_format,
+                              score_fn=config.score_fn, timeout_s=config.verify_timeout_s,
+                              num_workers=config.verify_workers)
   raise ValueError(f'config.task.name: unknown task {config.name!r}')

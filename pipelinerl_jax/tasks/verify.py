@@ -32,6 +32,13 @@ started after that death. A kill can land between any check of a worker and the 
 no check before sending can promise this; re-sending can. A sample whose second, fresh worker
 dies too is taken to be what kills them: 'error', and no third worker is spent on it.
 
+A pool may judge with a scoring function of the user's instead of math-verify (`score_fn`,
+'module:function' or 'path/to/file.py:function', loaded in each worker): it gets (completion,
+reference) and returns True / False (correct / wrong), None (no answer), a number (the reward;
+status correct when > 0) or (reward, status). Its verdict travels as ('scored', reward, status);
+an exception in it, or a value of another kind, is 'error' with a one-line message the pool
+logs (the first few) and keeps (`last_error`). The same limits apply as to math-verify.
+
 This file imports nothing from the project: it runs as a script in the workers.
 """
 
@@ -42,7 +49,10 @@ import concurrent.futures
 import ctypes
 import dataclasses
 import functools
+import importlib
+import importlib.util
 import logging
+import math
 import os
 import signal
 import socket
@@ -53,7 +63,8 @@ import time
 import weakref
 from multiprocessing import connection as mp_connection
 
-VERDICTS = ('correct', 'wrong', 'unparsable', 'gold_unparsable', 'timeout', 'error')
+VERDICTS = ('correct', 'wrong', 'unparsable', 'gold_unparsable', 'timeout', 'error', 'no_answer')
+USER_STATUSES = ('correct', 'wrong', 'no_answer', 'unparsable')  # a score_fn's (reward, status)
 _READY = 'ready'
 
 
@@ -88,6 +99,56 @@ def judge(gold: str, answer: str) -> str:
   return 'wrong' if _has_math(parsed) else 'unparsable'
 
 
+def load_score_fn(spec: str):
+  """The function a 'module:function' or 'path/to/file.py:function' spec names; ValueError in
+  one line when it cannot be imported or is not callable."""
+  module, _, name = spec.strip().rpartition(':')
+  if not module or not name:
+    raise ValueError(f"{spec!r}: expected 'module:function' or 'path/to/file.py:function'")
+  try:
+    if module.endswith('.py') or os.sep in module:
+      path = os.path.abspath(module)
+      if not os.path.isfile(path):
+        raise FileNotFoundError(f'no such file {path}')
+      loader_spec = importlib.util.spec_from_file_location(
+          os.path.splitext(os.path.basename(path))[0], path)
+      mod = importlib.util.module_from_spec(loader_spec)
+      loader_spec.loader.exec_module(mod)
+    else:
+      mod = importlib.import_module(module)
+  except Exception as e:
+    raise ValueError(f'{spec!r}: cannot import {module!r}: {type(e).__name__}: {_one_line(e)}'
+                     ) from None
+  fn = getattr(mod, name, None)
+  if not callable(fn):
+    raise ValueError(f'{spec!r}: {module!r} has no function {name!r}')
+  return fn
+
+
+def user_verdict(fn, completion: str, reference: str):
+  """A score_fn's value as a verdict (see the module doc); never raises."""
+  try:
+    value = fn(completion, reference)
+  except Exception as e:  # the user's code: its error is the sample's verdict, in one line
+    return ('error', f'score_fn raised {type(e).__name__}: {_one_line(e)}')
+  if value is None:
+    return 'no_answer'
+  if isinstance(value, bool):
+    return 'correct' if value else 'wrong'
+  if isinstance(value, (int, float)) and math.isfinite(value):
+    return ('scored', float(value), 'correct' if value > 0 else 'wrong')
+  if (isinstance(value, tuple) and len(value) == 2 and isinstance(value[0], (int, float))
+      and not isinstance(value[0], bool) and math.isfinite(value[0])
+      and value[1] in USER_STATUSES):
+    return ('scored', float(value[0]), value[1])
+  return ('error', f'score_fn returned {str(value)[:80]!r}: expected True / False, None, a '
+                   f'finite number or (reward, status) with status in {USER_STATUSES}')
+
+
+def _one_line(e: BaseException) -> str:
+  return ' '.join(str(e).split())[:200]
+
+
 _PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 
 
@@ -101,7 +162,8 @@ def die_with_parent(parent_pid: int) -> None:
     os._exit(0)
 
 
-def _worker_main(fd: int, memory_limit_mb: int, cpu_backstop_s: int, parent_pid: int) -> None:
+def _worker_main(fd: int, memory_limit_mb: int, cpu_backstop_s: int, parent_pid: int,
+                 score_fn: str = '') -> None:
   import resource
   die_with_parent(parent_pid)
   # Ctrl-C reaches the whole process group; the parent, not the signal, ends workers.
@@ -111,7 +173,13 @@ def _worker_main(fd: int, memory_limit_mb: int, cpu_backstop_s: int, parent_pid:
     resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
   # Its "timeout is disabled" warnings are moot here: the parent enforces the timeout.
   logging.getLogger('math_verify').setLevel(logging.CRITICAL)
-  import math_verify  # noqa: F401  (import before READY: start-up is not charged to a sample)
+  # Imported before READY: start-up is not charged to a sample.
+  if score_fn:
+    fn = load_score_fn(score_fn)
+    run = lambda reference, completion: user_verdict(fn, completion, reference)
+  else:
+    import math_verify  # noqa: F401
+    run = judge
   conn = mp_connection.Connection(fd)
   conn.send(_READY)
   while True:
@@ -130,7 +198,7 @@ def _worker_main(fd: int, memory_limit_mb: int, cpu_backstop_s: int, parent_pid:
     resource.setrlimit(resource.RLIMIT_CPU,
                        (soft if hard == resource.RLIM_INFINITY else min(soft, hard), hard))
     try:
-      verdict = judge(*job)
+      verdict = run(*job)
     except Exception:  # RecursionError on deep nesting, MemoryError, sympy internals
       verdict = 'error'
     conn.send(verdict)
@@ -179,13 +247,23 @@ class VerifyPool:
   """
 
   def __init__(self, num_workers: int = 2, timeout_s: float = 5.0, memory_limit_mb: int = 4096,
-               start_timeout_s: float = 60.0):
+               start_timeout_s: float = 60.0, score_fn: str = ''):
+    """`score_fn`: judge with the user's function instead (module doc); it is imported here
+    first, so a bad spec is a one-line ValueError before any worker starts."""
     if num_workers < 1:
       raise ValueError(f'num_workers={num_workers} must be >= 1')
     if not timeout_s > 0:
       raise ValueError(f'timeout_s={timeout_s} must be > 0')
     self.timeout_s, self.memory_limit_mb = timeout_s, memory_limit_mb
     self.start_timeout_s = start_timeout_s
+    if score_fn:
+      load_score_fn(score_fn)
+      module, _, name = score_fn.strip().rpartition(':')
+      if module.endswith('.py') or os.sep in module:  # workers start elsewhere in the tree
+        score_fn = f'{os.path.abspath(module)}:{name}'
+    self.score_fn = score_fn
+    self.last_error: str | None = None  # a score_fn's latest error message
+    self._errors_logged = 0
     self.counters = {'timeout': 0, 'error': 0, 'restarts': 0, 'start_failures': 0,
                      'resent': 0}
     self._spawned = 0  # workers spawned so far: the next one's serial
@@ -303,9 +381,23 @@ class VerifyPool:
       w.ready = True
     elif slot in busy:
       index, _ = busy.pop(slot)
-      results[index] = msg if msg in VERDICTS else 'error'
+      results[index] = self._accept(msg)
       if results[index] == 'error':
         self.counters['error'] += 1
+
+  def _accept(self, msg):
+    """A worker's message as a verdict: one of VERDICTS, or a score_fn's ('scored', reward,
+    status); its ('error', message) is 'error', the message logged (the first few) and kept."""
+    if isinstance(msg, str):
+      return msg if msg in VERDICTS else 'error'
+    if isinstance(msg, tuple) and len(msg) == 3 and msg[0] == 'scored':
+      return msg
+    if isinstance(msg, tuple) and len(msg) == 2 and msg[0] == 'error':
+      self.last_error = str(msg[1])
+      if self._errors_logged < 5:
+        self._errors_logged += 1
+        logging.warning('VerifyPool: %s', self.last_error)
+    return 'error'
 
   def _spawn(self) -> _Worker:
     parent_sock, child_sock = socket.socketpair()
@@ -316,8 +408,9 @@ class VerifyPool:
       proc = self._forker.submit(
           subprocess.Popen,
           [sys.executable, '-P', os.path.abspath(__file__), str(child_sock.fileno()),
-           str(self.memory_limit_mb), str(cpu_backstop_s), str(os.getpid())],
-          pass_fds=(child_sock.fileno(),), stdin=subprocess.DEVNULL).result()
+           str(self.memory_limit_mb), str(cpu_backstop_s), str(os.getpid()), self.score_fn],
+          pass_fds=(child_sock.fileno(),), stdin=subprocess.DEVNULL,
+          env=_worker_env(self.score_fn)).result()
     finally:
       child_sock.close()  # the child holds its copy; ours must go so its death reads as EOF
     self._spawned += 1
@@ -332,6 +425,19 @@ class VerifyPool:
     _kill(self._workers[slot])
     self._workers[slot] = self._spawn()
     self.counters['restarts'] += 1
+
+
+def _worker_env(score_fn: str) -> dict[str, str] | None:
+  """A score_fn's module is found in a worker where it is found here: this process's import
+  path (the working directory for '') goes to the worker as PYTHONPATH; this file's directory
+  stays out (its math.py would shadow the standard library's). None: inherit."""
+  if not score_fn:
+    return None
+  here = os.path.dirname(os.path.abspath(__file__))
+  paths = [os.path.abspath(p or os.getcwd()) for p in sys.path]
+  env = dict(os.environ)
+  env['PYTHONPATH'] = os.pathsep.join(dict.fromkeys(p for p in paths if p != here))
+  return env
 
 
 def _kill(w: _Worker | None) -> None:
@@ -357,4 +463,5 @@ def _shut_down(workers: list, forker: concurrent.futures.ThreadPoolExecutor) -> 
 
 
 if __name__ == '__main__':
-  _worker_main(int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]))
+  _worker_main(int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]),
+               sys.argv[5] if len(sys.argv) > 5 else '')

@@ -23,7 +23,7 @@ class TrainVariant(NamedTuple):
 
 
 # What the H100 runs of 2026-11-26 left unknown, most telling first, so that a section cut short
-# keeps them (each one's prediction, and what was measured: docs/attention-2026-11-26.md).
+# keeps them (each one's prediction, and what was measured: docs/dev/attention-2026-11-26.md).
 TRAIN_GRID = (
     TrainVariant('qwen2.5-1.5b', 'cudnn', 'none', 'dtype', 8),
     TrainVariant('qwen2.5-0.5b', 'cudnn', 'none', 'dtype', 8),

@@ -4,7 +4,8 @@ kept, numbered, until the pool acknowledges them.
 
   apply(tree, v, views)  weights as version v: the first builds the engine (and starts the thread),
                          later ones go to the running engine; `views` are HF-named tensors from a
-                         collective transport, `release()`d once no longer read
+                         collective transport, `release()`d once no longer read. With
+                         `checksums`, returns the checksum of the params handed to the engine
   submit(requests)       into the engine (waiting here until it exists); ids already held skipped
   release(ids)           finished turns whose episodes ended: the engine frees what it kept
   poll(ack, wait_s)      completions numbered after `ack`, waiting up to `wait_s` for one; raises
@@ -33,9 +34,11 @@ class DecodeLoop:
   actor, after it pinned its cores)."""
 
   def __init__(self, name: str, engine_spec: engines.EngineSpec, model_dir: str, *,
-               staged_updates: bool, model: Callable[[], Any]):
+               staged_updates: bool, model: Callable[[], Any], checksums: bool = False):
     self.name, self._spec, self._model_dir = name, engine_spec, model_dir
     self._staged, self._model = staged_updates, model
+    self._checksums = checksums  # the JAX engine's only (config refuses it with vLLM)
+    self._handed: str | None = None  # the checksum of the params the engine was last handed
     self._engine: api.Engine | None = None
     self._waiting: list[api.Request] = []     # submitted before the engine exists
     self._outbox: list[tuple[int, api.Completion]] = []
@@ -54,8 +57,10 @@ class DecodeLoop:
 
   # --- weights in ------------------------------------------------------------------------------
 
-  def apply(self, tree, version: int, hf_views=None, release=None) -> None:
-    """`release()` (collective transports) is called once `hf_views` are no longer read."""
+  def apply(self, tree, version: int, hf_views=None, release=None) -> str | None:
+    """`release()` (collective transports) is called once `hf_views` are no longer read. Returns
+    `layout.params_checksum` of the params handed to the engine when the loop was made with
+    `checksums`, else None."""
     start = time.perf_counter()
     if self._engine is None:
       # The decode thread builds the engine: every call into it (vLLM's start-up, steps and
@@ -75,16 +80,23 @@ class DecodeLoop:
       if hf_views is not None:
         from pipelinerl_jax.generation.transport import hf_tensors
         # a copy: the views are free after it
-        tree = hf_tensors.update_from_hf(hf_views, self._model(), engines.lora_config(self._spec))
+        tree = hf_tensors.update_from_hf(hf_views, self._model(), self._spec.lora)
         release()
       # On the device before this returns, so "version v applied" means it is there. (On CPU
       # the device array may alias the object store's copy, which it then keeps alive.)
       tree = jax.block_until_ready(jax.device_put(tree, jax.local_devices()[0]))
+      self._note_handed(tree)
       self._engine.update_params(tree, version)
     self._updates += 1
     self._update_s += time.perf_counter() - start
     with self._cond:
       self._cond.notify_all()
+    return self._handed
+
+  def _note_handed(self, tree) -> None:
+    if self._checksums:
+      from pipelinerl_jax.generation.transport import layout
+      self._handed = layout.params_checksum(tree)
 
   def _build(self, tree, version: int, hf_views, release) -> api.Engine:
     """The engine, on this actor's device, serving `version` (imports JAX or vLLM now)."""
@@ -99,10 +111,11 @@ class DecodeLoop:
       return engine
     if hf_views is not None:
       from pipelinerl_jax.generation.transport import hf_tensors
-      tree = hf_tensors.update_from_hf(hf_views, model, engines.lora_config(spec))
+      tree = hf_tensors.update_from_hf(hf_views, model, spec.lora)
     if spec.backend == 'jax':
       import jax
       build['device'] = jax.local_devices()[0]
+    self._note_handed(tree)
     return engines.make_engine(spec, model, params=tree, version=version, **build)
 
   # --- requests and completions ----------------------------------------------------------------

@@ -8,7 +8,9 @@ decode_loop.py, free of Ray.
                        Ray leaves such an actor running)
   update(tree, v, d)   weights through Ray's object store: `tree` arrives as read-only numpy views
                        of the one shared copy; checked against its digest `d`, then handed whole
-                       to the engine, which applies it between two token steps
+                       to the engine, which applies it between two token steps; with
+                       spec.verify_updates, what the engine was handed is checked against the
+                       trainer's checksum of what it published (every transport)
   update_shards(...)   the same from several trainer processes, each with its pieces
   join / receive(v)    the same over a collective (gloo on CPU, NCCL on GPUs; transport/collective):
                        one receiver thread and one staging buffer for the actor's life
@@ -61,6 +63,7 @@ class GeneratorSpec:
   interface: str = ''              # gloo listens on its address (config.cluster.interface);
                                    # '' = on the Ray node's address
   heartbeat_timeout_s: float = 60.0  # no heartbeat from the pool this long: the actor stops
+  verify_updates: bool = False     # config.generation.remote.verify_updates
 
 
 class Generator:
@@ -71,7 +74,9 @@ class Generator:
     self.incarnation = uuid.uuid4().hex[:12]  # a restarted actor is a new incarnation
     self._model_config = None
     self._loop = decode_loop.DecodeLoop(name, spec.engine, spec.model_dir, model=self._model,
-                                        staged_updates=spec.transport != 'object_store')
+                                        staged_updates=spec.transport != 'object_store',
+                                        checksums=spec.verify_updates)
+    self._verified = 0  # updates whose params matched the trainer's checksum
     self._comm = None
     self._receiver = None
     self._cores: tuple[int, ...] = ()
@@ -132,20 +137,33 @@ class Generator:
     return self._model_config
 
   @ray.method(concurrency_group='weights')
-  def update(self, tree, version: int, digest: str, incarnation: str) -> int | None:
+  def update(self, tree, version: int, digest: str, incarnation: str,
+             checksum: str = '') -> int | None:
     """Applies a params pytree of host arrays (Ray resolves the object-store reference to
     zero-copy numpy views) as `version`; refused whole when its layout is not this model's.
     An update meant for another incarnation (queued while this one restarted, before the pool
-    pinned it) is ignored: None tells the pool."""
+    pinned it) is ignored: None tells the pool. `checksum`: the trainer's, of what it published
+    (spec.verify_updates)."""
     if incarnation != self.incarnation:
       return None
     got = layout.tree_digest(tree)
-    want = layout.expected_digest(self._model(), engines.lora_config(self.spec.engine))
+    want = layout.expected_digest(self._model(), self.spec.engine.lora)
     if digest != got or got != want:
       raise ValueError(f'{self.name}: weight update {version} refused: layout digest {got} '
                        f'(sent as {digest}) is not this model\'s {want}')
-    self._loop.apply(tree, version)
+    self._verify(version, self._loop.apply(tree, version), checksum)
     return version
+
+  def _verify(self, version: int, handed: str | None, published: str) -> None:
+    """With spec.verify_updates: the params the engine was handed are the trainer's, bit for
+    bit, or the actor raises (and the run stops, naming it)."""
+    if not self.spec.verify_updates:
+      return
+    if handed != published:
+      raise ValueError(f'{self.name}: weight update {version} arrived changed: the params its '
+                       f'engine was handed have checksum {handed}, the trainer published '
+                       f'{published or "none"} (generation.remote.verify_updates)')
+    self._verified += 1
 
   @ray.method(concurrency_group='weights')
   def update_shards(self, refs: Sequence[Any], version: int, digest: str,
@@ -172,7 +190,7 @@ class Generator:
     try:
       model = self._model()
       plan = collective.make_plan(
-          hf_tensors.update_shapes(model, engines.lora_config(self.spec.engine)),
+          hf_tensors.update_shapes(model, self.spec.engine.lora),
           self.spec.wire_dtype, self.spec.bucket_mb << 20)
       self._receiver = collective.Receiver(comm, plan, device)
     except BaseException:
@@ -181,7 +199,7 @@ class Generator:
     self._comm = comm
 
   @ray.method(concurrency_group='weights')
-  def receive(self, version: int, incarnation: str) -> int | None:
+  def receive(self, version: int, incarnation: str, checksum: str = '') -> int | None:
     """Receives the update the trainer is broadcasting into the staging buffer, then applies it
     whole. A receive that fails or passes its deadline leaves the group unusable: its
     communicator is destroyed, the process exits, and Ray restarts the actor (which joins a new
@@ -198,7 +216,8 @@ class Generator:
             f'{type(e).__name__}: {e}', flush=True)
       collective.destroy(self._comm)  # (the receiver has, for a failed transfer)
       os._exit(1)
-    self._loop.apply(None, version, hf_views=views, release=release)
+    self._verify(version, self._loop.apply(None, version, hf_views=views, release=release),
+                 checksum)
     return version
 
   # --- requests --------------------------------------------------------------------------------
@@ -232,6 +251,8 @@ class Generator:
   def _stats(self) -> dict[str, Any]:
     stats = self._loop.stats()
     stats.update(name=self.name, pid=os.getpid(), cores=list(self._cores))
+    if self.spec.verify_updates:
+      stats['updates_verified'] = self._verified
     return stats
 
   @ray.method(concurrency_group='control')

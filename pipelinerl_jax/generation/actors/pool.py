@@ -119,12 +119,15 @@ class RayGenerators(api.Engine):
                   restarts=m.restarts, serving=m.serving) for m in self._members]
     total = lambda k: sum(s.get(k) or 0 for s in per)
     restarts = self._restarts.count
+    logged = {'generation/restarts': restarts}
+    if self.spec.verify_updates:  # by the actors' live incarnations, as of their last poll
+      logged['generation/updates_verified'] = total('updates_verified')
     return dict(
         tokens_generated=total('tokens_generated'), tokens_per_s=total('tokens_per_s'),
         busy_slots=total('busy_slots'), num_slots=total('num_slots'),
         pending=total('pending') + len(self._unplaced),
         version=min(m.version for m in self._members), restarts=restarts,
-        requeued=self._restarts.requeued, generators=per, **{'generation/restarts': restarts})
+        requeued=self._restarts.requeued, generators=per, **logged)
 
   @property
   def num_unfinished(self) -> int:

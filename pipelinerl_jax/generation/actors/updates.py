@@ -10,7 +10,9 @@
 Newest update wins: an actor has at most one update in flight; when it finishes, the actor is
 sent the latest version published since, never the ones in between. Every update carries its
 version and the digest of its layout (transport/layout.py), and the actor applies it whole or
-refuses it. With LoRA (the engine spec's `lora`) an update is the adapters alone, on every
+refuses it; with spec.verify_updates it also carries the checksum of its values
+(layout.params_checksum, in the wire dtype), which the actor checks against what it handed its
+engine. With LoRA (the engine spec's `lora`) an update is the adapters alone, on every
 transport: over a collective as PEFT-named tensors in the param dtype. A collective transfer
 that fails or misses its deadline is reported in one line, its communicator destroyed, and the
 actor killed, so that Ray restarts it into a new group (restarts.py), which then gets the
@@ -27,7 +29,6 @@ import numpy as np
 import ray
 
 from pipelinerl_jax import cluster
-from pipelinerl_jax.generation import engines
 from pipelinerl_jax.generation.actors import generator as generator_lib
 from pipelinerl_jax.generation.actors import members as members_lib
 from pipelinerl_jax.generation.transport import layout
@@ -43,9 +44,10 @@ class Updates:
     self.spec, self.model_config = spec, model_config
     self._members, self._lock = members, lock
     self.latest: tuple[Any, int, str] | None = None  # (object ref or params, version, digest)
+    self._checksum = ''  # the latest version's, with spec.verify_updates
     self.transport_errors: list[str] = []
     self.sender = self._plan = None
-    self.lora = engines.lora_config(spec.engine)
+    self.lora = spec.engine.lora
     if spec.transport != 'object_store':
       from pipelinerl_jax.generation.transport import collective
       from pipelinerl_jax.generation.transport import hf_tensors
@@ -71,15 +73,21 @@ class Updates:
     if self.spec.transport == 'object_store':
       host = jax.tree.map(np.asarray, jax.device_get(params))
       latest = (ray.put(host), version, layout.tree_digest(host))
+      checksum = layout.params_checksum(host) if self.spec.verify_updates else ''
       with self._lock:
-        self.latest = latest
+        self.latest, self._checksum = latest, checksum
         self.dispatch()
       return
+    checksum = ''
+    if self.spec.verify_updates:  # what the wire carries: each leaf in its dtype, on one device
+      wire = self.spec.wire_dtype
+      checksum = layout.params_checksum(params, lambda x: np.asarray(
+          jax.device_put(x, self._gather_device).astype(wire)))
     with self._lock:
-      self.latest = (params, version, '')
+      self.latest, self._checksum = (params, version, ''), checksum
       members = [m for m in self._members if m.comm is not None and m.recover is None]
     for m in members:
-      self.send(m, params, version)
+      self.send(m, params, version, checksum)
 
   def is_current(self, m: members_lib.Member) -> bool:
     """Whether `m` has loaded the latest published version (or nothing was published)."""
@@ -96,7 +104,7 @@ class Updates:
         if isinstance(ref, shards.Published):
           m.update = m.handle.update_shards.remote(ref.refs, version, digest, m.incarnation)
         else:
-          m.update = m.handle.update.remote(ref, version, digest, m.incarnation)
+          m.update = m.handle.update.remote(ref, version, digest, m.incarnation, self._checksum)
 
   def resend(self, m: members_lib.Member) -> None:
     """(under the lock) The latest version to an actor that restarted: over the object store
@@ -106,7 +114,8 @@ class Updates:
       return
     self.join(m)
     params, version, _ = self.latest
-    threading.Thread(target=self.send, args=(m, params, version), daemon=True).start()
+    threading.Thread(target=self.send, args=(m, params, version, self._checksum),
+                     daemon=True).start()
 
   def join(self, m: members_lib.Member) -> None:
     """A new two-rank group with the actor (trainer rank 0), for a collective transport; a
@@ -132,7 +141,7 @@ class Updates:
       from pipelinerl_jax.generation.transport import collective
       collective.destroy(comm)
 
-  def send(self, m: members_lib.Member, params, version: int) -> None:
+  def send(self, m: members_lib.Member, params, version: int, checksum: str = '') -> None:
     """Broadcasts one update to one actor within the deadline, from the sender thread; a
     transfer that fails or misses it is reported in one line (the sender has destroyed the
     communicator) and the actor killed, so Ray restarts it into a new group."""
@@ -142,7 +151,7 @@ class Updates:
       comm = m.comm
       if comm is None:
         return
-      received = m.handle.receive.remote(version, m.incarnation)
+      received = m.handle.receive.remote(version, m.incarnation, checksum)
       try:
         self.sender.send(comm, self._plan, lambda: hf_tensors.gathered_update_tensors(
             params, self.model_config, self._gather_device, spec.wire_dtype, self.lora), version,

@@ -19,8 +19,9 @@ must not be donated or deleted until the receiver is done (the `api.Engine.updat
 ownership contract).
 
 LoRA (models/layers/lora.py): an update is the adapters alone, named and laid out as PEFT saves them
-(A [U, I] and B [O, U] per layer: `lora.peft_shapes`); the `update_*` functions take a
-`lora.LoraConfig` (None: a full update) and pick the one layout or the other.
+(A [Ra, Di] and B [Do, Ra] per layer, torch's Linear layout: `lora.peft_shapes`); the
+`update_*` functions take the run's `config.LoraSettings` (None: a full update) and pick the
+one layout or the other.
 
 Atomic units: vLLM fuses q/k/v into one `qkv_proj` module (weights and biases) and gate/up into
 `gate_up_proj`, and re-packs a module only once all of its parts have arrived; a unit sent
@@ -42,6 +43,7 @@ import ml_dtypes
 import numpy as np
 import torch
 
+from pipelinerl_jax import config as config_lib
 from pipelinerl_jax.models.hf import names as hf_names
 from pipelinerl_jax.models.layers import lora as lora_lib
 from pipelinerl_jax.models import transformer
@@ -133,7 +135,7 @@ def params_from_hf(tensors: Iterable[tuple[str, torch.Tensor]], config: transfor
   return params
 
 
-def update_shapes(config: transformer.ModelConfig, lora: lora_lib.LoraConfig | None = None
+def update_shapes(config: transformer.ModelConfig, lora: config_lib.LoraSettings | None = None
                   ) -> dict[str, tuple[int, ...]]:
   """{name: shape} of every tensor of an update, in wire order: a full one's HF tensors, or the
   adapters' PEFT tensors."""
@@ -141,7 +143,7 @@ def update_shapes(config: transformer.ModelConfig, lora: lora_lib.LoraConfig | N
 
 
 def gathered_update_tensors(params, config: transformer.ModelConfig, device: jax.Device,
-                            dtype: str | None = None, lora: lora_lib.LoraConfig | None = None
+                            dtype: str | None = None, lora: config_lib.LoraSettings | None = None
                             ) -> Iterator[tuple[str, torch.Tensor]]:
   """`gathered_torch_tensors`, or with `lora` the adapters' PEFT tensors (`params` are the
   adapters), each on `device` in `dtype`, in `update_shapes` order."""
@@ -154,7 +156,7 @@ def gathered_update_tensors(params, config: transformer.ModelConfig, device: jax
 
 
 def update_from_hf(tensors: Iterable[tuple[str, torch.Tensor]], config: transformer.ModelConfig,
-                   lora: lora_lib.LoraConfig | None = None, dtype=None) -> dict:
+                   lora: config_lib.LoraSettings | None = None, dtype=None) -> dict:
   """The pytree (host numpy) of an update received in wire layout: `params_from_hf`, or with
   `lora` the adapters from their PEFT tensors (one copy)."""
   if lora is None:

@@ -72,6 +72,7 @@ import safetensors
 import torch
 
 
+from pipelinerl_jax import config as config_lib
 from pipelinerl_jax.generation import api
 from pipelinerl_jax.generation import budget
 from pipelinerl_jax.generation.transport import hf_tensors
@@ -210,7 +211,7 @@ class VllmEngine(api.QueuedEngine):
   """One actor thread calls `step()`; any thread may call `submit` and `update_params`."""
 
   def __init__(self, model_dir: str | os.PathLike, config: VllmEngineConfig = VllmEngineConfig(),
-               *, version: int = 0, lora: lora_lib.LoraConfig | None = None, **llm_kwargs):
+               *, version: int = 0, lora: config_lib.LoraSettings | None = None, **llm_kwargs):
     self.model_dir = Path(model_dir)
     self.config = config
     self.lora = lora

@@ -24,6 +24,7 @@ from typing import Any, Iterator
 import safetensors
 import torch
 
+from pipelinerl_jax import config as config_lib
 from pipelinerl_jax.generation import budget
 from pipelinerl_jax.generation.transport import hf_tensors
 from pipelinerl_jax.models.hf import checkpoint as hf_checkpoint
@@ -39,7 +40,7 @@ _MODULE = {'q_proj': ('self_attn.qkv_proj', 0), 'k_proj': ('self_attn.qkv_proj',
            'down_proj': ('mlp.down_proj', 0)}
 
 
-def llm_kwargs(lora: lora_lib.LoraConfig, way: str) -> dict[str, Any]:
+def llm_kwargs(lora: config_lib.LoraSettings, way: str) -> dict[str, Any]:
   """vLLM's start-up arguments for serving `lora` the `way` given."""
   if way not in UPDATE_WAYS:
     raise ValueError(f'lora update way {way!r}: expected one of {UPDATE_WAYS}')
@@ -55,7 +56,7 @@ def to_torch(adapters) -> dict[tuple[str, ...], torch.Tensor]:
   return {path: hf_tensors.leaf_to_torch(x) for path, x in lora_lib.leaves(adapters)}
 
 
-def from_peft(tensors, model_config, lora: lora_lib.LoraConfig) -> dict[tuple[str, ...], Any]:
+def from_peft(tensors, model_config, lora: config_lib.LoraSettings) -> dict[tuple[str, ...], Any]:
   """{leaf path: [L, ...] tensor} from PEFT-named (name, tensor) pairs (A [Ra, Di], B [Do, Ra] per
   layer, what a collective transport carries): the `to_torch` form, one stacked copy."""
   got = dict(tensors)
@@ -70,7 +71,7 @@ def from_peft(tensors, model_config, lora: lora_lib.LoraConfig) -> dict[tuple[st
 class SlotWriter:
   """Writes adapters into the slot of vLLM's loaded LoRA (`LORA_ID`) in place."""
 
-  def __init__(self, worker, model_config, lora: lora_lib.LoraConfig):
+  def __init__(self, worker, model_config, lora: config_lib.LoraSettings):
     self.model_config, self.lora = model_config, lora
     model = worker.model_runner.get_model()
     modules = {name: m for name, m in model.named_modules() if hasattr(m, 'lora_a_stacked')}
@@ -103,11 +104,11 @@ class MergeWriter:
   fp32. vLLM's reload needs fused parts whole (q, k, v together; gate, up together), so an
   untargeted part of a touched module is sent as the base has it."""
 
-  def __init__(self, model_dir: str | Path, model_config, lora: lora_lib.LoraConfig,
+  def __init__(self, model_dir: str | Path, model_config, lora: config_lib.LoraSettings,
                serving_dtype: torch.dtype):
     self.model_config, self.lora, self.dtype = model_config, lora, serving_dtype
     targeted = {s.target: s for s in lora_lib.specs(model_config, lora)}
-    sent = lora_lib.specs(model_config, lora_lib.LoraConfig(1, 1.0,
+    sent = lora_lib.specs(model_config, config_lib.LoraSettings(1, 1.0,
                                                             lora_lib.merged_targets(lora)))
     wanted = {f'{s.module_name(i)}.weight': (s.target, i)
               for s in sent for i in range(model_config.num_layers)}

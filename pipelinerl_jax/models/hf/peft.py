@@ -5,12 +5,13 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from pipelinerl_jax import config as config_lib
 from pipelinerl_jax.models.hf import files as hf_files
 from pipelinerl_jax.models.layers import lora as lora_lib
 from pipelinerl_jax.models.transformer import ModelConfig
 
 
-def save_peft(adapters, model_config: ModelConfig, lora: lora_lib.LoraConfig, out_dir,
+def save_peft(adapters, model_config: ModelConfig, lora: config_lib.LoraSettings, out_dir,
               base_model: str, dtype: Any = None) -> list[Path]:
   """Writes a PEFT adapter dir that `peft.PeftModel.from_pretrained(<base model>, out_dir)` and
   vLLM's LoRARequest load; returns the files written."""

@@ -382,13 +382,14 @@ def hf_config(config: ModelConfig, dtype: str = 'bfloat16', extra: dict | None =
   if family.text_model_type and not isinstance(extra.get('vision_config'), dict):
     raise ValueError(f'{c.architecture} is saved with its vision tower: it needs the original '
                      "config.json's vision_config (extra)")
-  rope = {'rope_theta': c.rope_theta, 'rope_type': 'default'}
+  scaling = {}
   if c.rope_scaling is not None:
     s = c.rope_scaling
-    rope.update(rope_type=s.kind, factor=s.factor)
+    scaling = dict(rope_type=s.kind, factor=s.factor)
     if s.kind == 'llama3':
-      rope.update(low_freq_factor=s.low_freq_factor, high_freq_factor=s.high_freq_factor,
-                  original_max_position_embeddings=s.original_max_position_embeddings)
+      scaling.update(low_freq_factor=s.low_freq_factor, high_freq_factor=s.high_freq_factor,
+                     original_max_position_embeddings=s.original_max_position_embeddings)
+  rope = {'rope_theta': c.rope_theta, 'rope_type': 'default', **scaling}
   ours = {
       'architectures': [c.architecture],
       'model_type': family.model_type,
@@ -403,6 +404,10 @@ def hf_config(config: ModelConfig, dtype: str = 'bfloat16', extra: dict | None =
       'max_position_embeddings': c.max_position_embeddings,
       'rms_norm_eps': c.rms_norm_eps,
       'rope_parameters': rope,
+      # The older schema's fields too (transformers < 5 and other readers ignore
+      # rope_parameters and would take the default theta, 1e4), alike in meaning.
+      'rope_theta': c.rope_theta,
+      **({'rope_scaling': scaling} if scaling else {}),
       'tie_word_embeddings': c.tie_embeddings,
       'dtype': dtype,
       'torch_dtype': dtype,  # the key transformers < 4.56 reads

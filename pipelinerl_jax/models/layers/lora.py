@@ -48,33 +48,10 @@ _HF_BLOCK = {'attn': 'self_attn', 'mlp': 'mlp'}
 COLLECTION = 'lora'
 
 
-@dataclasses.dataclass(frozen=True)
-class LoraConfig:
-  """rank r, alpha (the delta is scaled by alpha / r), and which projections get adapters."""
-  rank: int
-  alpha: float
-  targets: tuple[str, ...] = TARGETS
-
-  def __post_init__(self):
-    if self.rank < 1:
-      raise ValueError(f'lora rank={self.rank} must be >= 1')
-    if not self.alpha > 0:
-      raise ValueError(f'lora alpha={self.alpha} must be > 0')
-    unknown = [t for t in self.targets if t not in TARGETS]
-    if not self.targets or unknown or len(set(self.targets)) != len(self.targets):
-      raise ValueError(f'lora targets={self.targets!r}: expected distinct names from {TARGETS}')
-    object.__setattr__(self, 'targets', tuple(t for t in TARGETS if t in self.targets))
-
-  @property
-  def scale(self) -> float:
-    return self.alpha / self.rank
-
-  @classmethod
-  def from_settings(cls, settings: config_lib.LoraSettings) -> 'LoraConfig | None':
-    """The run's LoRA (config.model.lora, a section or its ConfigDict), or None when off."""
-    if settings.rank <= 0:
-      return None
-    return cls(rank=settings.rank, alpha=settings.alpha, targets=tuple(settings.targets))
+def active(settings: config_lib.LoraSettings) -> config_lib.LoraSettings | None:
+  """`settings` (config.model.lora, checked when it was made) when LoRA is on (rank > 0), else
+  None: the `lora` the functions here take."""
+  return settings if settings.rank > 0 else None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -100,7 +77,7 @@ class AdapterSpec:
 FUSED_GROUPS = (('q_proj', 'k_proj', 'v_proj'), ('gate_proj', 'up_proj'))
 
 
-def merged_targets(lora: LoraConfig) -> tuple[str, ...]:
+def merged_targets(lora: config_lib.LoraSettings) -> tuple[str, ...]:
   """The projections a merged reload must send: the targets, and the fused siblings of each
   (sent as the base has them), since a fused module is reloaded whole."""
   sent = set(lora.targets)
@@ -110,18 +87,25 @@ def merged_targets(lora: LoraConfig) -> tuple[str, ...]:
   return tuple(t for t in TARGETS if t in sent)
 
 
-def specs(model_config, lora: LoraConfig) -> list[AdapterSpec]:
-  """The targeted projections of `model_config` (a transformer.ModelConfig), in TARGETS order."""
+def check_base(model_config) -> None:
+  """Raises a one-line ValueError where adapters cannot cover `model_config`'s layers: a mixture
+  of experts (its layers are scanned in runs of one kind, transformer.layer_groups, and its
+  experts are stacked weights, not projections), or a hybrid (the adapters' paths are one stack
+  of full-attention layers, `layers/attn/...`)."""
   c = model_config
   if getattr(c, 'moe_layers', ()):
-    # Its layers are scanned in runs of one kind (transformer.layer_groups) and its experts are
-    # stacked weights, not projections: adapters here cover the layers of a dense model.
-    raise ValueError(f'model.lora: LoRA on a mixture-of-experts model ({c.num_experts} experts '
-                     f'in {len(c.moe_layers)} layers) is not supported; set model.lora.rank=0')
+    raise ValueError(f'config.model.lora: LoRA on a mixture-of-experts model ({c.num_experts} '
+                     f'experts in {len(c.moe_layers)} layers) is not supported; set '
+                     'model.lora.rank=0')
   if getattr(c, 'linear_layers', ()):
-    # The adapters' paths are one stack of full-attention layers (`layers/attn/...`).
-    raise ValueError(f'model.lora: LoRA on a hybrid model ({len(c.linear_layers)} Gated '
+    raise ValueError(f'config.model.lora: LoRA on a hybrid model ({len(c.linear_layers)} Gated '
                      'DeltaNet layers) is not supported; set model.lora.rank=0')
+
+
+def specs(model_config, lora: config_lib.LoraSettings) -> list[AdapterSpec]:
+  """The targeted projections of `model_config` (a transformer.ModelConfig), in TARGETS order."""
+  check_base(model_config)
+  c = model_config
   d, f = c.hidden_size, c.intermediate_size
   q, kv = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
   widths = {'q_proj': (d, q), 'k_proj': (d, kv), 'v_proj': (d, kv), 'o_proj': (q, d),
@@ -129,7 +113,7 @@ def specs(model_config, lora: LoraConfig) -> list[AdapterSpec]:
   return [AdapterSpec(t, ('layers', _BLOCK[t], t), *widths[t]) for t in lora.targets]
 
 
-def shapes(model_config, lora: LoraConfig) -> dict[tuple[str, ...], tuple[int, ...]]:
+def shapes(model_config, lora: config_lib.LoraSettings) -> dict[tuple[str, ...], tuple[int, ...]]:
   """{leaf path: shape} of every adapter leaf (a [L, Di, Ra], b [L, Ra, Do])."""
   l, r = model_config.num_layers, lora.rank
   out = {}
@@ -139,7 +123,7 @@ def shapes(model_config, lora: LoraConfig) -> dict[tuple[str, ...], tuple[int, .
   return out
 
 
-def num_params(model_config, lora: LoraConfig) -> int:
+def num_params(model_config, lora: config_lib.LoraSettings) -> int:
   return sum(math.prod(s) for s in shapes(model_config, lora).values())
 
 
@@ -167,7 +151,7 @@ def _flat_paths(tree, prefix=()):
     yield prefix, tree
 
 
-def init_adapters(model_config, lora: LoraConfig, rng: jax.Array, dtype: Any = jnp.float32
+def init_adapters(model_config, lora: config_lib.LoraSettings, rng: jax.Array, dtype: Any = jnp.float32
                   ) -> dict:
   """A uniform within +-1/sqrt(Di) (x A then has x's scale), B zeros: the delta starts at 0."""
   flat = {}
@@ -180,7 +164,7 @@ def init_adapters(model_config, lora: LoraConfig, rng: jax.Array, dtype: Any = j
   return nest(flat)
 
 
-def check_adapters(adapters, model_config, lora: LoraConfig, what: str = 'adapters') -> None:
+def check_adapters(adapters, model_config, lora: config_lib.LoraSettings, what: str = 'adapters') -> None:
   """Raises a one-line ValueError naming the first leaf that is missing, extra or misshapen."""
   want = shapes(model_config, lora)
   got = {p: tuple(x.shape) for p, x in _flat_paths(adapters)}
@@ -259,7 +243,7 @@ PEFT_CONFIG_FILE = 'adapter_config.json'
 PEFT_WEIGHTS_FILE = 'adapter_model.safetensors'
 
 
-def peft_tensors(adapters, model_config, lora: LoraConfig, dtype: Any = None
+def peft_tensors(adapters, model_config, lora: config_lib.LoraSettings, dtype: Any = None
                  ) -> Iterator[tuple[str, np.ndarray]]:
   """(PEFT name, host array) of every adapter tensor, layer by layer: A as [Ra, Di] and B as
   [Do, Ra] (torch Linear layout), B unscaled; in `dtype` (None: the adapters' own)."""
@@ -272,7 +256,7 @@ def peft_tensors(adapters, model_config, lora: LoraConfig, dtype: Any = None
         yield s.peft_name(i, which), np.ascontiguousarray(x)
 
 
-def peft_shapes(model_config, lora: LoraConfig) -> dict[str, tuple[int, ...]]:
+def peft_shapes(model_config, lora: config_lib.LoraSettings) -> dict[str, tuple[int, ...]]:
   """{PEFT name: shape} of every adapter tensor, in `peft_tensors`' order (what a collective
   transport carries for a LoRA update)."""
   out = {}
@@ -283,7 +267,7 @@ def peft_shapes(model_config, lora: LoraConfig) -> dict[str, tuple[int, ...]]:
   return out
 
 
-def peft_config(lora: LoraConfig, base_model: str) -> dict:
+def peft_config(lora: config_lib.LoraSettings, base_model: str) -> dict:
   """adapter_config.json: the fields PEFT reads for a plain LoRA; it fills in the rest."""
   return dict(peft_type='LORA', task_type='CAUSAL_LM', base_model_name_or_path=base_model,
               r=lora.rank, lora_alpha=lora.alpha, target_modules=list(lora.targets),

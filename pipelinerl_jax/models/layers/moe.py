@@ -91,14 +91,19 @@ def experts_ragged(x_UxD, ids_UxXk, gates_UxXk, w_gate_XlxDxI, w_up_XlxDxI, w_do
   order_Y = jnp.argsort(key_Y, stable=True)
   token_Y = order_Y // k
   sizes_Xl = jnp.zeros(num_local + 1, jnp.int32).at[key_Y].add(1)[:num_local]
-  xs_YxD = x_UxD[token_Y]
-  h_YxI = _swiglu(jax.lax.ragged_dot(xs_YxD, w_gate_XlxDxI, sizes_Xl),
-                  jax.lax.ragged_dot(xs_YxD, w_up_XlxDxI, sizes_Xl))
-  out_YxD = jax.lax.ragged_dot(h_YxI, w_down_XlxIxD, sizes_Xl)
-  # The rows past the held experts' blocks (other devices' experts) belong to no group: they
-  # are dropped here, whatever ragged_dot leaves in them.
-  out_YxD = jnp.where(held_Y[order_Y, None],
-                      out_YxD * gates_UxXk.reshape(-1)[order_Y, None].astype(out_YxD.dtype), 0)
+  # The rows past the held experts' blocks (other devices' experts) belong to no group, and
+  # ragged_dot leaves them unspecified, forward and backward (its input-side gradient too): a
+  # GPU may leave NaN there, and 0 * NaN is NaN. So every grouped product's rows outside the
+  # groups are zeroed where they come out (its cotangent there is then exactly 0) and where
+  # they go in (what the transposed product leaves in them never reaches dx), and before the
+  # gates multiply (the gates' gradient is the product's value).
+  held_Yx1 = held_Y[order_Y, None]
+  grouped = lambda lhs, rhs: jnp.where(held_Yx1, jax.lax.ragged_dot(lhs, rhs, sizes_Xl), 0)
+  xs_YxD = jnp.where(held_Yx1, x_UxD[token_Y], 0)
+  h_YxI = jnp.where(held_Yx1, _swiglu(grouped(xs_YxD, w_gate_XlxDxI),
+                                      grouped(xs_YxD, w_up_XlxDxI)), 0)
+  out_YxD = grouped(h_YxI, w_down_XlxIxD)
+  out_YxD = out_YxD * gates_UxXk.reshape(-1)[order_Y, None].astype(out_YxD.dtype)
   return jnp.zeros_like(x_UxD).at[token_Y].add(out_YxD)
 
 
@@ -222,8 +227,8 @@ def routing_stats(routes: LayerRoutes, real_RxT: jax.Array, num_real_total,
   the layers and the real tokens (`real_RxT`) of this call; weighted by this call's share of the
   batch's `num_real_total` real tokens, so the micro-batches' terms add up to a token-weighted
   mean. With the sampler's routes (`sampler_RxTxLsxXk`, on the tokens of `sampled_RxT`): how many
-  (token, layer) routes there are, and in how many the trainer's own top-k, and the experts it
-  used, differ from the sampler's (replay makes the latter 0)."""
+  (token, layer) routes there are, and in how many the trainer's own top-k differs from the
+  sampler's."""
   num_layers, num_experts = routes.counts.shape
   real = jnp.sum(real_RxT.astype(jnp.float32))
   assignments = jnp.maximum(real * num_layers, 1.0)
@@ -237,8 +242,7 @@ def routing_stats(routes: LayerRoutes, real_RxT: jax.Array, num_real_total,
     on_LsxRxT = jnp.broadcast_to(sampled_RxT, routes.own.shape[:-1])
     count = lambda x: jnp.sum(jnp.where(on_LsxRxT, x, False)).astype(jnp.float32)
     stats.update(moe_route_units=count(jnp.ones_like(on_LsxRxT)),
-                 moe_routes_differ=count(differing(routes.own, sampler)),
-                 moe_routes_used_differ=count(differing(routes.used, sampler)))
+                 moe_routes_differ=count(differing(routes.own, sampler)))
   return aux, stats
 
 
@@ -246,12 +250,11 @@ def routing_metrics(stats: dict) -> dict[str, jax.Array]:
   """The summed `routing_stats` of a step as metrics: moe/aux_loss; moe/expert_load_max (the
   busiest expert's share of assignments over the mean share: 1 = balanced); with the sampler's
   routes, moe/routes_differ (share of (model token, layer) routes where the trainer's own top-k
-  is not the sampler's) and moe/routes_used_differ (where the experts it used are not)."""
+  is not the sampler's)."""
   counts_X = stats['moe_expert_counts']
   metrics = {'moe/aux_loss': stats['moe_aux_loss'],
              'moe/expert_load_max': jnp.max(counts_X) / jnp.maximum(jnp.mean(counts_X), 1e-9)}
   if 'moe_route_units' in stats:
     units = jnp.maximum(stats['moe_route_units'], 1.0)
     metrics['moe/routes_differ'] = stats['moe_routes_differ'] / units
-    metrics['moe/routes_used_differ'] = stats['moe_routes_used_differ'] / units
   return metrics
