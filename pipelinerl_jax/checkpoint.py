@@ -357,7 +357,7 @@ def is_peft_dir(path: str | os.PathLike) -> bool:
   return (p / lora_lib.PEFT_CONFIG_FILE).is_file() and (p / lora_lib.PEFT_WEIGHTS_FILE).is_file()
 
 
-def read_peft_config(path: str | os.PathLike) -> tuple[lora_lib.LoraConfig, str]:
+def read_peft_config(path: str | os.PathLike) -> tuple[config_lib.LoraSettings, str]:
   """(the LoRA settings, the base model it names) of a PEFT adapter dir; a LoRA this project
   cannot serve (rsLoRA, DoRA, other modules) is refused in one line."""
   file = Path(path) / lora_lib.PEFT_CONFIG_FILE
@@ -365,8 +365,8 @@ def read_peft_config(path: str | os.PathLike) -> tuple[lora_lib.LoraConfig, str]
     c = json.loads(file.read_text())
     targets = c['target_modules']
     targets = [targets] if isinstance(targets, str) else list(targets)
-    lora = lora_lib.LoraConfig(rank=int(c['r']), alpha=float(c['lora_alpha']),
-                               targets=tuple(t.split('.')[-1] for t in targets))
+    lora = config_lib.LoraSettings(rank=int(c['r']), alpha=float(c['lora_alpha']),
+                                   targets=tuple(t.split('.')[-1] for t in targets))
   except (json.JSONDecodeError, KeyError, TypeError, ValueError) as e:
     raise ValueError(f'{file}: not a LoRA adapter config this project reads ({_first_line(e)})'
                      ) from None
@@ -380,7 +380,7 @@ _PEFT_DTYPES = {'F32': np.float32, 'F16': np.float16, 'BF16': ml_dtypes.bfloat16
 
 
 def load_peft_adapters(path: str | os.PathLike, model_config: transformer.ModelConfig,
-                       lora: lora_lib.LoraConfig) -> dict:
+                       lora: config_lib.LoraSettings) -> dict:
   """The adapters pytree (a [L, Di, Ra], b [L, Ra, Do], in model_config.param_dtype) of a PEFT
   adapter dir, by the names `lora.AdapterSpec.peft_name` gives (what PEFT writes for Qwen2 /
   Qwen3 / Llama); a missing or misshapen tensor is named in one line."""

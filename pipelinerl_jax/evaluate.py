@@ -156,7 +156,7 @@ def _prompt_room(given: int | None, config: config_lib.Config, longest: int, con
 
 
 def _params(config: config_lib.Config, kind: str, checkpoint: str, model_config, model_dir: str,
-            backend: str, lora: lora_lib.LoraConfig | None, base: str):
+            backend: str, lora: config_lib.LoraSettings | None, base: str):
   """(params for the engine or None, the dir vLLM starts from, the config): the JAX engine
   gets params (a LoRA's on its base); vLLM reads an HF dir itself and is given a run's params,
   or a LoRA's adapters on its base."""

@@ -263,8 +263,7 @@ def test_a_second_signal_exits_at_once(model_dir, tmp_path):
   started = tmp_path / 'started'
   launcher = textwrap.dedent(f'''
       import runpy, sys, time
-      from pipelinerl_jax.models.hf import checkpoint as hf_checkpoint
-from pipelinerl_jax.models.hf import schema as hf_schema
+      from pipelinerl_jax.models.hf import schema as hf_schema
       def slow_load_config(*args, **kwargs):
         open({str(started)!r}, 'w').close()
         time.sleep(60)
