@@ -15,6 +15,9 @@
                    frozen bf16 base (one copy)
   qwen3_30b_a3b    Qwen3-30B-A3B (a mixture of experts) on 3 hosts of 8 GPUs of 80 GB: two
                    trainer processes on 16 GPUs, 8 vLLM generators
+  qwen3_5_2b_1xgpu Qwen3.5-2B (hybrid: Gated DeltaNet and gated attention), full fine-tuning on
+                   one 80 GB GPU, trainer and JAX engine in one process (placed by the memory
+                   plan; the JAX engine does not serve hybrids yet, so the run refuses to start)
   eval             what `pipelinerl-eval` uses for an HF model dir or a PEFT adapter dir when no
                    --config is given: math test files, greedy, up to 4096 new tokens
 
@@ -386,6 +389,23 @@ def eval_():
   return c
 
 
+def qwen3_5_2b_1xgpu():
+  """Qwen3.5-2B, full fine-tuning on one 80 GB GPU: qwen3_1p7b_1xgpu's run (the trainer and the
+  JAX engine in one process) on a hybrid model. model.path takes the Hub's dir
+  (Qwen3_5ForConditionalGeneration: the language model is trained, the vision tower carried over
+  unchanged on export) or a Qwen3_5ForCausalLM dir. 18 of its 24 layers are Gated DeltaNet:
+  KV pages only for the 6 full-attention layers (12 KiB a position in bf16), so the engine's
+  default pool, every slot at full length (5.3 GiB), replaces 1.7B's 12 GiB; and per slot a
+  fixed state in each linear layer. The memory plan places it:
+  `python -m pipelinerl_jax.memory_plan --config=configs/math.py:qwen3_5_2b_1xgpu
+  --model_config=configs/models/Qwen3.5-2B --devices=1 --device=h100`. The JAX engine does not
+  serve hybrid models yet: until it does, the run is refused in one line at its start. Not run
+  on GPUs."""
+  c = qwen3_1p7b_1xgpu()
+  c.generation.kv_pool_mb = 0
+  return c
+
+
 def _math_task(c):
   """Math with reward 1 if correct else 0; model.path and task.*_files are placeholders."""
   c.task.name = 'math'
@@ -470,10 +490,12 @@ HARDWARE = {
                      card='h100'),
     'qwen3_30b_a3b': dict(runs_on='3 hosts of 8 GPUs of 80 GB', model='Qwen3-30B-A3B',
                           devices=24, card='h100'),
+    'qwen3_5_2b_1xgpu': dict(runs_on='one GPU of 80 GB, once the JAX engine serves hybrids',
+                             model='Qwen3.5-2B', devices=1, card='h100'),
     'eval': dict(runs_on='where the model fits (evaluation only)', about='the one evaluated'),
 }
 
 PRESETS = {'tiny': tiny, 'tiny_lora': tiny_lora, 'tiny_moe': tiny_moe, 'reasoning': reasoning,
            'tools': tools, 'qwen1p5b_8xh100': qwen1p5b_8xh100, 'paper_7b': paper_7b,
            'qwen3_1p7b_1xgpu': qwen3_1p7b_1xgpu, 'qwen3_8b_lora_1xgpu': qwen3_8b_lora_1xgpu,
-           'qwen3_30b_a3b': qwen3_30b_a3b, 'eval': eval_}
+           'qwen3_30b_a3b': qwen3_30b_a3b, 'qwen3_5_2b_1xgpu': qwen3_5_2b_1xgpu, 'eval': eval_}

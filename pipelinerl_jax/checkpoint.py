@@ -42,8 +42,10 @@ import orbax.checkpoint as ocp
 
 from pipelinerl_jax import config as config_lib
 from pipelinerl_jax import train
-from pipelinerl_jax.models import hf_io
-from pipelinerl_jax.models import lora as lora_lib
+from pipelinerl_jax.models.hf import checkpoint as hf_checkpoint
+from pipelinerl_jax.models.hf import files as hf_files
+from pipelinerl_jax.models.hf import schema as hf_schema
+from pipelinerl_jax.models.layers import lora as lora_lib
 from pipelinerl_jax.models import transformer
 
 STATE, META = 'state', 'meta'
@@ -288,8 +290,8 @@ def data_stream(problems: Iterator, position: dict[str, Any] | None
 
 def is_hf_dir(path: str | os.PathLike) -> bool:
   p = Path(path)
-  return (p / hf_io.CONFIG_FILE).is_file() and (
-      (p / hf_io.SINGLE_FILE).is_file() or (p / hf_io.INDEX_FILE).is_file())
+  return (p / hf_schema.CONFIG_FILE).is_file() and (
+      (p / hf_checkpoint.SINGLE_FILE).is_file() or (p / hf_checkpoint.INDEX_FILE).is_file())
 
 
 def locate(path: str | os.PathLike, step: int | None = None) -> tuple[Path, int]:
@@ -334,7 +336,7 @@ def load_params(path: str | os.PathLike, model_config: transformer.ModelConfig,
   (`shardings` then places the base).
   """
   if is_hf_dir(path):
-    return hf_io.load_params(path, model_config, shardings=shardings)
+    return hf_checkpoint.load_params(path, model_config, shardings=shardings)
   root, step = locate(path, step)
   meta = read_meta(root, step)
   lora = saved_lora(meta)
@@ -345,7 +347,7 @@ def load_params(path: str | os.PathLike, model_config: transformer.ModelConfig,
   if not is_hf_dir(base_dir):
     raise FileNotFoundError(f'{base_dir}: the base model of the LoRA checkpoint {root / str(step)} '
                             'is not there (pass the model dir where it is now)')
-  base = hf_io.load_params(base_dir, frozen_base_config(model_config), shardings=shardings)
+  base = hf_checkpoint.load_params(base_dir, frozen_base_config(model_config), shardings=shardings)
   return lora_lib.Adapted(base, adapters, lora.scale)
 
 
@@ -355,7 +357,7 @@ def is_peft_dir(path: str | os.PathLike) -> bool:
   return (p / lora_lib.PEFT_CONFIG_FILE).is_file() and (p / lora_lib.PEFT_WEIGHTS_FILE).is_file()
 
 
-def read_peft_config(path: str | os.PathLike) -> tuple[lora_lib.LoraConfig, str]:
+def read_peft_config(path: str | os.PathLike) -> tuple[config_lib.LoraSettings, str]:
   """(the LoRA settings, the base model it names) of a PEFT adapter dir; a LoRA this project
   cannot serve (rsLoRA, DoRA, other modules) is refused in one line."""
   file = Path(path) / lora_lib.PEFT_CONFIG_FILE
@@ -363,8 +365,8 @@ def read_peft_config(path: str | os.PathLike) -> tuple[lora_lib.LoraConfig, str]
     c = json.loads(file.read_text())
     targets = c['target_modules']
     targets = [targets] if isinstance(targets, str) else list(targets)
-    lora = lora_lib.LoraConfig(rank=int(c['r']), alpha=float(c['lora_alpha']),
-                               targets=tuple(t.split('.')[-1] for t in targets))
+    lora = config_lib.LoraSettings(rank=int(c['r']), alpha=float(c['lora_alpha']),
+                                   targets=tuple(t.split('.')[-1] for t in targets))
   except (json.JSONDecodeError, KeyError, TypeError, ValueError) as e:
     raise ValueError(f'{file}: not a LoRA adapter config this project reads ({_first_line(e)})'
                      ) from None
@@ -378,12 +380,12 @@ _PEFT_DTYPES = {'F32': np.float32, 'F16': np.float16, 'BF16': ml_dtypes.bfloat16
 
 
 def load_peft_adapters(path: str | os.PathLike, model_config: transformer.ModelConfig,
-                       lora: lora_lib.LoraConfig) -> dict:
+                       lora: config_lib.LoraSettings) -> dict:
   """The adapters pytree (a [L, Di, Ra], b [L, Ra, Do], in model_config.param_dtype) of a PEFT
   adapter dir, by the names `lora.AdapterSpec.peft_name` gives (what PEFT writes for Qwen2 /
   Qwen3 / Llama); a missing or misshapen tensor is named in one line."""
   file = Path(path) / lora_lib.PEFT_WEIGHTS_FILE
-  header, start = hf_io.read_safetensors_header(file)
+  header, start = hf_files.read_safetensors_header(file)
   mmap = np.memmap(file, dtype=np.uint8, mode='r')
 
   def tensor(name: str, shape: tuple[int, ...]) -> np.ndarray:

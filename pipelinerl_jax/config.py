@@ -178,13 +178,13 @@ class DemoModelConfig(_Section):
 # The math task's default system turn (task.system_prompt).
 DEFAULT_SYSTEM_PROMPT = 'Please reason step by step, and put your final answer within \\boxed{}.'
 
-# The linear maps of a decoder layer that LoRA can adapt (models/lora.py), as HF names them.
+# The linear maps of a decoder layer that LoRA can adapt (models/layers/lora.py), as HF names them.
 LORA_TARGETS = ('q_proj', 'k_proj', 'v_proj', 'o_proj', 'gate_proj', 'up_proj', 'down_proj')
 
 
 @dataclasses.dataclass(frozen=True)
 class LoraSettings(_Section):
-  """LoRA (models/lora.py, docs/lora.md): the base stays frozen, in model.dtype, and only
+  """LoRA (models/layers/lora.py, docs/lora.md): the base stays frozen, in model.dtype, and only
   adapters are trained, y = x W + (alpha / rank) (x A) B on each target projection; only the
   adapters (and their Adam state) are optimized, checkpointed and sent to the generators.
 
@@ -234,8 +234,8 @@ class ModelSettings(_Section):
   attention: Literal['blockwise', 'dense', 'cudnn'] = 'blockwise'
   attention_block_q: int = 1024
   attention_block_kv: int = 1024
-  # Mixture-of-experts models (models/moe.py). Routing of the trained tokens: 'recompute' (the
-  # trainer's own router picks each token's experts) or 'replay' (a model token goes to the
+  # Mixture-of-experts models (models/layers/moe.py). Routing of the trained tokens: 'recompute'
+  # (the trainer's own router picks each token's experts) or 'replay' (a model token goes to the
   # experts the sampler used for it, recorded by the JAX engine; the gates still come from
   # the trainer's router, so it learns); prompt and observation tokens are always routed afresh.
   moe_routing: Literal['recompute', 'replay'] = 'recompute'
@@ -479,7 +479,7 @@ class GenerationConfig(_Section):
   # The JAX engine (generation/jax_engine.py): a paged KV cache of kv_page_size positions per
   # page; kv_pool_mb of memory (0 = every slot at max length, or half the device's free memory
   # if that is less: generation/budget.py); how a decode step reads it ('xla' on any backend,
-  # 'pallas' / 'cudnn' GPU kernels: models/paged_attention.py); token steps between two
+  # 'pallas' / 'cudnn' GPU kernels: models/layers/paged_attention.py); token steps between two
   # transfers of their results to the host (0: every step, no overlap; -1: 1 on a CPU, so the
   # host loop runs while the next step computes, else 4); positions of a prompt prefilled per
   # step (0 = whole prompts at admission); the samples of a prompt sharing its pages.

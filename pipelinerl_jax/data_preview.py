@@ -27,7 +27,8 @@ from ml_collections import config_flags
 
 from pipelinerl_jax import command_line
 from pipelinerl_jax import config as config_lib
-from pipelinerl_jax.models import hf_io
+from pipelinerl_jax.models.hf import schema as hf_schema
+from pipelinerl_jax.models.hf import tokenizer as hf_tokenizer
 from pipelinerl_jax.tasks import data
 
 
@@ -37,7 +38,7 @@ def preview(paths: Sequence[str], model_dir: str, config: config_lib.Config, *, 
   """Prints what the module doc says for each path; returns the sources read. `max_prompt_len`:
   the run's limit the prompts are checked against (None: not checked)."""
   t = config.task
-  tokenizer = hf_io.load_tokenizer(hf_io.check_model_dir(model_dir, '--model_dir'))
+  tokenizer = hf_tokenizer.load_tokenizer(hf_schema.check_model_dir(model_dir, '--model_dir'))
   render = data.PromptRenderer.from_config(t, tokenizer)
   template = 'chat template' if render.templated else 'no chat template: plain text'
   print(f'model dir {model_dir} ({template}); system prompt for {t.system_prompt_for} prompts: '

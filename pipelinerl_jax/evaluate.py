@@ -35,8 +35,10 @@ from pipelinerl_jax import config as config_lib
 from pipelinerl_jax import evaluation
 from pipelinerl_jax import platforms
 from pipelinerl_jax.demo import warmstart
-from pipelinerl_jax.models import hf_io
-from pipelinerl_jax.models import lora as lora_lib
+from pipelinerl_jax.models.hf import checkpoint as hf_checkpoint
+from pipelinerl_jax.models.hf import schema as hf_schema
+from pipelinerl_jax.models.hf import tokenizer as hf_tokenizer
+from pipelinerl_jax.models.layers import lora as lora_lib
 from pipelinerl_jax.pipeline import build
 from pipelinerl_jax.tasks import registry
 
@@ -102,10 +104,10 @@ def evaluate_checkpoint(config: ml_collections.ConfigDict | config_lib.Config | 
   if t.name == 'math' and not (t.test_files or t.test_fraction):
     raise ValueError('no test sets: give --test_files (or config.task.test_files)')
   model_dir = warmstart.model_dir_for(config)
-  tokenizer = hf_io.load_tokenizer(model_dir)  # before the params: a missing one is one line
+  tokenizer = hf_tokenizer.load_tokenizer(model_dir)  # before the params: a missing one is one line
   arch_dir = checkpoint if kind == 'hf' else model_dir
   m = config.model
-  model_config = hf_io.load_config(arch_dir, param_dtype=m.param_dtype, dtype=m.dtype,
+  model_config = hf_schema.load_config(arch_dir, param_dtype=m.param_dtype, dtype=m.dtype,
                                    lm_head_fp32=m.lm_head_fp32, remat=False)
   task = registry.make_task(config.task, tokenizer)
   try:
@@ -119,7 +121,7 @@ def evaluate_checkpoint(config: ml_collections.ConfigDict | config_lib.Config | 
     result = evaluation.evaluate_params(
         config, model_config, params, tokenizer, task, datasets, backend=backend,
         model_dir=serve_dir, max_prompt_len=max_prompt_len,
-        stop_ids=hf_io.stop_token_ids(model_dir, tokenizer))
+        stop_ids=hf_tokenizer.stop_token_ids(model_dir, tokenizer))
   finally:
     task.close()
   result['settings'] = dict(backend=backend, checkpoint=os.path.abspath(checkpoint),
@@ -154,7 +156,7 @@ def _prompt_room(given: int | None, config: config_lib.Config, longest: int, con
 
 
 def _params(config: config_lib.Config, kind: str, checkpoint: str, model_config, model_dir: str,
-            backend: str, lora: lora_lib.LoraConfig | None, base: str):
+            backend: str, lora: config_lib.LoraSettings | None, base: str):
   """(params for the engine or None, the dir vLLM starts from, the config): the JAX engine
   gets params (a LoRA's on its base); vLLM reads an HF dir itself and is given a run's params,
   or a LoRA's adapters on its base."""
@@ -168,7 +170,7 @@ def _params(config: config_lib.Config, kind: str, checkpoint: str, model_config,
     config = dataclasses.replace(config, model=dataclasses.replace(config.model, lora=settings))
     if backend == 'vllm':
       return adapters, base, config
-    base_params = hf_io.load_params(base, checkpoint_lib.frozen_base_config(model_config))
+    base_params = hf_checkpoint.load_params(base, checkpoint_lib.frozen_base_config(model_config))
     return lora_lib.Adapted(base_params, adapters, lora.scale), base, config
   params = checkpoint_lib.load_params(checkpoint, model_config, model_dir=model_dir)
   if backend == 'vllm' and isinstance(params, lora_lib.Adapted):

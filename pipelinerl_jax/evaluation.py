@@ -259,7 +259,7 @@ def evaluate_params(config: config_lib.Config, model_config, params, tokenizer, 
   given. Problems whose prompt is longer than `max_prompt_len` (None: generation.max_prompt_len)
   are skipped and counted ('skipped'), not fatal: a long test problem must not end a run at its
   first evaluation. `stop_ids`: what ends a completion (the model dir's
-  `hf_io.stop_token_ids`; None: the tokenizer's EOS).
+  `hf_tokenizer.stop_token_ids`; None: the tokenizer's EOS).
 
   backend 'jax': a JAX engine on `device` serving `params` (its KV pool: eval.kv_pool_mb, else
   generation.kv_pool_mb's rule). 'vllm': an in-process vLLM engine on `model_dir` (an HF dir;

@@ -20,7 +20,8 @@ trainer device (one of the train mesh; tensor-parallel devices hold the same row
   gathered            fsdp > 1 gathers a layer's weights to use them: two layers in flight plus
                       one layer's gradient, whole, and the embedding and lm_head whole
   saved               activations kept for the backward pass: each layer's input with remat
-                      (and what model.remat_policy keeps), every intermediate without
+                      (and what model.remat_policy keeps), every intermediate without (a
+                      hybrid's Gated DeltaNet layers: their own, `_layer_bytes_per_token`)
   layer               one layer's recomputed intermediates (live during its backward pass)
   attention           dense: the fp32 [T, T] scores, their gradient and the probabilities, per
                       head and row; blockwise: four fp32 tiles of block_q x block_kv per head
@@ -58,7 +59,10 @@ adapters and its KV cache, and vLLM adds its LoRA slot, the adapters at its padd
                       gpu_memory_utilization exactly as the generators do at start (the device
                       then holds that share); `kv='config'` generation.vllm.kv_cache_mb (the
                       CPU setting); `kv='auto'` (default) follows the config: 'free' unless the
-                      share is 0
+                      share is 0. A hybrid's KV: its full-attention layers' only
+  state               a hybrid (Qwen3.5): each slot's Gated DeltaNet state in every linear
+                      layer (the convolution window in the serving dtype, the fp32 recurrent
+                      state), out of vLLM's budget before the KV cache
 
 generator device (the JAX engine, backend 'jax': the first device the mesh leaves free, or
 device 0 beside the trainer, whose terms it then adds to; placement 'ray': one device per
@@ -67,7 +71,11 @@ generator beside the mesh, each with its share of the slots)
   update              the next published copy, held beside them until the engine swaps it in
                       between two token steps
   kv                  the paged KV pool: generation.kv_pool_mb, or every slot at full length
-                      (the largest pool the engine makes without it)
+                      (the largest pool the engine makes without it); a hybrid's pages hold
+                      its full-attention layers only
+  state               a hybrid: each slot's Gated DeltaNet state in every linear layer
+                      (window in the compute dtype, recurrent state in fp32); the JAX engine
+                      does not serve hybrids yet, and the plan places the state it will need
 
 in-run evaluation (eval.every_steps > 0: a JAX engine of its own, built for each evaluation,
 between two train steps, on the first device the mesh leaves free, or device 0)
@@ -90,6 +98,7 @@ keeps of published params (no GPU preset runs vLLM in the trainer's process).
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import functools
 import json
@@ -108,9 +117,11 @@ from pipelinerl_jax import packing
 from pipelinerl_jax import sharding as sharding_lib
 from pipelinerl_jax import train
 from pipelinerl_jax.generation import budget
-from pipelinerl_jax.models import hf_io
-from pipelinerl_jax.models import lora as lora_lib
-from pipelinerl_jax.models import moe as moe_lib
+from pipelinerl_jax.models.hf import names as hf_names
+from pipelinerl_jax.models.hf import schema as hf_schema
+from pipelinerl_jax.models.layers import gated_delta
+from pipelinerl_jax.models.layers import lora as lora_lib
+from pipelinerl_jax.models.layers import moe as moe_lib
 from pipelinerl_jax.models import transformer
 from pipelinerl_jax.pipeline import trainer as trainer_lib
 
@@ -190,26 +201,47 @@ def worst_case_rows(config: config_lib.Config, data_parallel: int) -> tuple[int,
   return rows, rows // (num_micro * data_parallel)
 
 
-def _layer_bytes_per_token(m: transformer.ModelConfig, moe: bool = False, ep: int = 1) -> int:
+def _layer_bytes_per_token(m: transformer.ModelConfig, moe: bool = False, ep: int = 1,
+                           linear: bool = False) -> int:
   """Intermediates of one decoder layer per token (no attention scores), as transformer.py makes
-  them: fp32 norm inputs and RoPE, the rest in the compute dtype. An MoE layer (models/moe.py):
+  them: fp32 norm inputs and RoPE, the rest in the compute dtype. An MoE layer (layers/moe.py):
   router logits and fp32 probabilities, and for each of the Xk assignments the token gathered,
   the expert's gate, up and activation and its output; split over an expert axis of `ep`, the
-  gathered rows and the shares before the reduce-scatter (ep rows of D for each of its own)."""
+  gathered rows and the shares before the reduce-scatter (ep rows of D for each of its own).
+  A Gated DeltaNet layer (`linear`, layers/gated_delta.py) in place of attention: its four
+  projections and the gated norm; in fp32 the convolution's output and its SiLU, q and k per
+  value head, v, the decay and beta; per value head and position about 11 rows of Tb (the
+  chunked form's pairwise matrices: the decay and its masks, k.k, A, the triangular solve's,
+  q.k, and the chunk-major copy the scan reads) and 3 Dk + 3 Dv (the solved right-hand sides,
+  the scan's other inputs, u and the output); one [Hv, Dk, Dv] state per chunk of Tb; the
+  masks a byte each (what autodiff keeps for its backward pass, counted from
+  `saved_residuals`)."""
   dt = _bytes(m.dtype)
   d, f, dh = m.hidden_size, m.intermediate_size, m.head_dim
   h, k = m.num_heads, m.num_kv_heads
   mlp = 4 * f
-  in_fp32 = 2 * d + (h + k) * dh                                # norm x32, rotated q and k
   if moe:
     xk, width = m.num_experts_per_tok, m.moe_intermediate_size
     mlp = m.num_experts + xk * (2 * d + 3 * width) + 2 * ep * d
+  masks = 0
+  if linear:
+    _, hv, dk, dv, cc, _ = gated_delta.dims(m)
+    tb = m.linear_chunk_size
+    in_dtype = 2 * d + 2 * cc + 3 * hv * dv + 2 * hv + 3 * d + mlp
+    in_fp32 = (2 * d + 2 * cc + hv * (2 * dk + dv + 2) + hv * 11 * tb + hv * 3 * (dk + dv)
+               + -(-hv * dk * dv // tb))
+    masks = 2 * hv * tb
+  else:
+    in_fp32 = 2 * d + (h + k) * dh                              # norm x32, rotated q and k
+    in_dtype = 2 * d + (h + 2 * k) * dh + h * dh + 3 * d + mlp  # norms, qkv, attn, o, resid., mlp
+    if m.qk_norm:  # Qwen3: q and k normalized per head (fp32 inside the norm)
+      in_dtype += (h + k) * dh
+      in_fp32 += (h + k) * dh
+    if m.attention_output_gate:  # Qwen3.5: the gate and the gated output
+      in_dtype += 2 * h * dh
+  if moe:
     in_fp32 += 2 * m.num_experts
-  in_dtype = 2 * d + (h + 2 * k) * dh + h * dh + 3 * d + mlp  # norms, qkv, attn, o, residuals, mlp
-  if m.qk_norm:  # Qwen3: q and k normalized per head (fp32 inside the norm)
-    in_dtype += (h + k) * dh
-    in_fp32 += (h + k) * dh
-  return dt * in_dtype + 4 * in_fp32
+  return dt * in_dtype + 4 * in_fp32 + masks
 
 
 def _attention_bytes(m: transformer.ModelConfig, rows: int, t: int,
@@ -279,31 +311,47 @@ def train_step_memory(m: transformer.ModelConfig, optimizer_config: config_lib.O
   ep = mesh.shape['expert'] if 'expert' in mesh.shape else 1
   moe_layers = len(m.moe_layers)
   experts = 3 * d * m.moe_intermediate_size * m.num_experts  # one MoE layer's expert weights
-  # A gathered layer holds the experts of its device's expert group only (models/moe.py).
+  # A gathered layer holds the experts of its device's expert group only (models/layers/moe.py).
+  linear_layers = len(m.linear_layers)
   layer_params = (m.num_params - v * d * (1 if m.tie_embeddings else 2) - d
                   - moe_layers * experts) // l
+  if linear_layers:  # the larger of the two kinds (no MoE among Qwen3.5's dense models)
+    linear_layer = m.linear_attention_params + 3 * d * m.intermediate_size + 2 * d
+    layer_params = max(linear_layer, (l * layer_params - linear_layers * linear_layer)
+                       // max(1, l - linear_layers))
   if moe_layers:
     layer_params += experts // ep
   gathered = 0
   if mesh.shape['fsdp'] > 1:
     gathered = 3 * layer_params * pb + v * d * pb * (1 if m.tie_embeddings else 2)
   attn_saved, attn_work = _attention_bytes(m, rows_per_micro, t, max_segments_per_row)
-  kinds = [(l - moe_layers, False), (moe_layers, True)]  # (layers, MoE) of each kind
-  per_token = {moe: _layer_bytes_per_token(m, moe, ep) for n, moe in kinds if n}
+  attention_layers = l - linear_layers
+  linear, moe = set(m.linear_layers), set(m.moe_layers)
+  counts = collections.Counter((i in moe, i in linear) for i in range(l))
+  kinds = [(n, is_moe, is_linear) for (is_moe, is_linear), n in sorted(counts.items())]
+  per_token = {(is_moe, is_linear): _layer_bytes_per_token(m, is_moe, ep, is_linear)
+               for _, is_moe, is_linear in kinds}
   layer = max(per_token.values()) * tokens
   if m.remat:
     # Each layer's input, and what the policy keeps (transformer.REMAT_POLICIES): attention's
     # q, k, v, output and statistics; 'dots' also the o-projection and MLP (dense: the three
-    # projections'; MoE: the router's, the grouped matmuls are recomputed) outputs.
+    # projections'; MoE: the router's, the grouped matmuls are recomputed) outputs, and a
+    # Gated DeltaNet's four projections and out_proj.
     kept = 0
     if m.remat_policy in ('attention', 'dots'):
       kept = tokens * 2 * (m.num_heads + m.num_kv_heads) * m.head_dim * dt + attn_saved
-    saved = l * (tokens * d * dt + kept)
+    saved = l * tokens * d * dt + attention_layers * kept
     if m.remat_policy == 'dots':
       mlp = {False: 2 * m.intermediate_size, True: m.num_experts}
-      saved += sum(n * tokens * (2 * d + mlp[moe]) * dt for n, moe in kinds)
+      mixer = {False: 0, True: 0}
+      if linear_layers:
+        _, hv, _, dv, cc, _ = gated_delta.dims(m)
+        mixer[True] = cc + hv * dv + 2 * hv
+      saved += sum(n * tokens * (2 * d + mlp[is_moe] + mixer[is_linear]) * dt
+                   for n, is_moe, is_linear in kinds)
   else:
-    saved = sum(n * tokens * per_token[moe] for n, moe in kinds if n) + l * attn_saved
+    saved = (sum(n * tokens * per_token[is_moe, is_linear] for n, is_moe, is_linear in kinds)
+             + attention_layers * attn_saved)
   chunk = min(LOGITS_CHUNK, t)
   logits = 2 * rows_per_micro * chunk * v * 4 + tokens * d * 4
   # An MoE model's batch also carries the sampler's routes, one byte an id up to 256 experts.
@@ -324,7 +372,7 @@ def train_step_memory(m: transformer.ModelConfig, optimizer_config: config_lib.O
 
 
 def _hf_shapes(m: transformer.ModelConfig) -> list[tuple[int, ...]]:
-  return [spec.hf_shape for _, spec, _ in hf_io.checkpoint_order(m)]
+  return [spec.hf_shape for _, spec, _ in hf_names.checkpoint_order(m)]
 
 
 def publishing_memory(m: transformer.ModelConfig, config: config_lib.Config, param_bytes: int,
@@ -375,7 +423,7 @@ def generator_memory(m: transformer.ModelConfig, config: config_lib.Config,
   profile = VLLM_BATCHED_TOKENS * (4 * f + 4 * d + q_kv) * sb
   activations = (profile + slots * m.vocab_size * 4
                  + (CUDA_GRAPHS_BYTES if g.vllm.cuda_graphs else 0))
-  kv_per_token = 2 * m.num_layers * m.num_kv_heads * m.head_dim * sb
+  kv_per_token = 2 * len(m.attention_layers) * m.num_kv_heads * m.head_dim * sb
   request = -(-max_len // VLLM_BLOCK_TOKENS) * VLLM_BLOCK_TOKENS * kv_per_token
   weights = m.num_params * sb
   host_base = 0
@@ -390,6 +438,8 @@ def generator_memory(m: transformer.ModelConfig, config: config_lib.Config,
     weights += lora_lib.num_params(m, padded) * sb
   memory = dict(context=CUDA_CONTEXT_BYTES, staging=staging, weights=weights,
                 activations=activations)
+  if m.is_hybrid:  # each sequence's Gated DeltaNet state (fp32), out of vLLM's cache budget
+    memory['state'] = slots * len(m.linear_layers) * gated_delta.state_bytes(m, serving_dtype)
   share = g.vllm.gpu_memory_utilization
   fraction = None
   if kv == 'free':
@@ -398,7 +448,8 @@ def generator_memory(m: transformer.ModelConfig, config: config_lib.Config,
     used = CUDA_CONTEXT_BYTES + (staging if collective else 0) + used_by_trainer
     fraction = budget.vllm_memory_fraction(share, device_bytes - used, device_bytes,
                                            reserve_bytes=0 if collective else staging)
-    kv_bytes = int(fraction * device_bytes) - memory['weights'] - activations
+    kv_bytes = (int(fraction * device_bytes) - memory['weights'] - activations
+                - memory.get('state', 0))
   else:
     kv_bytes = g.vllm.kv_cache_mb << 20
   memory['kv'] = max(kv_bytes, 0)
@@ -421,8 +472,8 @@ def evaluation_memory(m: transformer.ModelConfig, config: config_lib.Config,
   """The in-run evaluation's JAX engine (the module doc's terms); `shares_base`: with LoRA, it
   reads the trainer's base (placements.base_on: the whole mesh is its one device)."""
   g, ev = config.generation, config.eval
-  page_bytes = budget.kv_page_bytes(m.num_layers, m.num_kv_heads, m.head_dim, g.kv_page_size,
-                                    m.dtype)
+  page_bytes = budget.kv_page_bytes(len(m.attention_layers), m.num_kv_heads, m.head_dim,
+                                    g.kv_page_size, m.dtype)
   pages = budget.kv_pool_pages(num_slots=g.num_slots,
                                max_seq_len=g.max_prompt_len + (ev.max_tokens or g.max_new_tokens),
                                page_size=g.kv_page_size, page_bytes=page_bytes,
@@ -431,7 +482,10 @@ def evaluation_memory(m: transformer.ModelConfig, config: config_lib.Config,
   weights = m.num_params * _bytes(m.dtype)
   if lora is not None:
     weights = (0 if shares_base else weights) + lora_lib.num_params(m, lora) * _bytes(m.dtype)
-  return dict(weights=weights, kv=pages * page_bytes)
+  memory = dict(weights=weights, kv=pages * page_bytes)
+  if m.is_hybrid:  # its slots' Gated DeltaNet state, as the run's engine's
+    memory['state'] = g.num_slots * len(m.linear_layers) * gated_delta.state_bytes(m)
+  return memory
 
 
 def _evaluation_problems(p_trainer: dict[str, int], generator: dict[str, int],
@@ -482,11 +536,11 @@ def plan(config: ml_collections.ConfigDict | config_lib.Config, hf_config: dict,
   elif kv == 'free' and not config.generation.vllm.gpu_memory_utilization:
     raise ValueError("kv='free' needs generation.vllm.gpu_memory_utilization > 0")
   mc = config.model
-  m = hf_io.config_from_hf(hf_config, source=source, param_dtype=mc.param_dtype, dtype=mc.dtype,
-                           lm_head_fp32=mc.lm_head_fp32, remat=mc.remat,
-                           remat_policy=mc.remat_policy, attention=mc.attention,
-                           attention_block_q=mc.attention_block_q,
-                           attention_block_kv=mc.attention_block_kv)
+  m = hf_schema.config_from_hf(hf_config, source=source, param_dtype=mc.param_dtype,
+                               dtype=mc.dtype, lm_head_fp32=mc.lm_head_fp32, remat=mc.remat,
+                               remat_policy=mc.remat_policy, attention=mc.attention,
+                               attention_block_q=mc.attention_block_q,
+                               attention_block_kv=mc.attention_block_kv)
   device = _Device(num_devices, device_gib)
   sizes = mesh_sizes(config.train.mesh, num_devices)
   mesh = AbstractMesh(sizes, sharding_lib.MESH_AXES)
@@ -557,8 +611,8 @@ def _jax_engine_plan(m: transformer.ModelConfig, config: config_lib.Config, mesh
   the first device the mesh leaves free (or on device 0, beside the trainer); 'ray': one device
   per generator, beside the mesh, each with its share of the slots."""
   g = config.generation
-  page_bytes = budget.kv_page_bytes(m.num_layers, m.num_kv_heads, m.head_dim, g.kv_page_size,
-                                    m.dtype)
+  page_bytes = budget.kv_page_bytes(len(m.attention_layers), m.num_kv_heads, m.head_dim,
+                                    g.kv_page_size, m.dtype)
   pages = budget.kv_pool_pages(num_slots=g.generator_slots, max_seq_len=g.max_seq_len,
                                page_size=g.kv_page_size, page_bytes=page_bytes,
                                pool_mb=g.kv_pool_mb)
@@ -575,6 +629,10 @@ def _jax_engine_plan(m: transformer.ModelConfig, config: config_lib.Config, mesh
     update = n * _bytes(m.param_dtype)
     facts['engine_shares_base'] = shares
   generator = dict(weights=weights, update=update, kv=pages * page_bytes)
+  if m.is_hybrid:  # a Gated DeltaNet state per slot and linear layer, beside the KV pool
+    generator['state'] = g.generator_slots * len(m.linear_layers) * gated_delta.state_bytes(m)
+    facts.update(state_bytes_per_slot=generator['state'] // g.generator_slots,
+                 linear_layers=len(m.linear_layers), attention_layers=len(m.attention_layers))
   engine = sum(generator.values())
   # The trash page holds no sequence; a full-length sequence takes whole pages.
   facts.update(kv_pool_tokens=(pages - 1) * g.kv_page_size,
@@ -641,7 +699,7 @@ def read_hf_config(path: str | os.PathLike) -> tuple[dict, str]:
     raise ValueError('no model config: give --model_config (a model directory or config.json, '
                      'e.g. configs/models/Qwen2.5-7B) or config.model.path')
   if os.path.isdir(path) or not path.endswith('.json'):
-    path = os.path.join(path, hf_io.CONFIG_FILE)
+    path = os.path.join(path, hf_schema.CONFIG_FILE)
   if not os.path.isfile(path):
     raise FileNotFoundError(f'{path}: no such file (give a model directory or its config.json)')
   with open(path) as f:
@@ -676,6 +734,10 @@ def format_plan(p: Plan) -> str:
     lines.append(f"JAX engine{shared}: {f['slots_per_generator']} slots; its KV pool holds "
                  f"{f['kv_pool_tokens']:,} positions, {f['kv_pool_full_sequences']} full-length "
                  'sequences (a sequence that finds no free page waits, or is preempted)')
+    if 'state_bytes_per_slot' in f:
+      lines.append(f"  and per slot the Gated DeltaNet state of {f['linear_layers']} linear "
+                   f"layers: {f['state_bytes_per_slot'] / 2**20:.1f} MiB (KV pages only for "
+                   f"the {f['attention_layers']} full-attention layers)")
     if not f['generator_devices']:
       lines.append(f'device 0 in all: {(p.trainer_total + p.generator_total) / GIB:.2f} GiB of '
                    f"{f['device_bytes'] / GIB:g}")

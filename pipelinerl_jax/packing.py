@@ -23,7 +23,7 @@ per-token ids. G = `max_segments` when set (rows then hold at most that many sam
 A mixture-of-experts sample may carry its routes: for each completion token, the experts the
 sampler sent the forward pass that drew it through, in each MoE layer ([C, Ls, Xk]). They are
 packed at the position whose target is that token (where its log mu goes), as `routes`
-[R, T, Ls, Xk] (0 elsewhere), for the trainer to replay (models/moe.py).
+[R, T, Ls, Xk] (0 elsewhere), for the trainer to replay (models/layers/moe.py).
 
 Shape letters: R rows, T positions per row, M micro-batches, P prompt, C completion tokens, G
 sample slots per row, Ls MoE layers, Xk experts per token.

@@ -4,7 +4,7 @@ Mesh axes: 'data' (pure data parallel: params replicated), 'fsdp' (data parallel
 gradients and optimizer state sharded), 'tensor' (Megatron-style split of heads / MLP width),
 'expert' (a mixture of experts' experts split across devices; for everything else it is one
 more data-parallel axis: rows are split over it, and an MoE layer exchanges them so that each
-device runs its own experts on every token routed there, models/moe.py).
+device runs its own experts on every token routed there, models/layers/moe.py).
 Params are placed by regex rules over their '/'-joined pytree path; a rule names a mesh axis for
 each dimension. A dimension that the axis size does not divide is left unsplit rather than
 failing, so tiny test models run on any mesh. FSDP only stores a slice of each parameter and
@@ -42,6 +42,10 @@ PARAM_RULES: Sequence[tuple[str, tuple]] = (
     (r'moe/router/kernel$', (None, 'fsdp', None)),                # [L, D, X]
     (r'moe/(gate|up)_proj/kernel$', (None, 'expert', 'fsdp', 'tensor')),  # [L, X, D, I]
     (r'moe/down_proj/kernel$', (None, 'expert', 'tensor', 'fsdp')),       # [L, X, I, D]
+    # Gated DeltaNet (Qwen3.5): q, k and v share one projection and one convolution over their
+    # channels, so 'tensor' leaves these layers whole (the full-attention ones still split).
+    (r'linear_attn/in_proj_\w+/kernel$', (None, 'fsdp', None)),          # [L, D, Cc | Hv*Dv | Hv]
+    (r'linear_attn/out_proj/kernel$', (None, None, 'fsdp')),             # [L, Hv*Dv, D]
     (r'lm_head/kernel$', ('fsdp', 'tensor')),                     # [D, V]
     (r'.*', ()),                                                  # norms: replicated
 )

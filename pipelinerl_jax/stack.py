@@ -27,7 +27,7 @@ import pathlib
 import re
 from typing import Iterator
 
-# JAX's GPU attention kernels the code calls (models/attention.py, models/paged_attention.py).
+# JAX's GPU attention kernels the code calls (models/layers/attention.py and paged_attention.py).
 KERNELS = frozenset({'cudnn', 'cudnn_paged', 'pallas_paged'})
 # The oldest vLLM whose interfaces the engine and the NCCL transport were read against: the
 # layer-wise `Worker.reload_weights(weights_iterator=...)`, `hf_overrides={'head_dtype': ...}`,

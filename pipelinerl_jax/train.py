@@ -3,7 +3,7 @@
 The batch is packed rows split into micro-batches, every array [M, R, T] (see packing.py), and
 the rows' sample spans [M, R, G]; for a mixture-of-experts model also the experts the sampler
 routed each model token to, `routes` [M, R, T, Ls, Xk] (when every sample has them): the
-trainer replays them (`moe_routing='replay'`: models/moe.py) or only compares its own routes
+trainer replays them (`moe_routing='replay'`: models/layers/moe.py) or only compares its own routes
 with them.
 Gradients are accumulated over the M micro-batches with `lax.scan`; the loss of each is
 normalized by totals over the whole batch, so the accumulated gradient is exactly the
@@ -12,7 +12,7 @@ update (params, optimizer state and step unchanged) and is reported in `metrics[
 a non-finite state is never published, saved or resumed. (Finite loss and gradients can still
 give non-finite params: an lr of 1e30, an Adam moment that overflows.)
 
-LoRA (models/lora.py): the state's params are the adapters, and the frozen base is a third,
+LoRA (models/layers/lora.py): the state's params are the adapters, and the frozen base is a third,
 non-donated argument, `train_step(state, batch, base)`: gradients and Adam moments exist for the
 adapters only, and the base's buffers stay valid for whoever else reads them (an inline engine).
 """
@@ -30,8 +30,8 @@ import optax
 from pipelinerl_jax import config as config_lib
 from pipelinerl_jax import losses
 from pipelinerl_jax import sharding as sharding_lib
-from pipelinerl_jax.models import lora as lora_lib
-from pipelinerl_jax.models import moe as moe_lib
+from pipelinerl_jax.models.layers import lora as lora_lib
+from pipelinerl_jax.models.layers import moe as moe_lib
 from pipelinerl_jax.models import transformer
 
 # Per-token arrays [M, R, T], then the packer's spans of each row's samples [M, R, G] (which

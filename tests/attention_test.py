@@ -11,7 +11,7 @@ import pytest
 from pipelinerl_jax import config as config_lib
 from pipelinerl_jax import packing
 from pipelinerl_jax import sharding as sharding_lib
-from pipelinerl_jax.models import attention
+from pipelinerl_jax.models.layers import attention
 from pipelinerl_jax.models import transformer
 
 

@@ -15,7 +15,8 @@ from pipelinerl_jax import checkpoint as checkpoint_lib
 from pipelinerl_jax import export as export_lib
 from pipelinerl_jax import sharding as sharding_lib
 from pipelinerl_jax import train
-from pipelinerl_jax.models import hf_io
+from pipelinerl_jax.models.hf import checkpoint as hf_checkpoint
+from pipelinerl_jax.models.hf import schema as hf_schema
 from pipelinerl_jax.pipeline import launch
 from pipelinerl_jax.pipeline import metrics as metrics_lib
 from pipelinerl_jax.pipeline import stream as stream_lib
@@ -38,11 +39,11 @@ def varied_rewards(monkeypatch):
 
 def small_state(model_dir, mesh_devices=8):
   config = pipeline_test.small_config()
-  model_config = hf_io.load_config(model_dir)
+  model_config = hf_schema.load_config(model_dir)
   mesh = sharding_lib.make_mesh(1, mesh_devices, 1)
   optimizer = train.make_optimizer(config_lib.OptimizerConfig())
   target, _ = checkpoint_lib.abstract_state(model_config, optimizer, mesh)
-  params = hf_io.load_params(model_dir, model_config,
+  params = hf_checkpoint.load_params(model_dir, model_config,
                              shardings=jax.tree.map(lambda x: x.sharding, target.params))
   state, shardings = train.create_sharded_state(params, optimizer, mesh)
   return config, model_config, optimizer, mesh, state, shardings
@@ -81,7 +82,7 @@ def test_exact_resume_conventional(model_dir, tmp_path, varied_rewards):
   b2 = launch.run_experiment(config(4), str(tmp_path / 'b'), model_dir=model_dir)
   assert b2['steps'] == 4 and b2['samples'] == a['samples']
 
-  initial = hf_io.load_params(model_dir, hf_io.load_config(model_dir))
+  initial = hf_checkpoint.load_params(model_dir, hf_schema.load_config(model_dir))
   assert not np.array_equal(a['final_state'].params['embed']['embedding'],
                             initial['embed']['embedding'])  # training did move the params
   leaves_equal(a['final_state'], b2['final_state'])  # params, optimizer state and step
@@ -115,7 +116,7 @@ def test_interrupt_saves_then_pipeline_resume_continues(model_dir, tmp_path, var
   assert first['interrupted'] and steps >= 2, (first['interrupted'], steps)
   root = tmp_path / 'checkpoints'
   assert [int(p.name) for p in root.iterdir()] == [steps]
-  model_config = hf_io.load_config(model_dir)
+  model_config = hf_schema.load_config(model_dir)
   leaves_equal(checkpoint_lib.load_params(root, model_config), first['final_state'].params)
   before = checkpoint_lib.read_meta(root)
 
@@ -232,7 +233,7 @@ def test_export_round_trip(model_dir, tmp_path):
   assert 'warmstart.json' not in names
   assert json.loads((out / 'config.json').read_text())['dtype'] == 'float32'
 
-  leaves_equal(hf_io.load_params(out, model_config), trained)
+  leaves_equal(hf_checkpoint.load_params(out, model_config), trained)
   # load_params: a checkpoints dir (latest), one step dir, a given step, an HF dir.
   leaves_equal(checkpoint_lib.load_params(tmp_path / 'checkpoints', model_config), trained)
   leaves_equal(checkpoint_lib.load_params(tmp_path / 'checkpoints' / '2', model_config),

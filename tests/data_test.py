@@ -264,8 +264,8 @@ def chat_model_dir(model_dir, tmp_path_factory):
 def test_preview_shows_layout_count_and_the_exact_prompts(layouts, chat_model_dir):
   import io
   from pipelinerl_jax import data_preview
-  from pipelinerl_jax.models import hf_io
-  tokenizer = hf_io.load_tokenizer(chat_model_dir)
+  from pipelinerl_jax.models.hf import tokenizer as hf_tokenizer
+  tokenizer = hf_tokenizer.load_tokenizer(chat_model_dir)
   assert tokenizer.chat_template == QWEN_LIKE_TEMPLATE
   config = config_lib.Config(task=config_lib.TaskConfig(name='math'))
   out = io.StringIO()

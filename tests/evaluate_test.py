@@ -8,7 +8,8 @@ import pytest
 from pipelinerl_jax import config as config_lib
 from pipelinerl_jax import evaluate
 from pipelinerl_jax import evaluation
-from pipelinerl_jax.models import hf_io
+from pipelinerl_jax.models.hf import checkpoint as hf_checkpoint
+from pipelinerl_jax.models.hf import schema as hf_schema
 from pipelinerl_jax.pipeline import launch
 from pipelinerl_jax.pipeline import metrics as metrics_lib
 from pipelinerl_jax.tasks import arithmetic
@@ -145,10 +146,11 @@ def test_cli_matches_the_in_training_evaluation(model_dir, tmp_path, monkeypatch
 
   # The same params through the CLI's path: an HF dir (float32, so bit-identical) + the config.
   m = c.model
-  model_config = hf_io.load_config(model_dir, param_dtype=m.param_dtype, dtype=m.dtype,
+  model_config = hf_schema.load_config(model_dir, param_dtype=m.param_dtype, dtype=m.dtype,
                                    lm_head_fp32=m.lm_head_fp32, remat=m.remat)
   checkpoint = tmp_path / 'step2'
-  hf_io.save_params(summary['final_state'].params, model_config, checkpoint, dtype='float32')
+  hf_checkpoint.save_params(summary['final_state'].params, model_config, checkpoint,
+                            dtype='float32')
   c.model.path = model_dir  # tokenizer (the checkpoint dir holds weights and config only)
   result = evaluate.evaluate_checkpoint(c, str(checkpoint), out_dir=str(tmp_path / 'cli'))
   for key in ('pass@1', 'pass@3', 'maj@3', 'mean_tokens', 'truncated'):

@@ -23,14 +23,15 @@ from pipelinerl_jax import evaluate
 from pipelinerl_jax import export as export_lib
 from pipelinerl_jax import sharding as sharding_lib
 from pipelinerl_jax import train
-from pipelinerl_jax.models import hf_io
-from pipelinerl_jax.models import lora as lora_lib
+from pipelinerl_jax.models.hf import schema as hf_schema
+from pipelinerl_jax.models.hf import tokenizer as hf_tokenizer
+from pipelinerl_jax.models.layers import lora as lora_lib
 from pipelinerl_jax.models import transformer
 
 from lora_test import random_adapters  # tests/ is on sys.path
 
 MAX_TOKENS = 12
-LORA = lora_lib.LoraConfig(rank=4, alpha=8.0)
+LORA = config_lib.LoraSettings(rank=4, alpha=8.0)
 PROBLEMS = [('What is 2+3?', '5'), ('What is 7-4?', '3'), ('Compute 6*7.', '42')]
 
 
@@ -54,7 +55,7 @@ def exports(model_dir, tmp_path_factory):
   """{'full': HF dir, 'merged': HF dir, 'peft': adapter dir, 'lora-run': its checkpoints} and
   the test files."""
   d = tmp_path_factory.mktemp('exports')
-  config = hf_io.load_config(model_dir)
+  config = hf_schema.load_config(model_dir)
   full = jax.tree.map(lambda x: x * 2.0, transformer.init_params(config, jax.random.PRNGKey(3)))
   _save(d / 'full-run', full, model_dir)
   _save(d / 'lora-run', random_adapters(config, LORA, 5, b_scale=0.5), model_dir, LORA)
@@ -83,8 +84,8 @@ def transformers_greedy(model_dir, samples):
   completion text (stop token dropped), its length with the stop token, its finish reason."""
   import torch
   import transformers
-  tokenizer = hf_io.load_tokenizer(model_dir)
-  stop = list(hf_io.stop_token_ids(model_dir, tokenizer))
+  tokenizer = hf_tokenizer.load_tokenizer(model_dir)
+  stop = list(hf_tokenizer.stop_token_ids(model_dir, tokenizer))
   model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
   out = []
   for s in samples:

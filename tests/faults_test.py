@@ -33,7 +33,8 @@ from pipelinerl_jax import config as config_lib
 from pipelinerl_jax import evaluate as evaluate_lib
 from pipelinerl_jax import sharding as sharding_lib
 from pipelinerl_jax import train
-from pipelinerl_jax.models import hf_io
+from pipelinerl_jax.models.hf import checkpoint as hf_checkpoint
+from pipelinerl_jax.models.hf import schema as hf_schema
 from pipelinerl_jax.pipeline import launch
 from pipelinerl_jax.pipeline import metrics as metrics_lib
 from pipelinerl_jax.pipeline import supervise
@@ -66,7 +67,7 @@ def no_model_load(monkeypatch):
   """Makes loading the model's weights fail the test: checks must come before it."""
   def load_params(*args, **kwargs):
     raise AssertionError('the model was loaded before the check')
-  monkeypatch.setattr(hf_io, 'load_params', load_params)
+  monkeypatch.setattr(hf_checkpoint, 'load_params', load_params)
 
 
 # --- disks -------------------------------------------------------------------------------------
@@ -262,11 +263,11 @@ def test_a_second_signal_exits_at_once(model_dir, tmp_path):
   started = tmp_path / 'started'
   launcher = textwrap.dedent(f'''
       import runpy, sys, time
-      from pipelinerl_jax.models import hf_io
+      from pipelinerl_jax.models.hf import schema as hf_schema
       def slow_load_config(*args, **kwargs):
         open({str(started)!r}, 'w').close()
         time.sleep(60)
-      hf_io.load_config = slow_load_config
+      hf_schema.load_config = slow_load_config
       sys.argv = {main_cmd(tmp_path / 'w', model_dir)[2:]!r}
       runpy.run_module('pipelinerl_jax.main', run_name='__main__')
   ''')
@@ -444,8 +445,8 @@ def test_an_absurd_lr_is_refused():
 def test_train_step_never_applies_an_update_that_makes_params_non_finite(model_dir):
   """Item 6: the guard looked at the loss and the gradients only; an optimizer whose update is
   not finite (here infinite lr, with finite loss and gradients) got its params published."""
-  model_config = hf_io.load_config(model_dir)
-  params = hf_io.load_params(model_dir, model_config)
+  model_config = hf_schema.load_config(model_dir)
+  params = hf_checkpoint.load_params(model_dir, model_config)
   step = jax.jit(train.make_train_step(model_config, config_lib.LossConfig(), optax.sgd(np.inf),
                                        lambda s: np.inf))
   state = train.init_train_state(params, optax.sgd(np.inf))
@@ -497,7 +498,7 @@ def test_a_skipped_update_is_logged_as_such_and_never_saved(model_dir, tmp_path,
   assert skipped['event'] == 'skipped_update' and skipped['update'] == 2
   assert skipped['policy_version'] == 1
   assert [r['skipped_updates'] for r in records if 'step' in r] == [0, 1, 1, 1]
-  model_config = hf_io.load_config(model_dir)
+  model_config = hf_schema.load_config(model_dir)
   saved = checkpoint_lib.load_params(tmp_path / 'checkpoints', model_config)
   assert all(np.isfinite(np.asarray(x)).all() for x in jax.tree.leaves(saved))
 
@@ -514,7 +515,7 @@ def test_unreadable_latest_checkpoints_fall_back_to_the_previous_one(model_dir, 
   root = tmp_path / 'checkpoints'
   assert sorted(int(p.name) for p in root.iterdir() if p.name.isdigit()) == [2, 4]
   # Step 5: the state of step 4 made non-finite; step 4: a data file cut short.
-  model_config = hf_io.load_config(model_dir)
+  model_config = hf_schema.load_config(model_dir)
   mesh = sharding_lib.make_mesh(1, 1, 1)
   optimizer = train.make_optimizer(config_lib.validate(c).optimizer)
   target, _ = checkpoint_lib.abstract_state(model_config, optimizer, mesh)

@@ -7,6 +7,7 @@ import json
 import math
 import os
 import pathlib
+import statistics
 import subprocess
 import sys
 import time
@@ -29,8 +30,8 @@ from pipelinerl_jax.bench.gpu import train as kit_train
 from pipelinerl_jax.bench.gpu import vllm
 from pipelinerl_jax.bench.gpu import vllm_items
 from pipelinerl_jax.generation.transport import hf_tensors
-from pipelinerl_jax.models import hf_io
-from pipelinerl_jax.models import lora as lora_lib
+from pipelinerl_jax.models.hf import schema as hf_schema
+from pipelinerl_jax.models.layers import lora as lora_lib
 from pipelinerl_jax.models import transformer
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -393,7 +394,7 @@ def test_quick_collective_section_sends_whole_updates_between_two_processes(tmp_
 # The optional sections that need neither vLLM nor a second process to meet (those two run on
 # their own, serial): one kit run for all, as a user names several with --sections. The budget
 # is the sections' room on a loaded host; test_the_time_budget_bounds_the_run tests budgets.
-OPTIONAL_RUN = ('qwen3_1xgpu', 'lora_1xgpu', 'lora', 'moe_layer')
+OPTIONAL_RUN = ('qwen3_1xgpu', 'lora_1xgpu', 'lora', 'moe_layer', 'gated_delta')
 
 
 @pytest.fixture(scope='module')
@@ -440,7 +441,7 @@ def test_quick_one_gpu_section_runs_the_preset_on_a_tiny_qwen3(optional, section
   config = json.loads((model / 'config.json').read_text())
   assert config['model_type'] == 'qwen3'
   # Each step published the whole params, or with LoRA the adapters alone, in fp32.
-  model_config = hf_io.config_from_hf(config)
+  model_config = hf_schema.config_from_hf(config)
   lora = config_lib.load_preset(preset).model.lora
   if lora.rank:
     sent = lora_lib.num_params(model_config, config_lib.LoraSettings(
@@ -480,6 +481,26 @@ def test_quick_moe_layer_section_checks_the_grouped_matmul_whole_and_split(optio
                                                 'grad_w_up', 'grad_w_down'}
     assert item['max_relative_difference'] < 1e-5, item['relative_difference']
   assert 'expert_split=2' in optional[1]
+
+
+def test_quick_gated_delta_section_times_a_layer_and_holds_chunked_to_recurrent(optional):
+  """`--sections=gated_delta --quick`: bench/gated_delta.py's Gated DeltaNet layer and chunked
+  delta rule timed (every call kept), the layer's compiled size, and the chunked rule within
+  fp32 rounding of the recurrent one for the output, the final state and every gradient."""
+  got = optional_section(optional, 'gated_delta')
+  assert list(got) == [f'qwen3.5-{s}' for s in presets.QUICK.gated_delta_shapes]
+  workdir = optional[2]
+  for shape, item in zip(presets.QUICK.gated_delta_shapes, got.values()):
+    assert item['status'] == 'ok' and item['finite'] is True
+    assert positive(item['layer_s']) and positive(item['rule_s'])
+    assert positive(item['compiled_bytes'])
+    assert set(item['relative_difference']) == {'output', 'state', 'grad_q', 'grad_k', 'grad_v',
+                                                'grad_g', 'grad_beta', 'grad_state_in'}
+    assert item['max_relative_difference'] < 1e-5, item['relative_difference']
+    report = json.loads((workdir / f'gated_delta_{shape}.json').read_text())
+    for timing in report['timings'].values():  # the raw calls kept, their median computed
+      assert timing['seconds'] == pytest.approx(statistics.median(timing['calls']))
+  assert 'qwen3.5-quick' in optional[1]
 
 
 # ---------------------------------------------------------------------------------------------

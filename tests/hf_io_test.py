@@ -18,7 +18,11 @@ import transformers
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from pipelinerl_jax.generation.transport import hf_tensors
-from pipelinerl_jax.models import hf_io
+from pipelinerl_jax.models.hf import checkpoint as hf_checkpoint
+from pipelinerl_jax.models.hf import files as hf_files
+from pipelinerl_jax.models.hf import names as hf_names
+from pipelinerl_jax.models.hf import schema as hf_schema
+from pipelinerl_jax.models.hf import tokenizer as hf_tokenizer
 from pipelinerl_jax.models import transformer as tfm
 
 SMALL = dict(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
@@ -106,31 +110,31 @@ def max_diff(a, b) -> float:
 def test_logits_match_transformers(checkpoint, name):
   path, model = checkpoint(name)
   if CASES[name][2].get('bf16'):  # transformers' own bf16 file goes through our reader
-    header, _ = hf_io.read_safetensors_header(path / 'model.safetensors')
+    header, _ = hf_files.read_safetensors_header(path / 'model.safetensors')
     assert {e['dtype'] for e in header.values()} == {'BF16'}
-  config = hf_io.load_config(path)
-  params = hf_io.load_params(path, config)
+  config = hf_schema.load_config(path)
+  params = hf_checkpoint.load_params(path, config)
   assert jax.tree.structure(params) == jax.tree.structure(abstract_params(config))
   ours = _logits(params, config, jnp.asarray(TOKENS_BxT))
   assert max_diff(ours, hf_logits(model, TOKENS_BxT)) <= 1e-4
 
 
 def test_config_fields(checkpoint):
-  qwen = hf_io.load_config(checkpoint('qwen2_tied')[0])
+  qwen = hf_schema.load_config(checkpoint('qwen2_tied')[0])
   assert (qwen.architecture, qwen.qkv_bias, qwen.tie_embeddings) == ('Qwen2ForCausalLM', True, True)
   assert (qwen.num_heads, qwen.num_kv_heads, qwen.head_dim) == (4, 2, 16)  # head_dim = 64 / 4
-  llama = hf_io.load_config(checkpoint('llama3_rope')[0])
+  llama = hf_schema.load_config(checkpoint('llama3_rope')[0])
   assert (llama.architecture, llama.qkv_bias, llama.tie_embeddings) == ('LlamaForCausalLM', False,
                                                                         False)
   assert llama.rope_scaling == tfm.RopeScaling('llama3', 8.0, 1.0, 4.0, 16)
-  linear = hf_io.load_config(checkpoint('llama_tied_linear')[0])
+  linear = hf_schema.load_config(checkpoint('llama_tied_linear')[0])
   assert (linear.rope_theta, linear.rope_scaling) == (500000.0, tfm.RopeScaling('linear', 2.0))
-  qwen3 = hf_io.load_config(checkpoint('qwen3_tied')[0])
+  qwen3 = hf_schema.load_config(checkpoint('qwen3_tied')[0])
   assert (qwen3.architecture, qwen3.qkv_bias, qwen3.qk_norm, qwen3.tie_embeddings) == (
       'Qwen3ForCausalLM', False, True, True)
   assert (qwen3.num_heads, qwen3.num_kv_heads, qwen3.head_dim, qwen3.rope_theta) == (
       8, 2, 16, 1e6)  # head_dim 16, not 64 / 8
-  llama32 = hf_io.load_config(checkpoint('llama32_style')[0])
+  llama32 = hf_schema.load_config(checkpoint('llama32_style')[0])
   assert (llama32.head_dim, llama32.qk_norm, llama32.rope_scaling) == (
       24, False, tfm.RopeScaling('llama3', 32.0, 1.0, 4.0, 16))
 
@@ -139,8 +143,8 @@ def test_config_fields(checkpoint):
 def test_llama3_rope_scaling_matters(checkpoint, name):
   # Guards the parity test above: unscaled RoPE must give visibly different logits at T=40.
   path, _ = checkpoint(name)
-  config = hf_io.load_config(path)
-  params = hf_io.load_params(path, config)
+  config = hf_schema.load_config(path)
+  params = hf_checkpoint.load_params(path, config)
   plain = dataclasses.replace(config, rope_scaling=None)
   tokens = jnp.asarray(TOKENS_BxT)
   assert max_diff(_logits(params, config, tokens), _logits(params, plain, tokens)) > 1e-2
@@ -158,7 +162,7 @@ def test_legacy_rope_fields_and_model_type_fallback(checkpoint, tmp_path):
       legacy['rope_scaling'] = dict(rope, type=rope.pop('rope_type'))
     del legacy['architectures']
     (tmp_path / 'config.json').write_text(json.dumps(legacy))
-    assert hf_io.load_config(tmp_path) == hf_io.load_config(src), name
+    assert hf_schema.load_config(tmp_path) == hf_schema.load_config(src), name
 
 
 @pytest.mark.parametrize('name', ['qwen3_tied', 'llama_tied_linear', 'llama32_style'])
@@ -166,8 +170,8 @@ def test_export_carries_the_older_rope_fields_too(checkpoint, name):
   """An exported config.json holds rope_theta (and rope_scaling when set) at the top level as
   well: a reader of the older schema, which ignores rope_parameters, gets the model's theta (not
   the default 1e4) and scaling, and so do our loader and transformers from those fields alone."""
-  config = hf_io.load_config(checkpoint(name)[0])
-  written = hf_io.hf_config(config)
+  config = hf_schema.load_config(checkpoint(name)[0])
+  written = hf_schema.hf_config(config)
   assert written['rope_theta'] == config.rope_theta != 10000.0
   old = {k: v for k, v in written.items() if k != 'rope_parameters'}
   if config.rope_scaling is None:
@@ -175,7 +179,7 @@ def test_export_carries_the_older_rope_fields_too(checkpoint, name):
   else:
     assert old['rope_scaling']['rope_type'] == config.rope_scaling.kind
     assert old['rope_scaling']['factor'] == config.rope_scaling.factor
-  assert hf_io.config_from_hf(old) == hf_io.config_from_hf(written) == config
+  assert hf_schema.config_from_hf(old) == hf_schema.config_from_hf(written) == config
   hf_class = type(transformers.AutoConfig.for_model(written['model_type']))
   from_old, from_both = hf_class(**old), hf_class(**written)
   assert from_old.rope_parameters == from_both.rope_parameters
@@ -184,38 +188,38 @@ def test_export_carries_the_older_rope_fields_too(checkpoint, name):
 
 def test_overrides_set_numerics(checkpoint):
   path, _ = checkpoint('qwen2_tied')
-  config = hf_io.load_config(path, param_dtype='bfloat16', dtype='bfloat16', lm_head_fp32=False,
+  config = hf_schema.load_config(path, param_dtype='bfloat16', dtype='bfloat16', lm_head_fp32=False,
                              remat=True)
   assert (config.param_dtype, config.dtype, config.lm_head_fp32, config.remat) == (
       'bfloat16', 'bfloat16', False, True)
-  params = hf_io.load_params(path, config)
+  params = hf_checkpoint.load_params(path, config)
   assert {x.dtype for x in jax.tree.leaves(params)} == {jnp.dtype(jnp.bfloat16)}
   with pytest.raises(TypeError, match='vocab_size'):
-    hf_io.load_config(path, vocab_size=10)
+    hf_schema.load_config(path, vocab_size=10)
 
 
 @pytest.mark.parametrize('name,dtype,max_shard_bytes', [('qwen2_tied', 'float32', None),
                                                         ('llama3_rope', 'bfloat16', 12_000)])
 def test_save_roundtrip(checkpoint, tmp_path, name, dtype, max_shard_bytes):
   src, _ = checkpoint(name)
-  config = hf_io.load_config(src)
+  config = hf_schema.load_config(src)
   # Fresh random weights (unlike the checkpoint's), in the model's own pytree layout.
   rng = np.random.RandomState(1)
   params = jax.tree.map(lambda x: jnp.asarray(0.1 * rng.standard_normal(x.shape), x.dtype),
                         abstract_params(config))
   out = tmp_path / 'out'
-  hf_io.save_params(params, config, out, dtype=dtype, max_shard_bytes=max_shard_bytes,
+  hf_checkpoint.save_params(params, config, out, dtype=dtype, max_shard_bytes=max_shard_bytes,
                     extra_config={'bos_token_id': 3, 'eos_token_id': 5, 'rope_theta': 1.0})
 
   written = json.loads((out / 'config.json').read_text())
   assert (written['bos_token_id'], written['eos_token_id']) == (3, 5)
-  assert hf_io.load_config(out) == config  # the stale legacy rope_theta did not leak back in
+  assert hf_schema.load_config(out) == config  # the stale legacy rope_theta did not leak back in
   files = sorted(out.glob('*.safetensors'))
   assert len(files) > 1 if max_shard_bytes else [f.name for f in files] == ['model.safetensors']
 
   # Our load gives back exactly the params, rounded to the saved dtype.
   expected = jax.tree.map(lambda x: x.astype(dtype).astype(config.param_dtype), params)
-  loaded = hf_io.load_params(out, config)
+  loaded = hf_checkpoint.load_params(out, config)
   jax.tree.map(np.testing.assert_array_equal, loaded, expected)
 
   # The safetensors library reads every file; names, shapes and values agree with hf_tensors.
@@ -223,7 +227,7 @@ def test_save_roundtrip(checkpoint, tmp_path, name, dtype, max_shard_bytes):
   for f in files:
     with safetensors.safe_open(f, framework='pt') as st:
       on_disk.update({k: st.get_tensor(k) for k in st.keys()})
-  ours = dict(hf_io.hf_tensors(params, config, dtype=dtype))
+  ours = dict(hf_names.hf_tensors(params, config, dtype=dtype))
   assert set(on_disk) == set(ours)
   assert config.tie_embeddings == ('lm_head.weight' not in on_disk)
   for k, t in on_disk.items():
@@ -237,12 +241,12 @@ def test_save_roundtrip(checkpoint, tmp_path, name, dtype, max_shard_bytes):
   assert max_diff(_logits(loaded, config, tokens), hf_logits(model, TOKENS_BxT)) <= 1e-4
 
   # Saving again with other sharding replaces the old files instead of mixing with them.
-  hf_io.save_params(params, config, out, dtype='float32',
+  hf_checkpoint.save_params(params, config, out, dtype='float32',
                     max_shard_bytes=None if max_shard_bytes else 30_000)
-  again = hf_io.load_params(out, config)
+  again = hf_checkpoint.load_params(out, config)
   jax.tree.map(np.testing.assert_array_equal, again, params)
   assert (len(list(out.glob('*.safetensors'))) == 1) == bool(max_shard_bytes)
-  assert (out / hf_io.INDEX_FILE).exists() == (not max_shard_bytes)
+  assert (out / hf_checkpoint.INDEX_FILE).exists() == (not max_shard_bytes)
 
 
 # Leaf name -> partition spec; every leaf is split (the norms' layer axis over 'tensor').
@@ -265,14 +269,14 @@ def _spec_for(path: tuple[str, ...]) -> P:
 
 def test_sharded_load_places_only_each_devices_slice(checkpoint, monkeypatch):
   path, _ = checkpoint('qwen2_sharded')
-  config = hf_io.load_config(path)
-  full = hf_io.load_params(path, config)
+  config = hf_schema.load_config(path)
+  full = hf_checkpoint.load_params(path, config)
   mesh = Mesh(np.array(jax.devices()).reshape(4, 2), ('fsdp', 'tensor'))
   shardings = jax.tree_util.tree_map_with_path(
       lambda p, _: NamedSharding(mesh, _spec_for(tuple(k.key for k in p))), full)
 
   # Record which HF tensors each callback touches.
-  calls, make_reader = [], hf_io._slice_reader
+  calls, make_reader = [], hf_checkpoint._slice_reader
 
   def spy(spec, view, dtype):
     def logged_view(name, transposed):
@@ -286,8 +290,8 @@ def test_sharded_load_places_only_each_devices_slice(checkpoint, monkeypatch):
       calls.append((spec, index, list(seen)))
       return out
     return reader
-  monkeypatch.setattr(hf_io, '_slice_reader', spy)
-  sharded = hf_io.load_params(path, config, shardings)
+  monkeypatch.setattr(hf_checkpoint, '_slice_reader', spy)
+  sharded = hf_checkpoint.load_params(path, config, shardings)
 
   for leaf, ref, sharding in zip(jax.tree.leaves(sharded), jax.tree.leaves(full),
                                  jax.tree.leaves(shardings)):
@@ -305,18 +309,18 @@ def test_sharded_load_places_only_each_devices_slice(checkpoint, monkeypatch):
   assert any(spec.stacked and len(seen) == 1 for spec, _, seen in calls)
 
   with pytest.raises(ValueError, match='shardings do not match'):
-    hf_io.load_params(path, config, {'embed': shardings['embed']})
+    hf_checkpoint.load_params(path, config, {'embed': shardings['embed']})
 
 
 @pytest.mark.parametrize('name', ['qwen2_sharded', 'llama_tied_linear', 'qwen3_untied'])
 def test_hf_tensors_cover_state_dict(checkpoint, name):
   """Our HF names are transformers' own: what the loader, saver and every transport walk."""
   path, model = checkpoint(name)
-  config = hf_io.load_config(path)
+  config = hf_schema.load_config(path)
   state = {k: v.numpy() for k, v in model.state_dict().items()}
   if config.tie_embeddings:  # transformers lists the tied head; it is never sent or saved
     np.testing.assert_array_equal(state.pop('lm_head.weight'), state['model.embed_tokens.weight'])
-  pairs = list(hf_io.hf_tensors(hf_io.load_params(path, config), config))
+  pairs = list(hf_names.hf_tensors(hf_checkpoint.load_params(path, config), config))
   names = [n for n, _ in pairs]
   assert len(names) == len(set(names))
   assert set(names) == set(state)
@@ -346,41 +350,41 @@ def test_name_map_matches_init_params():
                              qk_norm=qk_norm, tie_embeddings=tied)
     flat = {tuple(k.key for k in p): x.shape
             for p, x in jax.tree_util.tree_flatten_with_path(abstract_params(config))[0]}
-    assert {s.path: s.shape for s in hf_io.name_map(config)} == flat
+    assert {s.path: s.shape for s in hf_names.name_map(config)} == flat
 
 
 def test_qwen3_config_is_written_as_transformers_reads_it(checkpoint):
-  config = hf_io.load_config(checkpoint('qwen3_tied')[0])
+  config = hf_schema.load_config(checkpoint('qwen3_tied')[0])
   hub = {'layer_types': ['full_attention'] * 2, 'max_window_layers': 28, 'rope_theta': 5.0,
          'rope_scaling': None, 'eos_token_id': [151645, 151643]}
-  written = hf_io.hf_config(config, extra=hub)
+  written = hf_schema.hf_config(config, extra=hub)
   assert (written['model_type'], written['attention_bias'], written['use_sliding_window'],
           written['head_dim']) == ('qwen3', False, False, 16)
   assert written['eos_token_id'] == [151645, 151643]  # the original's own keys are kept
   assert not {'layer_types', 'max_window_layers', 'rope_scaling'} & set(written)
   assert written['rope_theta'] == config.rope_theta != hub['rope_theta']  # ours, not the stale
-  assert hf_io.config_from_hf(written) == config
+  assert hf_schema.config_from_hf(written) == config
   assert transformers.Qwen3Config(**written).head_dim == 16
   for field in ('qk_norm', 'qkv_bias'):  # what Qwen3ForCausalLM cannot express
     bad = dataclasses.replace(config, **{field: not getattr(config, field)})
     with pytest.raises(ValueError, match=f'Qwen3ForCausalLM has qkv_bias=False, qk_norm=True; '
                                          f'config has .*{field}={getattr(bad, field)}'):
-      hf_io.hf_config(bad)
+      hf_schema.hf_config(bad)
 
 
 def test_stop_tokens_are_the_tokenizers_eos_and_generation_configs_list(tmp_path):
   tokenizer = types.SimpleNamespace(eos_token_id=7)
-  assert hf_io.stop_token_ids(tmp_path, tokenizer) == (7,)  # no generation_config.json
+  assert hf_tokenizer.stop_token_ids(tmp_path, tokenizer) == (7,)  # no generation_config.json
   generation = tmp_path / 'generation_config.json'
   for eos, expected in (([128009, 128001, 7], (7, 128001, 128009)), (3, (3, 7)), (None, (7,))):
     generation.write_text(json.dumps({'eos_token_id': eos, 'do_sample': True}))
-    assert hf_io.stop_token_ids(tmp_path, tokenizer) == expected
+    assert hf_tokenizer.stop_token_ids(tmp_path, tokenizer) == expected
   generation.write_text(json.dumps({'eos_token_id': ['</s>']}))
   with pytest.raises(ValueError, match=r"generation_config.json: eos_token_id must be .*'</s>'"):
-    hf_io.stop_token_ids(tmp_path, tokenizer)
+    hf_tokenizer.stop_token_ids(tmp_path, tokenizer)
   generation.write_text('{')
   with pytest.raises(ValueError, match='generation_config.json: not valid JSON'):
-    hf_io.stop_token_ids(tmp_path, tokenizer)
+    hf_tokenizer.stop_token_ids(tmp_path, tokenizer)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -474,6 +478,6 @@ def test_bad_input_names_file_and_field(checkpoint, tmp_path, case):
   shutil.copytree(checkpoint(name)[0], d)
   fragments = fragments + (edit(d) or [])  # an edit may add names it chose
   with pytest.raises(error) as info:
-    hf_io.load_params(d, hf_io.load_config(d))
+    hf_checkpoint.load_params(d, hf_schema.load_config(d))
   for fragment in fragments:
     assert fragment in str(info.value), (fragment, str(info.value))

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from pipelinerl_jax.generation.transport import hf_tensors
-from pipelinerl_jax.models import hf_io
+from pipelinerl_jax.models.hf import names as hf_names
 from pipelinerl_jax.models import transformer
 
 CONFIG = transformer.ModelConfig(vocab_size=96, hidden_size=64, intermediate_size=128,
@@ -21,15 +21,15 @@ def params():
 
 def test_tensors_alias_the_jax_buffers_and_match_hf_layout(params):
   ours = list(hf_tensors.hf_torch_tensors(params, CONFIG))
-  reference = list(hf_io.hf_tensors(params, CONFIG))  # jitted slices + transposes (copies)
+  reference = list(hf_names.hf_tensors(params, CONFIG))  # jitted slices + transposes (copies)
   assert [n for n, _ in ours] == [n for n, _ in reference]
   for (name, t), (_, ref) in zip(ours, reference):
     np.testing.assert_array_equal(t.numpy(), np.asarray(ref), err_msg=name)
 
-  specs = {name: (spec, i) for name, spec, i in hf_io.checkpoint_order(CONFIG)}
+  specs = {name: (spec, i) for name, spec, i in hf_names.checkpoint_order(CONFIG)}
   for name, t in ours:
     spec, i = specs[name]
-    leaf = hf_io.leaf_at(params, spec.path)
+    leaf = hf_names.leaf_at(params, spec.path)
     # Same bytes: layer i of a stacked leaf starts i layers into the JAX buffer.
     offset = 0 if i is None else i * (leaf.nbytes // leaf.shape[0])
     assert t.data_ptr() == leaf.unsafe_buffer_pointer() + offset, name

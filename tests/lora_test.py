@@ -18,8 +18,9 @@ from pipelinerl_jax import sharding as sharding_lib
 from pipelinerl_jax import train
 from pipelinerl_jax.generation import api
 from pipelinerl_jax.generation import jax_engine
-from pipelinerl_jax.models import hf_io
-from pipelinerl_jax.models import lora as lora_lib
+from pipelinerl_jax.models.hf import checkpoint as hf_checkpoint
+from pipelinerl_jax.models.hf import schema as hf_schema
+from pipelinerl_jax.models.layers import lora as lora_lib
 from pipelinerl_jax.models import transformer
 from pipelinerl_jax.pipeline import launch
 from pipelinerl_jax.pipeline import metrics as metrics_lib
@@ -210,7 +211,7 @@ def test_lora_run_publishes_adapters_only_and_its_checkpoint_restores_exactly(
   c.eval.every_steps, c.eval.num_problems, c.eval.k = 3, 4, 2  # evaluated in the run, LoRA too
   summary = launch.run_experiment(c, str(tmp_path), model_dir=model_dir)
   assert summary['steps'] == 3
-  model_config = hf_io.load_config(model_dir)
+  model_config = hf_schema.load_config(model_dir)
   lora = config_lib.LoraSettings(rank=4, alpha=8.0)
   state = summary['final_state']
   lora_lib.check_adapters(state.params, model_config, lora)  # the state: adapters
@@ -246,7 +247,7 @@ def test_peft_export_loads_in_peft_with_the_merged_exports_logits(model_dir, tmp
   import peft  # (the test extra's: pyproject.toml)
   import torch
   import transformers
-  model_config = hf_io.load_config(model_dir)
+  model_config = hf_schema.load_config(model_dir)
   lora = config_lib.LoraSettings(rank=4, alpha=8.0, targets=config_lib.LORA_TARGETS)
   adapters = random_adapters(model_config, lora, 7, b_scale=0.2)
   mesh = sharding_lib.make_mesh(devices=jax.devices()[:1])
@@ -275,7 +276,7 @@ def test_peft_export_loads_in_peft_with_the_merged_exports_logits(model_dir, tmp
     merged_logits = merged(tokens).logits
   np.testing.assert_allclose(peft_logits.numpy(), merged_logits.numpy(), atol=1e-4)
   ours = transformer.forward_logits(
-      lora_lib.Adapted(hf_io.load_params(model_dir, model_config), adapters, lora.scale),
+      lora_lib.Adapted(hf_checkpoint.load_params(model_dir, model_config), adapters, lora.scale),
       model_config, jnp.asarray(tokens.numpy()))
   np.testing.assert_allclose(np.asarray(ours), merged_logits.numpy(), atol=1e-4)
 
@@ -329,7 +330,7 @@ def test_adapters_over_a_collective_reach_a_generators_engine_whole(model_dir):
   from pipelinerl_jax.generation.actors import decode_loop
   from pipelinerl_jax.generation.transport import collective
   from pipelinerl_jax.generation.transport import hf_tensors
-  model_config = hf_io.load_config(model_dir)
+  model_config = hf_schema.load_config(model_dir)
   a1, a2 = (random_adapters(model_config, LORA, seed) for seed in (1, 2))
   plan = collective.make_plan(hf_tensors.update_shapes(model_config, LORA), 'float32', 1 << 20)
   full = collective.make_plan(hf_tensors.update_shapes(model_config), 'float32', 1 << 20)
@@ -361,7 +362,7 @@ def test_adapters_over_a_collective_reach_a_generators_engine_whole(model_dir):
       ack = items[-1][0]
   finally:
     loop.close()
-  base = hf_io.load_params(model_dir, model_config)
+  base = hf_checkpoint.load_params(model_dir, model_config)
   for c in done:
     assert (c.versions == 2).all()
     ref = logprobs(lora_lib.Adapted(base, a2, LORA.scale), model_config,

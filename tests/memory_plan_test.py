@@ -11,12 +11,13 @@ import jax.numpy as jnp
 import pytest
 from jax.sharding import AbstractMesh
 
+from pipelinerl_jax import accelerators
 from pipelinerl_jax import config as config_lib
 from pipelinerl_jax import memory_plan
 from pipelinerl_jax import sharding as sharding_lib
 from pipelinerl_jax import train
 from pipelinerl_jax.generation import budget
-from pipelinerl_jax.models import hf_io
+from pipelinerl_jax.models.hf import schema as hf_schema
 from pipelinerl_jax.models import transformer
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -172,6 +173,12 @@ def test_unknown_kv_mode_is_a_clear_error():
 TINY_HF = dict(architectures=['Qwen2ForCausalLM'], hidden_size=128, intermediate_size=384,
                num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, vocab_size=4096,
                tie_word_embeddings=False, torch_dtype='bfloat16')
+# Qwen3.5's hybrid: three Gated DeltaNet layers, one gated full-attention layer.
+TINY_HYBRID_HF = dict(architectures=['Qwen3_5ForCausalLM'], hidden_size=128,
+                      intermediate_size=384, num_hidden_layers=4, num_attention_heads=4,
+                      num_key_value_heads=2, head_dim=32, linear_num_key_heads=2,
+                      linear_num_value_heads=4, linear_key_head_dim=32, linear_value_head_dim=32,
+                      vocab_size=4096, tie_word_embeddings=False, torch_dtype='bfloat16')
 
 
 def compiled_peak_bytes(model_config, rows, t, num_micro):
@@ -196,10 +203,15 @@ def compiled_peak_bytes(model_config, rows, t, num_micro):
 
 # bf16 without remat is left out: XLA's CPU backend keeps bf16 intermediates in fp32, which a
 # GPU does not, so CPU would not test the GPU estimate there.
-@pytest.mark.parametrize('attention,remat,dtype,seq_len', [
-    ('dense', False, 'float32', 1024), ('blockwise', False, 'float32', 2048),
-    ('blockwise', True, 'float32', 2048), ('dense', True, 'bfloat16', 1024)])
-def test_trainer_estimate_is_within_a_small_factor_of_xla_on_cpu(attention, remat, dtype, seq_len):
+@pytest.mark.parametrize('hf,attention,remat,dtype,seq_len', [
+    (TINY_HF, 'dense', False, 'float32', 1024), (TINY_HF, 'blockwise', False, 'float32', 2048),
+    (TINY_HF, 'blockwise', True, 'float32', 2048), (TINY_HF, 'dense', True, 'bfloat16', 1024),
+    (TINY_HYBRID_HF, 'blockwise', False, 'float32', 1024),
+    (TINY_HYBRID_HF, 'blockwise', True, 'float32', 1024)],
+    ids=['dense-fp32', 'blockwise-fp32', 'blockwise-remat', 'dense-remat-bf16',
+         'hybrid-fp32', 'hybrid-remat'])
+def test_trainer_estimate_is_within_a_small_factor_of_xla_on_cpu(hf, attention, remat, dtype,
+                                                                 seq_len):
   c = config_lib.base_config()
   c.model.attention, c.model.remat, c.model.dtype = attention, remat, dtype
   c.model.attention_block_q = c.model.attention_block_kv = 256
@@ -207,8 +219,8 @@ def test_trainer_estimate_is_within_a_small_factor_of_xla_on_cpu(attention, rema
   c.generation.max_prompt_len = seq_len // 2          # one full-length sample fills a row
   c.generation.max_new_tokens = seq_len - seq_len // 2 + 1
   c.rl.group_size, c.rl.batch_size = 1, 2
-  m = hf_io.config_from_hf(TINY_HF, param_dtype='float32', dtype=dtype, remat=remat,
-                           attention=attention, attention_block_q=256, attention_block_kv=256)
+  m = hf_schema.config_from_hf(hf, param_dtype='float32', dtype=dtype, remat=remat,
+                               attention=attention, attention_block_q=256, attention_block_kv=256)
   terms, facts = memory_plan.trainer_memory(m, c, AbstractMesh((1, 1, 1, 1),
                                                                 sharding_lib.MESH_AXES))
   assert (facts['rows_per_micro_batch'], facts['micro_batches']) == (1, 2)
@@ -266,7 +278,7 @@ def test_several_trainer_processes_keep_a_whole_copy_over_each_process_devices()
   where one process's copy is sharded like the params, over all 8."""
   config = config_lib.load_preset('paper_7b')
   hf_config, source = memory_plan.read_hf_config(MODELS['paper_7b'])
-  m = hf_io.config_from_hf(hf_config, source=source, param_dtype='float32', dtype='bfloat16')
+  m = hf_schema.config_from_hf(hf_config, source=source, param_dtype='float32', dtype='bfloat16')
   param_bytes = m.num_params * 4 // 8  # fp32, sharded over 8 devices
   one = memory_plan.publishing_memory(m, config, param_bytes, 'bfloat16', train_devices=8)
   assert one['published'] == 2 * (m.num_params * 2 // 8)
@@ -402,3 +414,31 @@ def test_the_in_run_evaluation_is_counted_where_it_runs():
   assert p.refusal == ('eval.every_steps: the in-run evaluation builds a JAX engine on device 4, '
                        'which a generator holds (placement ray): set eval.every_steps=0 and '
                        'evaluate checkpoints with pipelinerl-eval')
+
+
+
+def test_the_one_gpu_qwen3_5_preset_fits_an_80_gb_card_with_kv_for_its_attention_layers_only():
+  """Qwen3.5-2B (a hybrid: 18 Gated DeltaNet layers, 6 full-attention ones) on one 80 GB card
+  (the 78 GiB a process gets on an H100): the KV pages hold the 6 attention layers alone, each
+  slot a fixed state in each of the 18 linear layers; 9B's full fine-tuning does not fit."""
+  config = config_lib.load_preset('qwen3_5_2b_1xgpu')
+  hf_config, source = memory_plan.read_hf_config(ROOT / 'configs/models/Qwen3.5-2B')
+  gib = accelerators.card_named('h100').usable_gib
+  p = memory_plan.plan(config, hf_config, num_devices=1, device_gib=gib, source=source)
+  assert p.fits, p.refusal
+  f, g = p.facts, config_lib.validate(config, runnable=False).generation
+  assert (f['mesh'], f['train_devices'], f['generator_devices']) == ('1,1,1', 1, 0)
+  assert p.trainer['params'] == f['params'] * 4  # the formula's count is the pytree's
+  assert (f['attention_layers'], f['linear_layers']) == (6, 18)
+  # Keys and values of 2 heads of 256 in 6 layers, bf16: 12 KiB a position; every slot full.
+  pages = 1 + g.num_slots * -(-g.max_seq_len // g.kv_page_size)
+  assert p.generator['kv'] == pages * g.kv_page_size * 2 * 6 * 2 * 256 * 2
+  # The window (3 inputs of 2 * 16 * 128 + 16 * 128 channels, bf16) and the fp32 state.
+  assert f['state_bytes_per_slot'] == 18 * (3 * 6144 * 2 + 16 * 128 * 128 * 4)
+  assert p.generator['state'] == g.num_slots * f['state_bytes_per_slot']
+  assert p.trainer_total + p.generator_total < 0.85 * gib * memory_plan.GIB
+  text = memory_plan.format_plan(p)
+  assert 'the Gated DeltaNet state of 18 linear layers: 18.6 MiB' in text and 'FITS' in text
+  nine, _ = memory_plan.read_hf_config(ROOT / 'configs/models/Qwen3.5-9B')
+  assert 'a trainer device needs' in memory_plan.plan(config, nine, num_devices=1,
+                                                      device_gib=gib).refusal

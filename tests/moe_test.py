@@ -24,8 +24,10 @@ from pipelinerl_jax import train
 from pipelinerl_jax.demo import warmstart
 from pipelinerl_jax.generation import api
 from pipelinerl_jax.generation import jax_engine
-from pipelinerl_jax.models import hf_io
-from pipelinerl_jax.models import moe as moe_lib
+from pipelinerl_jax.models.hf import checkpoint as hf_checkpoint
+from pipelinerl_jax.models.hf import files as hf_files
+from pipelinerl_jax.models.hf import schema as hf_schema
+from pipelinerl_jax.models.layers import moe as moe_lib
 from pipelinerl_jax.models import transformer as tfm
 from pipelinerl_jax.pipeline import build
 from pipelinerl_jax.pipeline import launch
@@ -80,31 +82,32 @@ def hf_logits(model, tokens_BxT):
 @pytest.mark.parametrize('name', list(CASES))
 def test_logits_match_transformers(checkpoint, name):
   path, model = checkpoint(name)
-  config = hf_io.load_config(path)
+  config = hf_schema.load_config(path)
   c = model.config
   dense = set(c.mlp_only_layers) | {i for i in range(c.num_hidden_layers)
                                      if (i + 1) % c.decoder_sparse_step}
   assert config.moe_layers == tuple(sorted(set(range(c.num_hidden_layers)) - dense))
   assert (config.num_experts, config.num_experts_per_tok, config.norm_topk_prob) == (
       c.num_experts, c.num_experts_per_tok, c.norm_topk_prob)
-  params = hf_io.load_params(path, config)
+  params = hf_checkpoint.load_params(path, config)
   ours = _logits(params, config, jnp.asarray(TOKENS_BxT))
   assert np.max(np.abs(np.asarray(ours) - hf_logits(model, TOKENS_BxT))) <= 1e-4
 
 
 def test_saved_dir_loads_in_transformers_as_the_same_model(checkpoint, tmp_path):
   path, model = checkpoint('dense_among_moe')
-  config = hf_io.load_config(path)
-  hf_io.save_params(hf_io.load_params(path, config), config, tmp_path, dtype='float32')
+  config = hf_schema.load_config(path)
+  hf_checkpoint.save_params(hf_checkpoint.load_params(path, config), config, tmp_path,
+                            dtype='float32')
   saved = json.loads((tmp_path / 'config.json').read_text())
   assert (saved['model_type'], saved['mlp_only_layers'], saved['num_experts']) == (
       'qwen3_moe', [1], 4)
-  header, _ = hf_io.read_safetensors_header(tmp_path / 'model.safetensors')
+  header, _ = hf_files.read_safetensors_header(tmp_path / 'model.safetensors')
   assert 'model.layers.2.mlp.experts.3.down_proj.weight' in header  # the Hub's layout
   again = transformers.AutoModelForCausalLM.from_pretrained(tmp_path).eval()
   assert type(again).__name__ == 'Qwen3MoeForCausalLM'
   np.testing.assert_array_equal(hf_logits(again, TOKENS_BxT), hf_logits(model, TOKENS_BxT))
-  assert hf_io.load_config(tmp_path) == config
+  assert hf_schema.load_config(tmp_path) == config
 
 
 def test_ragged_dispatch_equals_the_dense_reference_with_gradients():
@@ -145,7 +148,7 @@ def test_fields_the_model_cannot_honour_are_refused(edit, message):
             num_experts=8, num_experts_per_tok=2)
   hf.update(edit)
   with pytest.raises(ValueError, match='config.json: .*' + re.escape(message)):
-    hf_io.config_from_hf(hf)
+    hf_schema.config_from_hf(hf)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -427,8 +430,8 @@ def test_vllm_serves_an_moe_model_across_an_update(moe_dir):
   update."""
   from pipelinerl_jax.generation.vllm import engine as vllm_engine
   import vllm_engine_test as ref  # its requests and the trainer's log-probs
-  config = hf_io.load_config(moe_dir)
-  p0 = hf_io.load_params(moe_dir, config)
+  config = hf_schema.load_config(moe_dir)
+  p0 = hf_checkpoint.load_params(moe_dir, config)
   p1 = jax.tree.map(lambda x: x * 2.0, tfm.init_params(config, jax.random.PRNGKey(5)))
   engine = vllm_engine.VllmEngine(moe_dir, vllm_engine.VllmEngineConfig(
       max_num_seqs=2, max_model_len=ref.MAX_LEN, kv_cache_bytes=16 << 20))

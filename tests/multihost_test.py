@@ -31,7 +31,8 @@ from pipelinerl_jax import distributed
 from pipelinerl_jax import packing
 from pipelinerl_jax import sharding as sharding_lib
 from pipelinerl_jax import train
-from pipelinerl_jax.models import hf_io
+from pipelinerl_jax.models.hf import checkpoint as hf_checkpoint
+from pipelinerl_jax.models.hf import schema as hf_schema
 from pipelinerl_jax.models import transformer
 from pipelinerl_jax.pipeline import build as build_lib
 from pipelinerl_jax.pipeline import launch as launch_lib
@@ -68,10 +69,10 @@ def packed_batch(vocab_size: int) -> dict[str, np.ndarray]:
 def sgd_step(model_dir: str, mesh) -> tuple[train.TrainState, dict]:
   """One train step with SGD (the param change is -lr * gradient, so params compare gradients;
   see train_test.run_steps), the batch placed by the pipeline's batch placer."""
-  model_config = hf_io.load_config(model_dir)
+  model_config = hf_schema.load_config(model_dir)
   shapes = jax.eval_shape(lambda k: transformer.init_params(model_config, k),
                           jax.random.PRNGKey(0))
-  params = hf_io.load_params(model_dir, model_config,
+  params = hf_checkpoint.load_params(model_dir, model_config,
                              shardings=sharding_lib.param_shardings(shapes, mesh))
   optimizer = optax.sgd(SGD_LR)
   state, state_sh = train.create_sharded_state(params, optimizer, mesh)
@@ -246,7 +247,7 @@ def test_two_process_step_equals_single_process(trained, model_dir):
     np.testing.assert_allclose(steps['two']['metrics'][k], steps['one']['metrics'][k],
                                rtol=1e-5, err_msg=k)
   # The step moved the params: the comparison is not of two untouched copies.
-  init = hf_io.load_params(model_dir, hf_io.load_config(model_dir))
+  init = hf_checkpoint.load_params(model_dir, hf_schema.load_config(model_dir))
   moved = max(float(np.max(np.abs(one[k] - np.asarray(v)))) for k, v in flat(init).items())
   assert moved > 1e-4
 

@@ -16,8 +16,8 @@ from pipelinerl_jax import episodes
 from pipelinerl_jax.generation import api
 from pipelinerl_jax.generation import budget
 from pipelinerl_jax.generation import jax_engine as engine_lib
-from pipelinerl_jax.models import attention as attention_lib
-from pipelinerl_jax.models import paged_attention as paged
+from pipelinerl_jax.models.layers import attention as attention_lib
+from pipelinerl_jax.models.layers import paged_attention as paged
 from pipelinerl_jax.models import transformer
 from pipelinerl_jax.tasks import base as tasks_base
 

@@ -12,7 +12,9 @@ import numpy as np
 from pipelinerl_jax import export as export_lib
 from pipelinerl_jax.generation import api
 from pipelinerl_jax.generation import engines
-from pipelinerl_jax.models import hf_io
+from pipelinerl_jax.models.hf import checkpoint as hf_checkpoint
+from pipelinerl_jax.models.hf import schema as hf_schema
+from pipelinerl_jax.models.hf import tokenizer as hf_tokenizer
 from pipelinerl_jax.pipeline import launch
 from pipelinerl_jax.pipeline import metrics as metrics_lib
 
@@ -28,7 +30,7 @@ def test_the_qwen3_model_dir_is_what_transformers_calls_qwen3(qwen3_model_dir):
   hf = json.loads((pathlib.Path(qwen3_model_dir) / 'config.json').read_text())
   assert (hf['architectures'], hf['model_type'], hf['tie_word_embeddings']) == (
       ['Qwen3ForCausalLM'], 'qwen3', True)
-  config = hf_io.load_config(qwen3_model_dir)
+  config = hf_schema.load_config(qwen3_model_dir)
   assert config.qk_norm and not config.qkv_bias and config.tie_embeddings
 
 
@@ -40,7 +42,7 @@ def test_rl_with_the_jax_engine_then_export_decodes_alike_in_transformers(
   import transformers
   model_dir = tmp_path / 'model'
   shutil.copytree(qwen3_model_dir, model_dir)
-  eos = hf_io.load_tokenizer(model_dir).eos_token_id
+  eos = hf_tokenizer.load_tokenizer(model_dir).eos_token_id
   (model_dir / 'generation_config.json').write_text(json.dumps({'eos_token_id': [eos, 3]}))
   specs, spec_from_config = [], engines.spec_from_config
   monkeypatch.setattr(engines, 'spec_from_config',
@@ -56,16 +58,16 @@ def test_rl_with_the_jax_engine_then_export_decodes_alike_in_transformers(
 
   out = tmp_path / 'hf'
   export_lib.export_hf(tmp_path / 'run' / 'checkpoints', None, out)
-  config = hf_io.load_config(out)
-  assert config == hf_io.load_config(qwen3_model_dir)
-  params = hf_io.load_params(out, config)
+  config = hf_schema.load_config(out)
+  assert config == hf_schema.load_config(qwen3_model_dir)
+  params = hf_checkpoint.load_params(out, config)
   q_norm = params['layers']['attn']['q_norm']['scale']
   assert not np.array_equal(q_norm, np.ones_like(q_norm))  # trained: RL moved the q/k norms
   model = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
   assert type(model).__name__ == 'Qwen3ForCausalLM'
   np.testing.assert_array_equal(model.model.layers[1].self_attn.q_norm.weight.detach().numpy(),
                                 np.asarray(q_norm[1]))
-  stop = hf_io.stop_token_ids(out, hf_io.load_tokenizer(out))
+  stop = hf_tokenizer.stop_token_ids(out, hf_tokenizer.load_tokenizer(out))
   assert stop == specs[0].eos_token_ids  # export carries generation_config.json over
   sampling = api.SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)
   # The run's own engine settings: its compiled programs come back from the cache.

@@ -20,7 +20,8 @@ from pipelinerl_jax.generation import engines
 from pipelinerl_jax.generation.actors import generator
 from pipelinerl_jax.generation.actors import members as members_lib
 from pipelinerl_jax.generation.actors import pool as pool_lib
-from pipelinerl_jax.models import hf_io
+from pipelinerl_jax.models.hf import checkpoint as hf_checkpoint
+from pipelinerl_jax.models.hf import schema as hf_schema
 from pipelinerl_jax.models import transformer
 from pipelinerl_jax.pipeline import launch
 
@@ -37,8 +38,8 @@ def session():
 
 @pytest.fixture(scope='module')
 def model(model_dir):
-  config = hf_io.load_config(model_dir)
-  return model_dir, config, hf_io.load_params(model_dir, config)
+  config = hf_schema.load_config(model_dir)
+  return model_dir, config, hf_checkpoint.load_params(model_dir, config)
 
 
 def make_pool(model, n=2, backend='jax', max_restarts=2, transport='object_store', params=None):

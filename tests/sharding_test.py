@@ -11,11 +11,11 @@ import pytest
 from jax.sharding import AbstractMesh, NamedSharding, PartitionSpec as P
 
 from pipelinerl_jax import sharding as sharding_lib
-from pipelinerl_jax.models import hf_io
+from pipelinerl_jax.models.hf import schema as hf_schema
 from pipelinerl_jax.models import transformer
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
-QWEN = {name: hf_io.load_config(ROOT / 'configs/models' / name)
+QWEN = {name: hf_schema.load_config(ROOT / 'configs/models' / name)
         for name in ('Qwen2.5-Math-1.5B', 'Qwen2.5-7B', 'Qwen3-8B')}
 
 
@@ -89,3 +89,18 @@ def test_qwen3_norms_stay_whole_on_every_device():
   for name in ('q_norm', 'k_norm'):
     assert got[f'layers/attn/{name}/scale'] == ((36, 128), P(None, None))
   assert got['layers/attn/q_proj/kernel'] == ((36, 4096, 4096), P(None, 'fsdp', 'tensor'))
+
+
+@pytest.mark.parametrize('name', ['Qwen3.5-2B', 'Qwen3.5-9B'])
+def test_a_hybrids_linear_layers_shard_over_fsdp_on_the_width(name):
+  """Qwen3.5's Gated DeltaNet projections take the fsdp axis on D (q, k and v share one
+  projection and one convolution, so 'tensor' leaves them whole); nothing large stays whole."""
+  config = hf_schema.load_config(ROOT / 'configs/models' / name)
+  for fsdp in (2, 4, 8):
+    mesh = AbstractMesh((1, fsdp, 2, 1), sharding_lib.MESH_AXES)
+    assert sharding_lib.replicated_on_fsdp(shapes(config), mesh, min_fraction=0.0005) == []
+  got = {p: v for p, v in specs(config, fsdp=4, tensor=2).items() if 'linear_attn' in p}
+  projections = {p: v for p, v in got.items() if p.endswith('_proj/kernel') or 'in_proj' in p}
+  assert len(projections) == 5 * len({p.split('/')[0] for p in got})
+  for path, (shape, spec) in projections.items():
+    assert shape[spec.index('fsdp')] == config.hidden_size and 'tensor' not in spec, path

@@ -20,7 +20,8 @@ MODELS = {'qwen1p5b_8xh100': ROOT / 'configs/models/Qwen2.5-Math-1.5B',
           'paper_7b': ROOT / 'configs/models/Qwen2.5-7B',
           'qwen3_1p7b_1xgpu': ROOT / 'configs/models/Qwen3-1.7B',
           'qwen3_8b_lora_1xgpu': ROOT / 'configs/models/Qwen3-8B',
-          'qwen3_30b_a3b': ROOT / 'configs/models/Qwen3-30B-A3B'}
+          'qwen3_30b_a3b': ROOT / 'configs/models/Qwen3-30B-A3B',
+          'qwen3_5_2b_1xgpu': ROOT / 'configs/models/Qwen3.5-2B'}
 
 
 def gpu_presets() -> list[str]:
@@ -95,7 +96,7 @@ def test_the_real_path_refuses_before_anything_loads(monkeypatch, tmp_path):
   def loaded(*args, **kwargs):
     raise AssertionError('something was loaded before the refusal')
   monkeypatch.setattr(launch.warmstart, 'model_dir_for', loaded)
-  monkeypatch.setattr(launch.hf_io, 'check_model_dir', loaded)
+  monkeypatch.setattr(launch.hf_schema, 'check_model_dir', loaded)
   monkeypatch.setattr(launch.build_lib, 'build', loaded)
   config = preset('qwen1p5b_8xh100', allow_cpu=True)
   with pytest.raises(ValueError, match=r"^config.model.attention='cudnn' needs an NVIDIA GPU .* "

@@ -353,7 +353,7 @@ def test_jax_gloo_between_the_hosts_listens_on_the_interface_never_on_loopback(t
 def test_host_b_serves_every_published_version_bit_for_bit_and_the_bytes_are_counted(runs):
   from pipelinerl_jax.generation.transport import collective
   from pipelinerl_jax.generation.transport import hf_tensors
-  from pipelinerl_jax.models import hf_io
+  from pipelinerl_jax.models.hf import schema as hf_schema
   rs = [r for r in runs['across']['records'] if r['step'] <= STEPS]
   assert [r['step'] for r in rs] == list(range(1, STEPS + 1))
   # Version 0 and one update a step, each checked on b against the checksum of what a published
@@ -367,7 +367,7 @@ def test_host_b_serves_every_published_version_bit_for_bit_and_the_bytes_are_cou
   assert all(np.diff(verified) >= 0)
   # Each step's weights went from a to b's generator over gloo: at least that many bytes left
   # a's interface; and the counts only grow.
-  model = hf_io.load_config(runs['model_dir'])
+  model = hf_schema.load_config(runs['model_dir'])
   update_bytes = collective.make_plan(hf_tensors.expected_shapes(model), 'float32').nbytes
   assert sent >= STEPS * update_bytes
   assert received > 0

@@ -23,7 +23,9 @@ from pipelinerl_jax.generation import api  # noqa: E402
 from pipelinerl_jax.generation import jax_engine as jax_engine  # noqa: E402
 from pipelinerl_jax.generation import sampling  # noqa: E402
 from pipelinerl_jax.generation.transport import hf_tensors  # noqa: E402
-from pipelinerl_jax.models import hf_io  # noqa: E402
+from pipelinerl_jax.models.hf import checkpoint as hf_checkpoint  # noqa: E402
+from pipelinerl_jax.models.hf import names as hf_names  # noqa: E402
+from pipelinerl_jax.models.hf import schema as hf_schema  # noqa: E402
 from pipelinerl_jax.models import transformer  # noqa: E402
 from pipelinerl_jax.tasks import base as tasks_base  # noqa: E402
 
@@ -39,8 +41,8 @@ UPDATE_AT = 5  # the update is applied before this step: tokens 0..4 old, 5.. ne
 def model(qwen3_model_dir):
   """(model dir, config, p0 = the checkpoint's params, p1 = other, sharper random params)."""
   model_dir = qwen3_model_dir
-  config = hf_io.load_config(model_dir)
-  p0 = hf_io.load_params(model_dir, config)
+  config = hf_schema.load_config(model_dir)
+  p0 = hf_checkpoint.load_params(model_dir, config)
   # x2: peaked logits, so greedy choices and the update's effect are far from ties. The q/k
   # norm scales differ per dimension: a norm that failed to load would show.
   p1 = jax.tree.map(lambda x: x * 2.0, transformer.init_params(config, jax.random.PRNGKey(5)))
@@ -148,11 +150,11 @@ def test_handed_over_tensors_share_memory_with_the_jax_buffers(engine, model):
     publish(engine, p0, 20)
   finally:
     del engine._worker.reload_weights  # back to the class method
-  specs = {name: (spec, i) for name, spec, i in hf_io.checkpoint_order(config)}
+  specs = {name: (spec, i) for name, spec, i in hf_names.checkpoint_order(config)}
   assert [n for n, _ in handed] == list(specs)
   for name, ptr in handed:
     spec, i = specs[name]
-    leaf = hf_io.leaf_at(p0, spec.path)
+    leaf = hf_names.leaf_at(p0, spec.path)
     offset = 0 if i is None else i * (leaf.nbytes // leaf.shape[0])
     assert ptr == leaf.unsafe_buffer_pointer() + offset, name
 

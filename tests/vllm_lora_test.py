@@ -11,8 +11,9 @@ import pytest
 pytestmark = pytest.mark.needs('vllm')
 
 from pipelinerl_jax import config as config_lib  # noqa: E402
-from pipelinerl_jax.models import hf_io  # noqa: E402
-from pipelinerl_jax.models import lora as lora_lib  # noqa: E402
+from pipelinerl_jax.models.hf import checkpoint as hf_checkpoint  # noqa: E402
+from pipelinerl_jax.models.hf import schema as hf_schema  # noqa: E402
+from pipelinerl_jax.models.layers import lora as lora_lib  # noqa: E402
 
 from lora_test import _requests, _run as run, _stale_kv_logprobs  # noqa: E402
 from lora_test import logprobs, random_adapters  # noqa: E402  (tests/ is on sys.path)
@@ -29,8 +30,8 @@ def requests(tag):
 @pytest.mark.parametrize('way', ['slot', 'merge'])
 def test_adapters_give_the_trainers_logprobs_mid_sequence_and_without_drift(model_dir, way):
   from pipelinerl_jax.generation.vllm import engine as vllm_engine
-  config = hf_io.load_config(model_dir)
-  base = hf_io.load_params(model_dir, config)
+  config = hf_schema.load_config(model_dir)
+  base = hf_checkpoint.load_params(model_dir, config)
   a1, a2 = random_adapters(config, LORA, 1), random_adapters(config, LORA, 2)
   p1, p2 = (lora_lib.Adapted(base, a, LORA.scale) for a in (a1, a2))
   # A small prefill budget (max_num_batched_tokens): vLLM's CPU LoRA ops take longer with a

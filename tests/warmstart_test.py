@@ -15,7 +15,8 @@ import transformers
 from pipelinerl_jax import config as config_lib
 from pipelinerl_jax.demo import warmstart
 from pipelinerl_jax.demo import char_tokenizer
-from pipelinerl_jax.models import hf_io
+from pipelinerl_jax.models.hf import checkpoint as hf_checkpoint
+from pipelinerl_jax.models.hf import schema as hf_schema
 from pipelinerl_jax.models import transformer
 from pipelinerl_jax.tasks import ArithmeticTask
 from pipelinerl_jax.tasks.calculator import CalculatorTask
@@ -63,12 +64,12 @@ def test_build_writes_a_loadable_hf_dir_with_matching_logits(built):
   assert not list(path.parent.glob('.model.*'))  # no temp / old dirs left behind
   assert any('building' in line for line in logs)
 
-  config = hf_io.load_config(path)
+  config = hf_schema.load_config(path)
   assert config.head_dim in (32, 64) and config.architecture == 'Qwen2ForCausalLM'
   tok = transformers.AutoTokenizer.from_pretrained(path)
   assert config.vocab_size == len(tok)
   assert json.loads((path / 'config.json').read_text())['eos_token_id'] == tok.eos_token_id
-  params = hf_io.load_params(path, config)
+  params = hf_checkpoint.load_params(path, config)
   tokens = np.array([tok.encode('37+45=\\boxed{82}'), tok.encode('99*9=\\boxed{891}x')[:16]])
   ours = np.asarray(transformer.forward_logits(params, config, jnp.asarray(tokens)))
   model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
@@ -102,13 +103,13 @@ def test_sft_lowers_loss_and_learns_the_sft_set(built):
   assert [h['step'] for h in stamp['history']] == [50, 100, 150]
   assert losses[-1] < 0.5 * losses[0] and losses[-1] < 0.5
 
-  config = hf_io.load_config(path)
+  config = hf_schema.load_config(path)
   tok = char_tokenizer.load_tokenizer(path)
   task = TASK
   sft_set = task.sft_problems(TINY.sft_seed, TINY.sft_examples)
   fresh = transformer.init_params(config, jax.random.PRNGKey(TINY.init_seed))
   before = warmstart.evaluate_accuracy(fresh, config, tok, task, sft_set, 0.0)
-  after = warmstart.evaluate_accuracy(hf_io.load_params(path, config), config, tok, task,
+  after = warmstart.evaluate_accuracy(hf_checkpoint.load_params(path, config), config, tok, task,
                                       sft_set, 0.0, return_texts=True)
   assert before['accuracy'] == 0.0 and before['statuses']['no_answer'] == len(sft_set)
   assert after['accuracy'] >= 0.75, after
@@ -118,8 +119,8 @@ def test_sft_lowers_loss_and_learns_the_sft_set(built):
 
 def test_evaluate_accuracy_greedy_is_deterministic_sampling_is_seeded(built):
   path, _, _ = built
-  config = hf_io.load_config(path)
-  params = hf_io.load_params(path, config)
+  config = hf_schema.load_config(path)
+  params = hf_checkpoint.load_params(path, config)
   tok = char_tokenizer.build_char_tokenizer()  # the in-process tokenizer works as well
   task = TASK
   problems = task.sft_problems(TINY.sft_seed, 16)

@@ -24,7 +24,8 @@ from pipelinerl_jax.bench import throughput_model
 from pipelinerl_jax.demo import warmstart
 from pipelinerl_jax.generation import api
 from pipelinerl_jax.generation import jax_engine
-from pipelinerl_jax.models import hf_io
+from pipelinerl_jax.models.hf import checkpoint as hf_checkpoint
+from pipelinerl_jax.models.hf import schema as hf_schema
 from pipelinerl_jax.models import transformer
 from pipelinerl_jax.pipeline import launch
 from pipelinerl_jax.pipeline import metrics as metrics_lib
@@ -579,7 +580,7 @@ def stale_kv_experiment(model_dir: str, snapshots: dict[int, Any], task, *,
   """
   tokenizer, requests = task_requests(model_dir, task, num_prompts, samples_per_prompt,
                                       max_new_tokens, seed)
-  model_config = hf_io.load_config(model_dir)
+  model_config = hf_schema.load_config(model_dir)
   rows = []
   old = jax.device_put(snapshots[0])
   for lag in sorted(d for d in snapshots if d > 0):
@@ -605,4 +606,4 @@ def stale_kv_experiment(model_dir: str, snapshots: dict[int, Any], task, *,
 
 def warm_start_params(model_dir: str):
   """The model's params on the host (policy 0 of `stale_kv_experiment`)."""
-  return jax.device_get(hf_io.load_params(model_dir, hf_io.load_config(model_dir)))
+  return jax.device_get(hf_checkpoint.load_params(model_dir, hf_schema.load_config(model_dir)))

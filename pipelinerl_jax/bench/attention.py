@@ -34,7 +34,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from pipelinerl_jax import packing
-from pipelinerl_jax.models import attention as attention_lib
+from pipelinerl_jax.models.layers import attention as attention_lib
 from pipelinerl_jax.models import transformer
 
 # Qwen2-shaped, small enough that attention, not the MLP or the vocabulary, dominates at long T.

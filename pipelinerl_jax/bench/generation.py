@@ -35,7 +35,7 @@ import numpy as np
 
 from pipelinerl_jax.generation import api
 from pipelinerl_jax.generation import jax_engine as engine_lib
-from pipelinerl_jax.models import hf_io
+from pipelinerl_jax.models.hf import checkpoint as hf_checkpoint
 from pipelinerl_jax.models import transformer
 
 MODES = ('none', 'update', 'update+recompute')
@@ -132,7 +132,7 @@ def bench(args) -> list[dict]:
     if backend == 'vllm':
       from pipelinerl_jax.generation.vllm import engine as vllm_engine  # imports torch
       model_dir = pathlib.Path(args.workdir) / f'qwen2_gen_{args.model}'
-      hf_io.save_params(params_a, config, model_dir, dtype='float32')
+      hf_checkpoint.save_params(params_a, config, model_dir, dtype='float32')
       vllm_eng = vllm_engine.VllmEngine(model_dir, vllm_engine.VllmEngineConfig(
           max_num_seqs=max(args.slots), max_model_len=max_seq_len, kv_cache_bytes=64 << 20))
     try:

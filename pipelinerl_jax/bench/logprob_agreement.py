@@ -37,20 +37,21 @@ def run_variant(variant: str, args) -> dict:
   from pipelinerl_jax.bench import weight_sync as ws_bench
   from pipelinerl_jax.generation import api
   from pipelinerl_jax.generation.vllm import engine as vllm_engine
-  from pipelinerl_jax.models import hf_io
+  from pipelinerl_jax.models.hf import checkpoint as hf_checkpoint
+  from pipelinerl_jax.models.hf import schema as hf_schema
   from pipelinerl_jax.models import transformer
 
   if args.model_dir:  # a real checkpoint, as stored
     model_dir = pathlib.Path(args.model_dir)
-    config = hf_io.load_config(model_dir)
-    params = hf_io.load_params(model_dir, config)
+    config = hf_schema.load_config(model_dir)
+    params = hf_checkpoint.load_params(model_dir, config)
   else:
     config = ws_bench.model_config(args.size)
     params = jax.tree.map(lambda x: x * args.scale,
                           transformer.init_params(config, jax.random.PRNGKey(0)))
     model_dir = pathlib.Path(args.workdir) / f'qwen2_{args.size}_x{args.scale}'
-    if not (model_dir / hf_io.CONFIG_FILE).exists():
-      hf_io.save_params(params, config, model_dir, dtype='float32')
+    if not (model_dir / hf_schema.CONFIG_FILE).exists():
+      hf_checkpoint.save_params(params, config, model_dir, dtype='float32')
   dtype, head_fp32 = VARIANTS[variant]
   max_len = 16 + args.tokens
   engine = vllm_engine.VllmEngine(model_dir, vllm_engine.VllmEngineConfig(

@@ -71,7 +71,7 @@ def random_params(config, seed: int):
 def adapters(config, lora, seed: int):
   """Adapters with a non-zero B (a trained policy's), in fp32 as the trainer holds them."""
   import jax
-  from pipelinerl_jax.models import lora as lora_lib
+  from pipelinerl_jax.models.layers import lora as lora_lib
   a = lora_lib.init_adapters(config, lora, jax.random.PRNGKey(seed))
   key = jax.random.PRNGKey(seed + 1)
   return jax.tree_util.tree_map_with_path(
@@ -124,7 +124,7 @@ def run_jax(size: str, args) -> dict:
   import jax
   from pipelinerl_jax import config as config_lib
   from pipelinerl_jax.generation import jax_engine
-  from pipelinerl_jax.models import lora as lora_lib
+  from pipelinerl_jax.models.layers import lora as lora_lib
   from pipelinerl_jax.pipeline import placements
   config, lora = model_config(size), config_lib.LoraSettings(args.rank, 2.0 * args.rank)
   device = jax.devices()[0]
@@ -163,12 +163,13 @@ def run_jax(size: str, args) -> dict:
 def run_vllm(size: str, way: str, args) -> dict:
   from pipelinerl_jax import config as config_lib
   from pipelinerl_jax.generation.vllm import engine as vllm_engine
-  from pipelinerl_jax.models import hf_io
-  from pipelinerl_jax.models import lora as lora_lib
+  from pipelinerl_jax.models.hf import checkpoint as hf_checkpoint
+  from pipelinerl_jax.models.hf import schema as hf_schema
+  from pipelinerl_jax.models.layers import lora as lora_lib
   config, lora = model_config(size), config_lib.LoraSettings(args.rank, 2.0 * args.rank)
   model_dir = pathlib.Path(args.workdir) / f'qwen2_{size}'
-  if not (model_dir / hf_io.CONFIG_FILE).is_file():
-    hf_io.save_params(random_params(config, 0), config, model_dir, dtype='bfloat16')
+  if not (model_dir / hf_schema.CONFIG_FILE).is_file():
+    hf_checkpoint.save_params(random_params(config, 0), config, model_dir, dtype='bfloat16')
   engine_config = vllm_engine.VllmEngineConfig(
       max_num_seqs=args.requests, max_model_len=PROMPT + args.new_tokens + 16,
       kv_cache_bytes=64 << 20, max_num_batched_tokens=args.max_num_batched_tokens or None,

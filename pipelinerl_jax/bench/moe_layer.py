@@ -27,7 +27,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pipelinerl_jax.models import moe as moe_lib
+from pipelinerl_jax.models.layers import moe as moe_lib
 
 QUICK = dict(tokens=256, experts=8, top_k=2, hidden=64, width=32)
 

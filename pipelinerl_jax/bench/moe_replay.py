@@ -50,8 +50,8 @@ from pipelinerl_jax.bench import reward_trend
 from pipelinerl_jax.demo import warmstart
 from pipelinerl_jax.generation import api
 from pipelinerl_jax.generation import jax_engine
-from pipelinerl_jax.models import hf_io
-from pipelinerl_jax.models import moe as moe_lib
+from pipelinerl_jax.models.hf import schema as hf_schema
+from pipelinerl_jax.models.layers import moe as moe_lib
 from pipelinerl_jax.models import transformer
 from pipelinerl_jax.pipeline import metrics as metrics_lib
 
@@ -143,7 +143,7 @@ def _routed(params, tokens, targets, positions, segment_ids, routes, replay, *, 
 def mismatch(model_dir: str, snapshots: dict[int, dict], *, prompts: int, group_size: int,
              max_tokens: int, seed: int = 1) -> list[dict]:
   """Rows of (dtype, lag, routing): see the module docstring."""
-  config = hf_io.load_config(model_dir)
+  config = hf_schema.load_config(model_dir)
   rows = []
   for dtype in ('float32', 'bfloat16'):
     c = dataclasses.replace(config, dtype=dtype)

@@ -90,7 +90,7 @@ def main(argv=None) -> dict:
   from pipelinerl_jax.generation import engines
   from pipelinerl_jax.generation.actors import generator
   from pipelinerl_jax.generation.actors import pool as pool_lib
-  from pipelinerl_jax.models import hf_io
+  from pipelinerl_jax.models.hf import checkpoint as hf_checkpoint
   from pipelinerl_jax.models import transformer
 
   session = cluster.connect(config_lib.ClusterConfig(num_cpus=args.cpus or max(actor_counts)))
@@ -101,7 +101,7 @@ def main(argv=None) -> dict:
         config = model_config(size)
         model_dir = pathlib.Path(tmp) / size
         params = [transformer.init_params(config, jax.random.PRNGKey(i)) for i in range(2)]
-        hf_io.save_params(params[0], config, model_dir)
+        hf_checkpoint.save_params(params[0], config, model_dir)
         nbytes = sum(x.nbytes for x in jax.tree.leaves(params[0]))
         spec = generator.GeneratorSpec(
             engine=engines.EngineSpec(backend='jax', num_slots=4 * args.groups,

@@ -67,7 +67,7 @@ from pipelinerl_jax import packing  # noqa: E402
 from pipelinerl_jax import sharding as sharding_lib  # noqa: E402
 from pipelinerl_jax import train  # noqa: E402
 from pipelinerl_jax.bench import step_profile  # noqa: E402
-from pipelinerl_jax.models import attention as attention_lib  # noqa: E402
+from pipelinerl_jax.models.layers import attention as attention_lib  # noqa: E402
 from pipelinerl_jax.models import transformer  # noqa: E402
 
 

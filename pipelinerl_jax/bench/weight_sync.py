@@ -3,7 +3,7 @@ to one memcpy of the params.
 
   python -m pipelinerl_jax.bench.weight_sync [--quick] [--sizes 50m,250m,500m] [--out PATH]
 
-Per size a random Qwen2 model is saved with `hf_io.save_params` under --workdir and vLLM is
+Per size a random Qwen2 model is saved with `hf_checkpoint.save_params` under --workdir and vLLM is
 started on it. `sync_s` is the median of --repeats timings of `update_params(params, v)` plus the
 `step()` that applies it (no requests in flight): the DLPack views, the completeness check and
 vLLM's `reload_weights` (copy into its params and re-pack for the CPU GEMM kernels).
@@ -86,13 +86,13 @@ def run_size(size: str, args) -> dict:
   import jax
   from pipelinerl_jax.generation.vllm import engine as vllm_engine
   from pipelinerl_jax.generation.transport import hf_tensors
-  from pipelinerl_jax.models import hf_io
+  from pipelinerl_jax.models.hf import checkpoint as hf_checkpoint
   from pipelinerl_jax.models import transformer
 
   config = model_config(size)
   model_dir = pathlib.Path(args.workdir) / f'qwen2_{size}_{args.dtype}'
   params = transformer.init_params(config, jax.random.PRNGKey(0))
-  hf_io.save_params(params, config, model_dir, dtype=args.dtype)
+  hf_checkpoint.save_params(params, config, model_dir, dtype=args.dtype)
   other = transformer.init_params(config, jax.random.PRNGKey(1))
   nbytes = sum(x.nbytes for x in jax.tree.leaves(params))
   zero_copy = hf_tensors.zero_copy_report(params, config)

@@ -37,7 +37,8 @@ from pipelinerl_jax import train
 from pipelinerl_jax.demo import char_tokenizer
 from pipelinerl_jax.generation import api as gen_api
 from pipelinerl_jax.generation import engines
-from pipelinerl_jax.models import hf_io
+from pipelinerl_jax.models.hf import checkpoint as hf_checkpoint
+from pipelinerl_jax.models.hf import schema as hf_schema
 from pipelinerl_jax.models import transformer
 from pipelinerl_jax.tasks import arithmetic
 from pipelinerl_jax.tasks import base as tasks_base
@@ -52,7 +53,7 @@ def model_dir_for(config: config_lib.Config) -> str:
   """config.model.path, or the demo model of config.model.demo and config.task, built once into
   the cache (keyed by its settings)."""
   if config.model.path:
-    return hf_io.check_model_dir(config.model.path, 'config.model.path')
+    return hf_schema.check_model_dir(config.model.path, 'config.model.path')
   task = registry.make_task(config.task)
   try:
     cache = os.path.expanduser(config.model.cache_dir or DEFAULT_CACHE)
@@ -331,7 +332,7 @@ def build_demo_model(out_dir: str | os.PathLike,
   out_dir = Path(out_dir)
   digest = settings_hash(demo, task)
   if (read_stamp(out_dir).get('settings_hash') == digest and
-      (out_dir / hf_io.SINGLE_FILE).exists()):
+      (out_dir / hf_checkpoint.SINGLE_FILE).exists()):
     return out_dir
 
   start = time.perf_counter()
@@ -352,7 +353,7 @@ def build_demo_model(out_dir: str | os.PathLike,
   tmp = out_dir.parent / f'.{out_dir.name}.tmp-{os.getpid()}'
   shutil.rmtree(tmp, ignore_errors=True)
   ids = char_tokenizer.special_token_ids(tok)
-  hf_io.save_params(params, model_config, tmp, dtype='float32',
+  hf_checkpoint.save_params(params, model_config, tmp, dtype='float32',
                     extra_config={**ids, 'bos_token_id': None})
   char_tokenizer.save_tokenizer(tok, tmp, model_max_length=demo.max_position_embeddings)
   (tmp / 'generation_config.json').write_text(json.dumps(ids, indent=2) + '\n')

@@ -95,7 +95,7 @@ class Engine(abc.ABC):
     """Publishes new weights; safe to call from another thread. They take effect at the next
     token step (a newer update before then replaces this one); sequences in flight continue.
 
-    An engine built on a frozen base with LoRA adapters (models/lora.py) takes the adapters
+    An engine built on a frozen base with LoRA adapters (models/layers/lora.py) takes the adapters
     alone and keeps its base.
 
     Ownership contract: the engine keeps `params` (or, on another device, a copy of them) until

@@ -119,15 +119,15 @@ def make_engine(spec: EngineSpec, model_config, *, params=None, version: int = 0
     if params is None:
       raise ValueError('make_engine: the JAX engine needs params')
     from pipelinerl_jax.generation import jax_engine
-    from pipelinerl_jax.models import lora as lora_lib
+    from pipelinerl_jax.models.layers import lora as lora_lib
     if lora is not None and not isinstance(params, lora_lib.Adapted):
       if model_dir is None:
         raise ValueError('make_engine: a JAX engine given adapters alone needs model_dir (the '
                          'base)')
       import dataclasses
-      from pipelinerl_jax.models import hf_io
+      from pipelinerl_jax.models.hf import checkpoint as hf_checkpoint
       base_config = dataclasses.replace(model_config, param_dtype=model_config.dtype)
-      base = hf_io.load_params(model_dir, base_config)  # (the engine places it on `device`)
+      base = hf_checkpoint.load_params(model_dir, base_config)  # (the engine places it on `device`)
       params = lora_lib.Adapted(base, params, lora.scale)
     return jax_engine.JaxEngine(model_config, params, jax_config(spec), version=version,
                                 device=device)

@@ -2,7 +2,7 @@
 in-flight weight updates.
 
 Numerics are two pure jitted functions over an explicit `DecodeState` (the page pool and each
-slot's decode inputs; models/paged_attention.py has the pool's layout):
+slot's decode inputs; models/layers/paged_attention.py has the pool's layout):
   * `prefill` writes R context chunks into the pool through their rows' block tables; a row whose
     chunk ends its sequence's context makes its slot ready: the slot's next input is the
     sequence's last token.
@@ -81,9 +81,9 @@ import numpy as np
 from pipelinerl_jax.generation import api
 from pipelinerl_jax.generation import budget
 from pipelinerl_jax.generation import sampling
-from pipelinerl_jax.models import lora as lora_lib
-from pipelinerl_jax.models import moe as moe_lib
-from pipelinerl_jax.models import paged_attention
+from pipelinerl_jax.models.layers import lora as lora_lib
+from pipelinerl_jax.models.layers import moe as moe_lib
+from pipelinerl_jax.models.layers import paged_attention
 from pipelinerl_jax.models import transformer
 
 TRACES: collections.Counter = collections.Counter()  # function name -> times traced
@@ -399,6 +399,16 @@ class _Sequence(api.SequenceRecord):
   __hash__ = object.__hash__
 
 
+def check_servable(model_config: transformer.ModelConfig) -> None:
+  """A one-line ValueError for a model this engine cannot decode: a hybrid's Gated DeltaNet
+  layers keep a recurrent state that the paged KV cache does not hold."""
+  if model_config.is_hybrid:
+    raise ValueError(f"config.generation.backend='jax': the JAX engine does not serve hybrid "
+                     f'models ({model_config.architecture}: {len(model_config.linear_layers)} '
+                     'Gated DeltaNet layers, whose recurrent state its paged KV cache does not '
+                     'hold)')
+
+
 class _Dispatched(NamedTuple):
   drawn: jax.Array          # tokens, log mu (and routes): `unpack_drawn`
   slots: list[int]          # the slots that decoded in it
@@ -420,6 +430,7 @@ class JaxEngine(api.QueuedEngine):
 
   def __init__(self, model_config: transformer.ModelConfig, params: Any,
                config: EngineConfig = EngineConfig(), *, version: int = 0, device: Any = None):
+    check_servable(model_config)
     super().__init__(version)
     self.model_config = dataclasses.replace(model_config,
                                             decode_attention=config.decode_attention)

@@ -1,4 +1,5 @@
-"""Decoder-only LM in Flax (linen) covering Qwen2 / Qwen2.5, Qwen3 (dense and MoE) and Llama-3.
+"""Decoder-only LM in Flax (linen) covering Qwen2 / Qwen2.5, Qwen3 (dense and MoE), Qwen3.5 (the
+hybrid of Gated DeltaNet and gated full attention) and Llama-3.
 
 Parameter pytree (layers stacked on a leading axis L by `nn.scan`; kernels are [in, out]):
 
@@ -7,10 +8,19 @@ Parameter pytree (layers stacked on a leading axis L by `nn.scan`; kernels are [
   layers/attn/{q,k,v}_proj/kernel      [L, D, N*Dh | K*Dh]    (+ /bias [L, ...] when qkv_bias)
   layers/attn/o_proj/kernel            [L, N*Dh, D]
   layers/attn/{q,k}_norm/scale         [L, Dh]                (only when qk_norm: Qwen3)
+  layers/linear_attn/...                                      (a Gated DeltaNet layer's mixer
+                                                               in place of attn: Qwen3.5)
+  layers/linear_attn/in_proj_qkv/kernel [L, D, Cc]
+  layers/linear_attn/in_proj_z/kernel  [L, D, Hv*Dv]
+  layers/linear_attn/in_proj_{b,a}/kernel [L, D, Hv]
+  layers/linear_attn/conv1d/kernel     [L, Kc, 1, Cc]
+  layers/linear_attn/{A_log,dt_bias}   [L, Hv]
+  layers/linear_attn/norm/scale        [L, Dv]
+  layers/linear_attn/out_proj/kernel   [L, Hv*Dv, D]
   layers/post_attn_norm/scale          [L, D]
   layers/mlp/{gate,up}_proj/kernel     [L, D, F]
   layers/mlp/down_proj/kernel          [L, F, D]
-  layers/moe/router/kernel             [L, D, X]              (an MoE layer's MLP, models/moe.py)
+  layers/moe/router/kernel             [L, D, X]              (an MoE layer's MLP: layers/moe.py)
   layers/moe/{gate,up}_proj/kernel     [L, X, D, I]
   layers/moe/down_proj/kernel          [L, X, I, D]
   final_norm/scale                     [D]
@@ -19,42 +29,52 @@ Parameter pytree (layers stacked on a leading axis L by `nn.scan`; kernels are [
 Shape letters (the README's table): R rows, T query tokens, S key/cache positions, D model
 width, N query heads, K key/value heads, Q = N // K, Dh head dim, E rotary frequencies (Dh / 2),
 F MLP width, V vocab, L layers; J chunks of Tb positions (logits are made a chunk at a time);
-for mixtures of experts X experts, Xk experts per token, I expert width, Ls MoE layers.
+for mixtures of experts X experts, Xk experts per token, I expert width, Ls MoE layers; for
+Gated DeltaNet layers (layers/gated_delta.py) Hk / Hv key / value heads of Dk / Dv, Cc
+convolution channels, Kc convolution taps.
 
 Layers are stacked and scanned in runs of one kind (`layer_groups`): a model whose layers are all
-dense or all MoE (Qwen3-30B-A3B: every layer MoE) is one scan over `layers`; a dense layer among
-MoE ones (Qwen3-MoE's `mlp_only_layers`, `decoder_sparse_step`) splits the stack into runs
-`layers_0`, `layers_1`, ..., each its own scan over its own stacked params. Runs keep one scan's
-compile time and memory layout for the common case and cost one more scan per change of kind.
+alike (Qwen3-30B-A3B: every layer MoE) is one scan over `layers`; a change of kind (Qwen3-MoE's
+`mlp_only_layers`, `decoder_sparse_step`; Qwen3.5's `layer_types`, three Gated DeltaNet layers to
+one full-attention layer) splits the stack into runs `layers_0`, `layers_1`, ..., each its own
+scan over its own stacked params. Runs keep one scan's compile time and memory layout for the
+common case and cost one more scan per change of kind.
+
+Qwen3.5's full attention (`attention_output_gate`) has q_proj emit each head's query and a gate,
+and multiplies attention's output by sigmoid(gate) before o_proj; RoPE turns the first
+`partial_rotary_factor` of each head's dims; its RMSNorms scale by (1 + w) in fp32
+(`norm_zero_centered`).
 
 Every function that takes `params` also takes `lora.Adapted(base, adapters, scale)`: the same
-model with a low-rank delta on its projections (models/lora.py), computed unmerged.
+model with a low-rank delta on its projections (models/layers/lora.py), computed unmerged.
 
 Two entry points share one module:
   * training rows: `token_logprobs` -- packed rows with segment ids; attention never crosses a
-    segment (models/attention.py: dense, or blockwise with memory linear in the row length);
+    segment (models/layers/attention.py: dense, or blockwise with memory linear in the row length);
     returns log pi(target) and the entropy of each position's distribution.
   * generation: `decode_paged` -- writes the new tokens' keys/values into a paged KV cache
-    (models/paged_attention.py) at their positions and attends to every position at or before
-    each query's; the engine's path. `decode` does the same over a dense [L, R, S, K, Dh] cache:
-    the reference the tests compare against.
+    (models/layers/paged_attention.py) at their positions and attends to every position at or
+    before each query's; the engine's path. `decode` does the same over a dense [L, R, S, K, Dh]
+    cache: the reference the tests compare against. Neither runs a hybrid model yet: a Gated
+    DeltaNet layer decodes from its `gated_delta.LinearState`, which no cache here carries.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import math
 from typing import Any, NamedTuple
 
 import flax.linen as nn
 import jax
-from jax.ad_checkpoint import checkpoint_name
 import jax.numpy as jnp
 
-from pipelinerl_jax.models import attention as attention_lib
-from pipelinerl_jax.models import lora as lora_lib
-from pipelinerl_jax.models import moe as moe_lib
-from pipelinerl_jax.models import paged_attention
+from pipelinerl_jax.models.layers import attention as attention_lib
+from pipelinerl_jax.models.layers import full_attention
+from pipelinerl_jax.models.layers import gated_delta
+from pipelinerl_jax.models.layers import lora as lora_lib
+from pipelinerl_jax.models.layers import moe as moe_lib
+from pipelinerl_jax.models.layers import paged_attention
+from pipelinerl_jax.models.layers.common import MLP, dense, rms_norm
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,7 +89,7 @@ class RopeScaling:
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
-  """Architecture and numerics. Built from an HF config.json by `models.hf_io.load_config`."""
+  """Architecture and numerics. Built from an HF config.json by `hf.schema.load_config`."""
   vocab_size: int
   hidden_size: int
   intermediate_size: int
@@ -82,6 +102,10 @@ class ModelConfig:
   rms_norm_eps: float = 1e-6
   qkv_bias: bool = False          # Qwen2 has q/k/v biases, Llama and Qwen3 do not.
   qk_norm: bool = False           # Qwen3: an RMSNorm over Dh on every query and key head
+  # Qwen3.5: q_proj also emits a gate per head, attention's output is multiplied by its sigmoid.
+  attention_output_gate: bool = False
+  partial_rotary_factor: float = 1.0  # RoPE turns the first factor * Dh dims of each head
+  norm_zero_centered: bool = False    # Qwen3.5's RMSNorm: x * (1 + w) in fp32, w starting at 0
   tie_embeddings: bool = False
   max_position_embeddings: int = 32768
   architecture: str = 'Qwen2ForCausalLM'
@@ -100,10 +124,10 @@ class ModelConfig:
   attention: str = 'blockwise'    # 'dense' | 'blockwise' | 'cudnn'
   attention_block_q: int = 1024
   attention_block_kv: int = 1024
-  # Generation: how a decode step reads the paged KV cache (models/paged_attention.py); set by
-  # the engine from generation.decode_attention.
+  # Generation: how a decode step reads the paged KV cache (layers/paged_attention.py); set by the
+  # engine from generation.decode_attention.
   decode_attention: str = 'xla'   # 'xla' | 'pallas' | 'cudnn'
-  # Mixture of experts (Qwen3-MoE, models/moe.py): the layers in `moe_layers` replace their MLP
+  # Mixture of experts (Qwen3-MoE, layers/moe.py): the layers in `moe_layers` replace their MLP
   # by num_experts experts of width moe_intermediate_size, num_experts_per_tok per token;
   # () = a dense model. `moe_dispatch`: 'ragged' (tokens sorted by expert, grouped matmul) or
   # 'dense' (every expert on every token: the reference).
@@ -113,6 +137,17 @@ class ModelConfig:
   norm_topk_prob: bool = False
   moe_layers: tuple[int, ...] = ()
   moe_dispatch: str = 'ragged'
+  # Hybrid models (Qwen3.5, layers/gated_delta.py): the layers in `linear_layers` replace
+  # attention by a Gated DeltaNet of Hk key heads of Dk, Hv value heads of Dv and a causal
+  # convolution of Kc taps; () = every layer full attention. `linear_chunk_size`: the chunked
+  # delta rule's chunk length (training and prefill).
+  linear_layers: tuple[int, ...] = ()
+  linear_num_key_heads: int = 0
+  linear_num_value_heads: int = 0
+  linear_key_head_dim: int = 0
+  linear_value_head_dim: int = 0
+  linear_conv_kernel: int = 0
+  linear_chunk_size: int = gated_delta.DEFAULT_CHUNK
 
   def __post_init__(self):
     if self.attention not in attention_lib.IMPLEMENTATIONS:
@@ -131,11 +166,7 @@ class ModelConfig:
     if self.num_heads % self.num_kv_heads:
       raise ValueError(f'num_heads={self.num_heads} is not a multiple of '
                        f'num_kv_heads={self.num_kv_heads}')
-    layers = tuple(self.moe_layers)
-    object.__setattr__(self, 'moe_layers', layers)
-    if layers != tuple(sorted(set(layers))) or any(not 0 <= i < self.num_layers for i in layers):
-      raise ValueError(f'moe_layers={layers} must be distinct layer indices below '
-                       f'num_layers={self.num_layers}, in order')
+    layers = self._layer_indices('moe_layers')
     if layers and not (self.num_experts >= 1 and 1 <= self.num_experts_per_tok <= self.num_experts
                        and self.moe_intermediate_size >= 1):
       raise ValueError(f'MoE layers need num_experts >= num_experts_per_tok >= 1 and '
@@ -143,24 +174,72 @@ class ModelConfig:
                        f'{self.num_experts_per_tok}, {self.moe_intermediate_size}')
     if self.moe_dispatch not in moe_lib.DISPATCHES:
       raise ValueError(f'moe_dispatch={self.moe_dispatch!r} is not one of {moe_lib.DISPATCHES}')
+    if not (0 < self.partial_rotary_factor <= 1 and self.rotary_dim >= 2
+            and self.rotary_dim % 2 == 0):
+      raise ValueError(f'partial_rotary_factor={self.partial_rotary_factor} of head_dim='
+                       f'{self.head_dim} must turn an even number of dims >= 2')
+    if self._layer_indices('linear_layers'):
+      hk, hv = self.linear_num_key_heads, self.linear_num_value_heads
+      if min(hk, hv, self.linear_key_head_dim, self.linear_value_head_dim) < 1 or hv % hk:
+        raise ValueError(f'Gated DeltaNet layers need key and value heads and head dims >= 1, '
+                         f'value heads a multiple of key heads, got {hk}, {hv}, '
+                         f'{self.linear_key_head_dim}, {self.linear_value_head_dim}')
+      if self.linear_conv_kernel < 1 or self.linear_chunk_size < 1:
+        raise ValueError(f'linear_conv_kernel={self.linear_conv_kernel} and linear_chunk_size='
+                         f'{self.linear_chunk_size} must be >= 1')
+
+  def _layer_indices(self, name: str) -> tuple[int, ...]:
+    """Field `name` as a tuple (set so), checked: distinct layer indices in order."""
+    layers = tuple(getattr(self, name))
+    object.__setattr__(self, name, layers)
+    if layers != tuple(sorted(set(layers))) or any(not 0 <= i < self.num_layers for i in layers):
+      raise ValueError(f'{name}={layers} must be distinct layer indices below '
+                       f'num_layers={self.num_layers}, in order')
+    return layers
 
   @property
   def is_moe(self) -> bool:
     return bool(self.moe_layers)
 
   @property
+  def is_hybrid(self) -> bool:
+    """Gated DeltaNet layers among full-attention ones (Qwen3.5)."""
+    return bool(self.linear_layers)
+
+  @property
+  def attention_layers(self) -> tuple[int, ...]:
+    """The full-attention layers: the ones with a KV cache."""
+    linear = set(self.linear_layers)
+    return tuple(i for i in range(self.num_layers) if i not in linear)
+
+  @property
+  def rotary_dim(self) -> int:
+    """The dims of each head RoPE turns (transformers: int(head_dim * partial_rotary_factor))."""
+    return int(self.head_dim * self.partial_rotary_factor)
+
+  @property
   def num_params(self) -> int:
     d, f, v, l = self.hidden_size, self.intermediate_size, self.vocab_size, self.num_layers
     q, kv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-    per_layer = d * (q + 2 * kv) + q * d + 2 * d
+    attention = d * (q * (2 if self.attention_output_gate else 1) + 2 * kv) + q * d
     if self.qkv_bias:
-      per_layer += q + 2 * kv
+      attention += q + 2 * kv
     if self.qk_norm:
-      per_layer += 2 * self.head_dim
-    moe = len(self.moe_layers)
+      attention += 2 * self.head_dim
+    moe, linear = len(self.moe_layers), len(self.linear_layers)
     experts = self.num_experts * 3 * d * self.moe_intermediate_size + d * self.num_experts
-    return (v * d * (1 if self.tie_embeddings else 2) + l * per_layer + (l - moe) * 3 * d * f
-            + moe * experts + d)
+    mixers = (l - linear) * attention + linear * self.linear_attention_params
+    return (v * d * (1 if self.tie_embeddings else 2) + mixers + l * 2 * d
+            + (l - moe) * 3 * d * f + moe * experts + d)
+
+  @property
+  def linear_attention_params(self) -> int:
+    """Params of one Gated DeltaNet mixer (0 without linear layers)."""
+    if not self.linear_layers:
+      return 0
+    hk, hv, dk, dv, cc, kc = gated_delta.dims(self)
+    return (self.hidden_size * (cc + hv * dv + 2 * hv) + kc * cc + 2 * hv + dv
+            + hv * dv * self.hidden_size)
 
   @property
   def num_active_params(self) -> int:
@@ -172,25 +251,27 @@ class ModelConfig:
 
 class LayerGroup(NamedTuple):
   """A run of consecutive layers of one kind, scanned together over params stacked under
-  `name`: layers first..first+count-1, MoE or dense."""
+  `name`: layers first..first+count-1, MoE or dense MLP, Gated DeltaNet or full attention."""
   name: str
   first: int
   count: int
   moe: bool
+  linear: bool = False
 
 
 def layer_groups(config: ModelConfig) -> tuple[LayerGroup, ...]:
   """The model's runs of layers (see the module docstring): one group `layers` when every
   layer is of one kind, else `layers_0`, `layers_1`, ... in order."""
-  moe = set(config.moe_layers)
+  moe, linear = set(config.moe_layers), set(config.linear_layers)
   runs = []
   for i in range(config.num_layers):
-    if runs and runs[-1][2] == (i in moe):
+    kind = (i in moe, i in linear)
+    if runs and runs[-1][2] == kind:
       runs[-1][1] += 1
     else:
-      runs.append([i, 1, i in moe])
+      runs.append([i, 1, kind])
   names = ['layers'] if len(runs) == 1 else [f'layers_{j}' for j in range(len(runs))]
-  return tuple(LayerGroup(n, first, count, kind) for n, (first, count, kind) in zip(names, runs))
+  return tuple(LayerGroup(n, first, count, *kind) for n, (first, count, kind) in zip(names, runs))
 
 
 # What a rematerialized layer keeps for its backward pass besides its input (the rest is
@@ -241,155 +322,35 @@ def init_cache(config: ModelConfig, batch_size: int, max_len: int, dtype: Any = 
   return KVCache(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype))
 
 
-def rope_inv_freq(config: ModelConfig) -> jax.Array:
-  """Inverse frequencies [Dh/2], with HF's 'linear' and 'llama3' scaling rules."""
-  dh = config.head_dim
-  inv_freq = 1.0 / (config.rope_theta ** (jnp.arange(0, dh, 2, dtype=jnp.float32) / dh))
-  s = config.rope_scaling
-  if s is None:
-    return inv_freq
-  if s.kind == 'linear':
-    return inv_freq / s.factor
-  if s.kind == 'llama3':
-    # Long wavelengths are slowed by `factor`, short ones kept, the band between interpolated.
-    old_len = s.original_max_position_embeddings
-    low_wavelen, high_wavelen = old_len / s.low_freq_factor, old_len / s.high_freq_factor
-    wavelen = 2 * math.pi / inv_freq
-    scaled = jnp.where(wavelen > low_wavelen, inv_freq / s.factor, inv_freq)
-    smooth = (old_len / wavelen - s.low_freq_factor) / (s.high_freq_factor - s.low_freq_factor)
-    smoothed = (1 - smooth) * scaled / s.factor + smooth * scaled
-    is_medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
-    return jnp.where(is_medium, smoothed, scaled)
-  raise ValueError(f'rope_scaling.rope_type={s.kind!r} is not supported (default, linear, llama3)')
-
-
-def apply_rope(x_RxTxNxDh: jax.Array, positions_RxT: jax.Array, inv_freq: jax.Array) -> jax.Array:
-  """HF's non-interleaved rotary embedding (the two halves of Dh are the pairs)."""
-  angles_RxTxE = positions_RxT[..., None].astype(jnp.float32) * inv_freq
-  cos = jnp.cos(angles_RxTxE)[:, :, None, :]
-  sin = jnp.sin(angles_RxTxE)[:, :, None, :]
-  x = x_RxTxNxDh.astype(jnp.float32)
-  x1, x2 = jnp.split(x, 2, axis=-1)
-  out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
-  return out.astype(x_RxTxNxDh.dtype)
-
-
-class RMSNorm(nn.Module):
-  eps: float
-  dtype: Any
-  param_dtype: Any
-
-  @nn.compact
-  def __call__(self, x):
-    scale = self.param('scale', nn.initializers.ones, (x.shape[-1],), self.param_dtype)
-    x32 = x.astype(jnp.float32)
-    x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
-    # Cast before scaling, as HF and vLLM do, so bf16 results agree with the sampler's.
-    return x32.astype(self.dtype) * scale.astype(self.dtype)
-
-
-def _dense(features, use_bias, config, name):
-  # nn.Dense, plus a LoRA delta when the variables carry adapters for it (models/lora.py).
-  return lora_lib.Dense(features, use_bias=use_bias, dtype=config.dtype,
-                        param_dtype=config.param_dtype,
-                        kernel_init=nn.initializers.normal(0.02), name=name)
-
-
-class Attention(nn.Module):
-  config: ModelConfig
-
-  @nn.compact
-  def __call__(self, x_RxTxD, positions_RxT, segment_ids_RxT, mask_RxTxS, layer_cache,
-               spans=None):
-    c = self.config
-    b, t, _ = x_RxTxD.shape
-    q = _dense(c.num_heads * c.head_dim, c.qkv_bias, c, 'q_proj')(x_RxTxD)
-    k = _dense(c.num_kv_heads * c.head_dim, c.qkv_bias, c, 'k_proj')(x_RxTxD)
-    v = _dense(c.num_kv_heads * c.head_dim, c.qkv_bias, c, 'v_proj')(x_RxTxD)
-    q_RxTxNxDh = q.reshape(b, t, c.num_heads, c.head_dim)
-    k_RxTxKxDh = k.reshape(b, t, c.num_kv_heads, c.head_dim)
-    if c.qk_norm:  # Qwen3: each head's query and key normalized over Dh, before RoPE
-      norm = lambda name: RMSNorm(c.rms_norm_eps, c.dtype, c.param_dtype, name=name)
-      q_RxTxNxDh, k_RxTxKxDh = norm('q_norm')(q_RxTxNxDh), norm('k_norm')(k_RxTxKxDh)
-    inv_freq = rope_inv_freq(c)
-    q_RxTxNxDh = apply_rope(q_RxTxNxDh, positions_RxT, inv_freq)
-    k_RxTxKxDh = apply_rope(k_RxTxKxDh, positions_RxT, inv_freq)
-    v_RxTxKxDh = v.reshape(b, t, c.num_kv_heads, c.head_dim)
-
-    g = c.num_heads // c.num_kv_heads
-    q_RxTxKxQxDh = q_RxTxNxDh.reshape(b, t, c.num_kv_heads, g, c.head_dim)
-    new_cache = None
-    if layer_cache is None:  # training rows: keys are the row's own tokens
-      starts_RxG, lengths_RxG = spans if spans is not None else (None, None)
-      with jax.named_scope('attention_core'):  # the profile breakdown finds attention by this
-        out_RxTxKxQxDh = attention_lib.packed(
-            q_RxTxKxQxDh, k_RxTxKxDh.astype(c.dtype), v_RxTxKxDh.astype(c.dtype),
-            segment_ids_RxT, implementation=c.attention, block_q=c.attention_block_q,
-            block_kv=c.attention_block_kv, segment_starts_RxG=starts_RxG,
-            segment_lengths_RxG=lengths_RxG)
-        out_RxTxKxQxDh = checkpoint_name(out_RxTxKxQxDh, 'attention_out')
-    elif layer_cache.table is None:  # dense cache: write at each token's position, read it all
-      # The whole [L, R, S, K, Dh] cache rides in the layer scan's carry and only the T new
-      # tokens are scattered into it, so a decode step updates the cache in place instead of
-      # rebuilding it (as scanning over per-layer slices would).
-      cache_k, cache_v, layer = layer_cache.k, layer_cache.v, layer_cache.layer
-      rows = jnp.arange(b)[:, None]
-      # Positions >= S (padding) are dropped, so padded prompt tokens write nowhere.
-      cache_k = cache_k.at[layer, rows, positions_RxT].set(k_RxTxKxDh.astype(cache_k.dtype),
-                                                           mode='drop')
-      cache_v = cache_v.at[layer, rows, positions_RxT].set(v_RxTxKxDh.astype(cache_v.dtype),
-                                                           mode='drop')
-      out_RxTxKxQxDh = attention_lib.dense(
-          q_RxTxKxQxDh, jax.lax.dynamic_index_in_dim(cache_k, layer, 0, keepdims=False),
-          jax.lax.dynamic_index_in_dim(cache_v, layer, 0, keepdims=False), mask_RxTxS, c.dtype)
-      new_cache = layer_cache._replace(k=cache_k, v=cache_v)
-    else:  # paged cache: the same, through each row's block table (in place as above)
-      layer, table_RxW = layer_cache.layer, layer_cache.table
-      page_RxT, offset_RxT = paged_attention.locate(table_RxW, positions_RxT,
-                                                    layer_cache.k.shape[3])
-      pool = paged_attention.PagedKVCache(
-          paged_attention.write(layer_cache.k, layer, page_RxT, offset_RxT, k_RxTxKxDh),
-          paged_attention.write(layer_cache.v, layer, page_RxT, offset_RxT, v_RxTxKxDh))
-      out_RxTxKxQxDh = paged_attention.attend(q_RxTxKxQxDh.astype(c.dtype), pool, layer,
-                                              table_RxW, positions_RxT,
-                                              implementation=c.decode_attention)
-      new_cache = layer_cache._replace(k=pool.k, v=pool.v)
-    out = out_RxTxKxQxDh.reshape(b, t, c.num_heads * c.head_dim)
-    return _dense(c.hidden_size, False, c, 'o_proj')(out), new_cache
-
-
-class MLP(nn.Module):
-  config: ModelConfig
-
-  @nn.compact
-  def __call__(self, x):
-    c = self.config
-    gate = _dense(c.intermediate_size, False, c, 'gate_proj')(x)
-    up = _dense(c.intermediate_size, False, c, 'up_proj')(x)
-    return _dense(c.hidden_size, False, c, 'down_proj')(nn.silu(gate) * up)
-
-
 class DecoderLayer(nn.Module):
   """One pre-norm block. `nn.scan` calls it with carry (x, cache) where cache is None (training:
   segment ids say who attends to whom) or a `_CacheCarry` over all layers (generation: the
   cache mask, or a paged cache's positions, do).
 
-  `moe`: the MLP is the experts (models/moe.py), which also take this layer's slice of the
+  `moe`: the MLP is the experts (models/layers/moe.py), which also take this layer's slice of the
   replayed routes [R, T, Xk] (scanned) and the mask of tokens that replay them (broadcast), and
-  whose `LayerRoutes` the scan stacks; `mesh` / `batch_axes` place the experts."""
+  whose `LayerRoutes` the scan stacks; `mesh` / `batch_axes` place the experts.
+
+  `linear`: the mixer is a Gated DeltaNet (layers/gated_delta.py) in place of attention; in
+  training rows the segment ids reset its state."""
   config: ModelConfig
   moe: bool = False
   mesh: Any = None
   batch_axes: tuple[str, ...] = ()
+  linear: bool = False
 
   @nn.compact
   def __call__(self, carry, positions_RxT, segment_ids_RxT, mask_RxTxS, spans, replay_RxT,
                routes_RxTxXk):
     x_RxTxD, cache = carry
     c = self.config
-    norm = lambda name: RMSNorm(c.rms_norm_eps, c.dtype, c.param_dtype, name=name)
-    h, cache = Attention(c, name='attn')(norm('input_norm')(x_RxTxD), positions_RxT,
-                                         segment_ids_RxT, mask_RxTxS, cache, spans)
+    norm = lambda name: rms_norm(c, name)
+    if self.linear:
+      h, _ = gated_delta.GatedDeltaNet(c, name='linear_attn')(norm('input_norm')(x_RxTxD),
+                                                              segment_ids_RxT)
+    else:
+      h, cache = full_attention.Attention(c, name='attn')(
+          norm('input_norm')(x_RxTxD), positions_RxT, segment_ids_RxT, mask_RxTxS, cache, spans)
     x_RxTxD = x_RxTxD + h
     routes = None
     if self.moe:
@@ -413,7 +374,7 @@ class Transformer(nn.Module):
   packer's (segment_starts_RxG, segment_lengths_RxG); generation passes a dense cache and the
   mask of cache slots each token sees, or a paged cache and each row's block table. An MoE model
   may be handed the experts to replay, `routes_RxTxLsxXk`, for the tokens in `replay_RxT`.
-  `mesh` / `batch_axes`: where the experts run (models/moe.py, `expert_parallel`).
+  `mesh` / `batch_axes`: where the experts run (models/layers/moe.py, `expert_parallel`).
   """
   config: ModelConfig
   mesh: Any = None
@@ -424,6 +385,9 @@ class Transformer(nn.Module):
                cache: KVCache | paged_attention.PagedKVCache | None = None, table_RxW=None,
                spans=None, routes_RxTxLsxXk=None, replay_RxT=None):
     c = self.config
+    if cache is not None and c.is_hybrid:
+      raise ValueError(f'{c.architecture}: decoding over a KV cache does not run its Gated '
+                       f'DeltaNet layers {c.linear_layers} (their state is not carried here)')
     embed = nn.Embed(c.vocab_size, c.hidden_size, dtype=c.dtype, param_dtype=c.param_dtype,
                      embedding_init=nn.initializers.normal(0.02), name='embed')
     x_RxTxD = embed(tokens_RxT)
@@ -439,17 +403,18 @@ class Transformer(nn.Module):
       layers = nn.scan(layer_cls, variable_axes={'params': 0, lora_lib.COLLECTION: 0},
                        split_rngs={'params': True},
                        in_axes=(nn.broadcast,) * 5 + (0,), length=group.count)(
-                           c, group.moe, self.mesh, self.batch_axes, name=group.name)
+                           c, group.moe, self.mesh, self.batch_axes, group.linear,
+                           name=group.name)
       (x_RxTxD, carry), group_routes = layers(
           (x_RxTxD, carry), positions_RxT, segment_ids_RxT, mask_RxTxS, spans,
           replay_RxT if replayed is not None else None, replayed)
       if group.moe:
         routes.append(group_routes)
         moe_seen += group.count
-    x_RxTxD = RMSNorm(c.rms_norm_eps, c.dtype, c.param_dtype, name='final_norm')(x_RxTxD)
+    x_RxTxD = rms_norm(c, 'final_norm')(x_RxTxD)
     if not c.tie_embeddings and self.is_initializing():
       # Created here so init makes it; applied by `logits`, which may run in fp32 / chunks.
-      _dense(c.vocab_size, False, c, 'lm_head')(x_RxTxD)
+      dense(c.vocab_size, False, c, 'lm_head')(x_RxTxD)
     new_cache = None if cache is None else type(cache)(carry.k, carry.v)
     stacked = (jax.tree.map(lambda *a: jnp.concatenate(a), *routes) if routes else None)
     return x_RxTxD, new_cache, stacked

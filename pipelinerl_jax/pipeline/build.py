@@ -25,8 +25,10 @@ from pipelinerl_jax import packing
 from pipelinerl_jax import sharding as sharding_lib
 from pipelinerl_jax import train
 from pipelinerl_jax.generation import api
-from pipelinerl_jax.models import hf_io
-from pipelinerl_jax.models import lora as lora_lib
+from pipelinerl_jax.models.hf import checkpoint as hf_checkpoint
+from pipelinerl_jax.models.hf import schema as hf_schema
+from pipelinerl_jax.models.hf import tokenizer as hf_tokenizer
+from pipelinerl_jax.models.layers import lora as lora_lib
 from pipelinerl_jax.models import transformer
 from pipelinerl_jax.pipeline import actor as actor_lib
 from pipelinerl_jax.pipeline import placements
@@ -90,7 +92,7 @@ def build_learner(config: config_lib.Config, workdir: str, model_dir: str,
                   started: contextlib.ExitStack | None = None) -> Learner:
   """Model, mesh, train state (restored from the latest checkpoint, or loaded from model_dir)
   and the jitted train step. `started` gets the checkpointer's close (see `build`)."""
-  model_config = hf_io.load_config(
+  model_config = hf_schema.load_config(
       model_dir, param_dtype=config.model.param_dtype, dtype=config.model.dtype,
       lm_head_fp32=config.model.lm_head_fp32, remat=config.model.remat,
       remat_policy=config.model.remat_policy,
@@ -121,7 +123,7 @@ def build_learner(config: config_lib.Config, workdir: str, model_dir: str,
     load_config = model_config if lora is None else checkpoint_lib.frozen_base_config(model_config)
     shapes = jax.eval_shape(lambda k: transformer.init_params(load_config, k),
                             jax.random.PRNGKey(0))
-    base = hf_io.load_params(model_dir, load_config,
+    base = hf_checkpoint.load_params(model_dir, load_config,
                              shardings=sharding_lib.param_shardings(shapes, mesh))
   if restored:
     state, state_sh, resumed = restored
@@ -173,8 +175,8 @@ def _quietly(close: Callable[[], None]) -> None:
 def _build(config: config_lib.Config, workdir: str, model_dir: str,
            started: contextlib.ExitStack, check_interrupt: Callable[[], None],
            trainers=None) -> Parts:
-  tokenizer = hf_io.load_tokenizer(model_dir)
-  stop_ids = hf_io.stop_token_ids(model_dir, tokenizer)
+  tokenizer = hf_tokenizer.load_tokenizer(model_dir)
+  stop_ids = hf_tokenizer.stop_token_ids(model_dir, tokenizer)
   task = registry.make_task(config.task, tokenizer)
   started.callback(_quietly, task.close)
   check_interrupt()

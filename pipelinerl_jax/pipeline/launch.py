@@ -33,8 +33,8 @@ from pipelinerl_jax import platforms
 from pipelinerl_jax import stack as stack_lib
 from pipelinerl_jax import train
 from pipelinerl_jax.demo import warmstart
-from pipelinerl_jax.models import hf_io
-from pipelinerl_jax.models import lora as lora_lib
+from pipelinerl_jax.models.hf import schema as hf_schema
+from pipelinerl_jax.models.layers import lora as lora_lib
 from pipelinerl_jax.pipeline import build as build_lib
 from pipelinerl_jax.pipeline import multiprocess
 from pipelinerl_jax.pipeline import run as run_lib
@@ -101,13 +101,19 @@ def check(config: config_lib.Config, workdir: str,
           installed: stack_lib.Stack | None = None) -> None:
   """What a run needs beyond a consistent config: the model and the data named, what the
   installed stack can run (`installed`, default: read now, JAX's device included), a model dir
-  LoRA can adapt, the backend installed (vLLM, Ray), the workdir writable,
-  config.cluster.interface on this host."""
+  LoRA can adapt and the JAX engine serves (backend 'jax'), the backend installed (vLLM, Ray),
+  the workdir writable, config.cluster.interface on this host."""
   config.check_runnable()
   stack_lib.check(config, installed)  # reads the model's config.json, never its weights
-  if config.model.lora.enabled and config.model.path:  # its config.json, before any weight loads
-    lora_lib.check_base(hf_io.load_config(
-        hf_io.check_model_dir(config.model.path, 'config.model.path')))
+  lora, jax_backend = config.model.lora.enabled, config.generation.backend == 'jax'
+  if (lora or jax_backend) and config.model.path:  # its config.json, before any weight loads
+    model_config = hf_schema.load_config(
+        hf_schema.check_model_dir(config.model.path, 'config.model.path'))
+    if lora:
+      lora_lib.check_base(model_config)
+    if jax_backend:
+      from pipelinerl_jax.generation import jax_engine
+      jax_engine.check_servable(model_config)
   build_lib.check_backend_installed(config)  # before the demo model is built
   workdir_lib.check_dir(workdir, '--workdir')
   if config.cluster.interface:  # this host's side of the network the hosts share
@@ -125,7 +131,7 @@ def prepare(config: config_lib.Config, workdir: str, model_dir: str | None = Non
   else:
     check(config, workdir)
   if not model_dir and config.model.path:
-    model_dir = hf_io.check_model_dir(config.model.path, 'config.model.path')
+    model_dir = hf_schema.check_model_dir(config.model.path, 'config.model.path')
   if not model_dir:
     model_dir = distributed.primary_first(lambda: warmstart.model_dir_for(config), 'demo model')
   signals.check(interrupt)
@@ -176,7 +182,7 @@ def claim_outputs(config: config_lib.Config, workdir: str, model_dir: str
               f"(started {lock.took_over.get('started')}), which ended without releasing it",
               flush=True)
     m = config.model
-    model_config = hf_io.load_config(model_dir, param_dtype=m.param_dtype, dtype=m.dtype)
+    model_config = hf_schema.load_config(model_dir, param_dtype=m.param_dtype, dtype=m.dtype)
     one = checkpoint_lib.state_bytes(model_config, train.make_optimizer(config.optimizer),
                                      lora_lib.active(m.lora))
     keep = config.checkpoint.keep

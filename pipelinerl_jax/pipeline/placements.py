@@ -30,8 +30,8 @@ import jax.numpy as jnp
 from pipelinerl_jax import config as config_lib
 from pipelinerl_jax.generation import api
 from pipelinerl_jax.generation import engines
-from pipelinerl_jax.models import hf_io
-from pipelinerl_jax.models import lora as lora_lib
+from pipelinerl_jax.models.hf import schema as hf_schema
+from pipelinerl_jax.models.layers import lora as lora_lib
 
 
 def generation_device(mesh) -> jax.Device:
@@ -107,7 +107,7 @@ def transport_dtype(config: config_lib.Config, model_config, model_dir: str) -> 
   """The dtype weight updates travel in to generator actors over a collective
   (`budget.wire_dtype`: the serving dtype of vLLM over nccl, else the param dtype)."""
   from pipelinerl_jax.generation import budget
-  with open(os.path.join(model_dir, hf_io.CONFIG_FILE)) as f:
+  with open(os.path.join(model_dir, hf_schema.CONFIG_FILE)) as f:
     serving = budget.serving_dtype(json.load(f))
   g = config.generation
   if config.model.lora.enabled:  # adapters: small, sent as trained (no rounding on the way)

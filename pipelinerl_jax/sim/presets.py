@@ -15,9 +15,11 @@ model config, devices and card it is laid out for):
             the kit's at Qwen2.5-1.5B shapes (cuDNN attention, bf16 head) with the preset's remat
             policy; FLOPs per token are bench/train_step.py's count, 6 x the matmul parameters a
             token uses + 12 L (N Dh) L̄ for attention, with 4 x for LoRA (the frozen base has no
-            weight gradients). FSDP and expert splits are assumed to cost nothing.
+            weight gradients); a hybrid's attention layers only, and per Gated DeltaNet layer
+            6 Hv (3 Dk Dv + Tb (3 Dk + 2 Dv)) for its chunked delta rule. FSDP and expert splits
+            are assumed to cost nothing.
   decoding  tokens/s per generator GPU = H / step, a step = (the bf16 weights + H x L̄/2 tokens
-            of KV) / the measured copy bandwidth / the share of that bound the JAX engine reached
+            of KV + a hybrid's H Gated DeltaNet states) / the measured copy bandwidth / the share of that bound the JAX engine reached
             at that H (interpolated between the kit's H = 64 ... 1,024). vLLM generators are
             assumed to reach the same share: vLLM on CUDA has not been measured.
   together  the Appendix A model (sim/throughput.py): generators on GPUs of their own run beside
@@ -42,7 +44,8 @@ from pipelinerl_jax import accelerators
 from pipelinerl_jax import config as config_lib
 from pipelinerl_jax import memory_plan
 from pipelinerl_jax.generation import budget
-from pipelinerl_jax.models import hf_io
+from pipelinerl_jax.models.hf import schema as hf_schema
+from pipelinerl_jax.models.layers import gated_delta
 from pipelinerl_jax.sim import throughput as tp
 
 MEAN_LENGTH_SHARE = 1 / 3
@@ -98,7 +101,13 @@ def flops_per_token(m, mean_len: float, lora: bool) -> float:
   an MoE layer's matmuls are its active experts'); LoRA's base computes no weight gradient."""
   lookup = 0 if m.tie_embeddings else m.vocab_size * m.hidden_size
   matmul = (4.0 if lora else 6.0) * (m.num_active_params - lookup)
-  return matmul + 12.0 * m.num_layers * m.num_heads * m.head_dim * mean_len
+  attention = 12.0 * len(m.attention_layers) * m.num_heads * m.head_dim * mean_len
+  linear = 0.0
+  if m.is_hybrid:
+    _, hv, dk, dv, _, _ = gated_delta.dims(m)
+    linear = (6.0 * len(m.linear_layers) * hv
+              * (3 * dk * dv + m.linear_chunk_size * (3 * dk + 2 * dv)))
+  return matmul + attention + linear
 
 
 def predict(name: str, hardware: dict[str, Any], preset, measured: Measured) -> dict[str, Any]:
@@ -112,8 +121,8 @@ def predict(name: str, hardware: dict[str, Any], preset, measured: Measured) -> 
   plan = memory_plan.plan(preset, hf_config, num_devices=hardware['devices'],
                           device_gib=card.usable_gib, source=source)
   c = config_lib.validate(preset, runnable=False)
-  m = hf_io.config_from_hf(hf_config, source=source, param_dtype=c.model.param_dtype,
-                           dtype=c.model.dtype)
+  m = hf_schema.config_from_hf(hf_config, source=source, param_dtype=c.model.param_dtype,
+                               dtype=c.model.dtype)
   g = c.generation
   mean_len = MEAN_LENGTH_SHARE * (g.max_prompt_len + g.max_new_tokens)
   policy = c.model.remat_policy if c.model.remat else 'none'
@@ -121,8 +130,10 @@ def predict(name: str, hardware: dict[str, Any], preset, measured: Measured) -> 
   train_per_gpu = (mfu * card.bf16_tflops * 1e12
                    / flops_per_token(m, mean_len, c.model.lora.rank > 0))
   h = g.generator_slots
-  kv_per_token = budget.kv_page_bytes(m.num_layers, m.num_kv_heads, m.head_dim, 1, 'bfloat16')
-  step_bytes = m.num_params * 2 + h * mean_len / 2 * kv_per_token
+  kv_per_token = budget.kv_page_bytes(len(m.attention_layers), m.num_kv_heads, m.head_dim, 1,
+                                     'bfloat16')
+  state = len(m.linear_layers) * gated_delta.state_bytes(m, 'bfloat16') if m.is_hybrid else 0
+  step_bytes = m.num_params * 2 + h * (mean_len / 2 * kv_per_token + state)
   hs, shares = zip(*measured.roofline)
   share = float(np.interp(h, hs, shares))
   decode_per_gpu = h / (step_bytes / (measured.copy_gb_per_s * 1e9) / share)

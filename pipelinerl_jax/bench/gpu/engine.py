@@ -17,7 +17,7 @@ from typing import Any
 from pipelinerl_jax.bench.gpu import section as section_lib
 
 
-# Paged decode attention tried besides 'xla' (models/paged_attention.py): on a GPU each is
+# Paged decode attention tried besides 'xla' (models/layers/paged_attention.py): on a GPU each is
 # checked against the XLA read, timed, and the fastest correct one runs the engine; on CPU
 # (--quick) the Pallas kernel runs in its interpreter, for the numbers only.
 ENGINE_KERNELS = ('pallas', 'cudnn')
@@ -40,7 +40,7 @@ def attention_case(config, h: int, prompt_len: int, new_tokens: int, seed: int =
   import jax
   import jax.numpy as jnp
   import numpy as np
-  from pipelinerl_jax.models import paged_attention as paged
+  from pipelinerl_jax.models.layers import paged_attention as paged
   z = ENGINE_PAGE_SIZE
   max_len = prompt_len + new_tokens
   width = -(-max_len // z)
@@ -72,7 +72,7 @@ def check_attention(impl: str, case: dict, repeats: int, interpret: bool) -> dic
   import jax
   import jax.numpy as jnp
   import numpy as np
-  from pipelinerl_jax.models import paged_attention as paged
+  from pipelinerl_jax.models.layers import paged_attention as paged
   layer = jnp.int32(1)
 
   def read(impl, width, interpret=False):

@@ -8,9 +8,7 @@ bench/moe_layer.py's, one process per split, each an item as it ends.
 
 from __future__ import annotations
 
-import json
 import pathlib
-import subprocess
 import sys
 from typing import Any
 
@@ -26,16 +24,9 @@ def run(s: section_lib.Section) -> None:
     out = pathlib.Path(s.args.workdir) / f'moe_layer_{split}.json'
     cmd = [sys.executable, '-m', 'pipelinerl_jax.bench.moe_layer', f'--expert_split={split}',
            f'--out={out}'] + (['--quick'] if s.args.quick else [])
-    try:
-      proc = subprocess.run(cmd, capture_output=True, text=True, timeout=s.remaining())
-    except subprocess.TimeoutExpired:
-      s.skip(name, 'time budget (cut short)')
+    report = section_lib.bench_report(s, name, cmd, out)
+    if report is None:
       continue
-    if proc.returncode or not out.exists():
-      tail = (proc.stderr.strip().splitlines() or [''])[-1]
-      s.fail(name, RuntimeError(f'bench.moe_layer exited {proc.returncode}: {tail}'))
-      continue
-    report = json.loads(out.read_text())
     seconds = {r['path']: r['seconds'] for r in report['timings']}
     s.add(name, sizes=report['sizes'], dtype=report['args']['dtype'],
           experts_held=report['experts_held'], ragged_s=seconds.get('ragged'),

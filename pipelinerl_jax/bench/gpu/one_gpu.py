@@ -40,20 +40,23 @@ def make_model_dir(out: pathlib.Path, hf_config: dict[str, Any], seed: int = 0) 
   generation_config.json; built once (kept when `out` already has its config.json)."""
   import jax
   from pipelinerl_jax.demo import char_tokenizer
-  from pipelinerl_jax.models import hf_io
+  from pipelinerl_jax.models.hf import checkpoint as hf_checkpoint
+  from pipelinerl_jax.models.hf import schema as hf_schema
+  from pipelinerl_jax.models.hf import tokenizer as hf_tokenizer
   from pipelinerl_jax.models import transformer
-  if (out / hf_io.CONFIG_FILE).is_file():
+  if (out / hf_schema.CONFIG_FILE).is_file():
     return out
   tmp = out.with_name(out.name + '.tmp')
-  config = hf_io.config_from_hf(hf_config)
+  config = hf_schema.config_from_hf(hf_config)
   params = transformer.init_params(config, jax.random.PRNGKey(seed))
   tok = char_tokenizer.build_char_tokenizer()
   ids = char_tokenizer.special_token_ids(tok)
   published = {k: v for k, v in hf_config.items() if not k.startswith('_')}
-  hf_io.save_params(params, config, tmp, dtype='bfloat16', extra_config={**published, **ids})
+  hf_checkpoint.save_params(params, config, tmp, dtype='bfloat16',
+                            extra_config={**published, **ids})
   del params
   char_tokenizer.save_tokenizer(tok, tmp, model_max_length=config.max_position_embeddings)
-  (tmp / hf_io.GENERATION_CONFIG_FILE).write_text(json.dumps(ids) + '\n')
+  (tmp / hf_tokenizer.GENERATION_CONFIG_FILE).write_text(json.dumps(ids) + '\n')
   tmp.rename(out)
   return out
 

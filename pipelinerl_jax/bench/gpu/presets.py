@@ -10,7 +10,7 @@ from typing import NamedTuple
 class TrainVariant(NamedTuple):
   """One train-step measurement of the grid: a model preset and its numerics."""
   model: str
-  attention: str           # models/attention.py: 'cudnn' | 'blockwise' | 'dense'
+  attention: str           # models/layers/attention.py: 'cudnn' | 'blockwise' | 'dense'
   remat: str               # 'none' or a transformer.REMAT_POLICIES name
   lm_head: str             # 'fp32' (an fp32 matmul) | 'dtype' (bf16, fp32 accumulation)
   micro: int               # micro-batches of the step: rows per micro-batch = rows / micro
@@ -71,6 +71,8 @@ class Sizes:
   lora_repeats: int = 3
   # The moe_layer section: the expert axis's sizes it runs one device's share of (1: whole).
   moe_expert_splits: tuple[int, ...] = (1, 4)
+  # The gated_delta section: the Qwen3.5 shapes of bench/gated_delta.py ('quick': its toy one).
+  gated_delta_shapes: tuple[str, ...] = ('2b', '9b')
 
 
 FULL = Sizes(train_grid=TRAIN_GRID, train_rows=8, train_seq_len=8192, train_steps=3,
@@ -87,7 +89,7 @@ QUICK = Sizes(train_grid=QUICK_TRAIN_GRID, train_rows=4, train_seq_len=64,
               e2e_rl_s=0.0, e2e_steps=3, budget_s=300.0, e2e_presets=('tiny',),
               collective_models=('tiny',), one_gpu_steps=2, one_gpu_new_tokens=16,
               lora_sizes=('quick',), lora_rank=8, lora_requests=4, lora_new_tokens=8,
-              lora_repeats=2, moe_expert_splits=(1, 2))
+              lora_repeats=2, moe_expert_splits=(1, 2), gated_delta_shapes=('quick',))
 PRESETS = dict(full=FULL, short=SHORT, quick=QUICK)
 
 

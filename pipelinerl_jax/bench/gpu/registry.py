@@ -18,6 +18,7 @@ from pipelinerl_jax.bench.gpu import collective
 from pipelinerl_jax.bench.gpu import e2e
 from pipelinerl_jax.bench.gpu import engine
 from pipelinerl_jax.bench.gpu import env
+from pipelinerl_jax.bench.gpu import gated_delta
 from pipelinerl_jax.bench.gpu import lora
 from pipelinerl_jax.bench.gpu import moe_layer
 from pipelinerl_jax.bench.gpu import one_gpu
@@ -63,6 +64,9 @@ SECTIONS: dict[str, SectionSpec] = {spec.name: spec for spec in (
     SectionSpec('lora', lora.run, lora.describe, weight=4.0, default=False),
     # One MoE layer's grouped matmul against the dense reference (bench/moe_layer.py's).
     SectionSpec('moe_layer', moe_layer.run, moe_layer.describe, weight=2.0, default=False),
+    # One Qwen3.5 Gated DeltaNet layer, chunked, forward and backward (bench/gated_delta.py's).
+    SectionSpec('gated_delta', gated_delta.run, gated_delta.describe, weight=2.0,
+                default=False),
 )}
 DEFAULT_SECTIONS = tuple(name for name, spec in SECTIONS.items() if spec.default)
 OPTIONAL_SECTIONS = tuple(name for name, spec in SECTIONS.items() if not spec.default)

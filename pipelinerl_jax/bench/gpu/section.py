@@ -13,6 +13,7 @@ import json
 import os
 import pathlib
 import statistics
+import subprocess
 import time
 import traceback
 from typing import Any, Callable
@@ -124,6 +125,24 @@ def run_records(run: Callable[[], dict[str, Any]], workdir: pathlib.Path
     metrics = workdir / metrics_lib.METRICS_FILE
     records = metrics_lib.read_metrics(str(metrics)) if metrics.exists() else []
   return records, error, time.perf_counter() - t0
+
+
+def bench_report(s: Section, name: str, cmd: list[str], out: pathlib.Path
+                 ) -> dict[str, Any] | None:
+  """The JSON report the bench process `cmd` (python -m pipelinerl_jax.bench.<module> ...)
+  writes to `out`, run within the section's time; None once item `name` is recorded skipped (cut
+  short by the time budget) or failed (the exit status and the last line of its stderr)."""
+  try:
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=s.remaining())
+  except subprocess.TimeoutExpired:
+    s.skip(name, 'time budget (cut short)')
+    return None
+  if proc.returncode or not out.exists():
+    tail = (proc.stderr.strip().splitlines() or [''])[-1]
+    module = '.'.join(cmd[2].split('.')[-2:])
+    s.fail(name, RuntimeError(f'{module} exited {proc.returncode}: {tail}'))
+    return None
+  return json.loads(out.read_text())
 
 
 def median_of(records: list[dict[str, Any]], key: str) -> float | None:

@@ -154,10 +154,11 @@ def _make_engine(config, model_dir: pathlib.Path, slots: int, max_len: int, **ov
 
 
 def _save_model(s: section_lib.Section, config, params, name: str) -> pathlib.Path:
-  from pipelinerl_jax.models import hf_io
+  from pipelinerl_jax.models.hf import checkpoint as hf_checkpoint
+  from pipelinerl_jax.models.hf import schema as hf_schema
   model_dir = pathlib.Path(s.args.workdir) / f'vllm-{name}'
-  if not (model_dir / hf_io.CONFIG_FILE).exists():
-    hf_io.save_params(params, config, model_dir, dtype='bfloat16')  # Qwen2.5's own dtype
+  if not (model_dir / hf_schema.CONFIG_FILE).exists():
+    hf_checkpoint.save_params(params, config, model_dir, dtype='bfloat16')  # Qwen2.5's own dtype
   return model_dir
 
 

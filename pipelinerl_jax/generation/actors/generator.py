@@ -55,7 +55,7 @@ class GeneratorSpec:
   """Everything an actor needs (picklable, no JAX objects): its engine, and how weights reach it."""
   engine: engines.EngineSpec
   model_dir: str                   # config.json (and, for vLLM, the checkpoint) on every node
-  model_overrides: dict            # hf_io.load_config kwargs: the trainer's dtypes
+  model_overrides: dict            # hf_schema.load_config kwargs: the trainer's dtypes
   transport: str = 'object_store'  # 'object_store' | 'gloo' | 'nccl'
   transport_timeout_s: float = 120.0
   bucket_mb: int = 256             # collective transports
@@ -132,8 +132,8 @@ class Generator:
 
   def _model(self):
     if self._model_config is None:
-      from pipelinerl_jax.models import hf_io
-      self._model_config = hf_io.load_config(self.spec.model_dir, **self.spec.model_overrides)
+      from pipelinerl_jax.models.hf import schema as hf_schema
+      self._model_config = hf_schema.load_config(self.spec.model_dir, **self.spec.model_overrides)
     return self._model_config
 
   @ray.method(concurrency_group='weights')

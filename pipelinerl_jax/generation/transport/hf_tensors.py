@@ -18,7 +18,7 @@ The tensors alias buffers JAX treats as immutable: receivers must only read them
 must not be donated or deleted until the receiver is done (the `api.Engine.update_params`
 ownership contract).
 
-LoRA (models/lora.py): an update is the adapters alone, named and laid out as PEFT saves them
+LoRA (models/layers/lora.py): an update is the adapters alone, named and laid out as PEFT saves them
 (A [Ra, Di] and B [Do, Ra] per layer, torch's Linear layout: `lora.peft_shapes`); the
 `update_*` functions take the run's `config.LoraSettings` (None: a full update) and pick the
 one layout or the other.
@@ -44,8 +44,8 @@ import numpy as np
 import torch
 
 from pipelinerl_jax import config as config_lib
-from pipelinerl_jax.models import hf_io
-from pipelinerl_jax.models import lora as lora_lib
+from pipelinerl_jax.models.hf import names as hf_names
+from pipelinerl_jax.models.layers import lora as lora_lib
 from pipelinerl_jax.models import transformer
 
 # HF names of the parts that vLLM loads into one fused module, -> that module's name.
@@ -65,7 +65,7 @@ def module_of(hf_name: str) -> str:
 
 def expected_shapes(config: transformer.ModelConfig) -> dict[str, tuple[int, ...]]:
   """{hf_name: HF shape} of every tensor a full update carries."""
-  return {name: spec.hf_shape for name, spec, _ in hf_io.checkpoint_order(config)}
+  return {name: spec.hf_shape for name, spec, _ in hf_names.checkpoint_order(config)}
 
 
 def leaf_to_torch(x: Any) -> torch.Tensor:
@@ -94,9 +94,9 @@ def hf_torch_tensors(params, config: transformer.ModelConfig
   early has touched only what it read.
   """
   converted: dict[tuple[str, ...], torch.Tensor] = {}
-  for name, spec, index in hf_io.checkpoint_order(config):
+  for name, spec, index in hf_names.checkpoint_order(config):
     if spec.path not in converted:
-      converted[spec.path] = leaf_to_torch(hf_io.leaf_at(params, spec.path))
+      converted[spec.path] = leaf_to_torch(hf_names.leaf_at(params, spec.path))
     t = converted[spec.path]
     if tuple(t.shape) != spec.shape:
       raise ValueError(f'leaf {"/".join(spec.path)} has shape {tuple(t.shape)}, the config '
@@ -112,7 +112,7 @@ def gathered_torch_tensors(params, config: transformer.ModelConfig, device: jax.
   onto `device` and handed over as a DLPack alias of that one-device array (a CUDA tensor on a
   GPU). A sender that copies each tensor into its bucket and drops it holds one HF tensor
   beyond the params at a time, never a gathered model."""
-  for name, x in hf_io.hf_tensors(params, config, dtype):
+  for name, x in hf_names.hf_tensors(params, config, dtype):
     yield name, torch.from_dlpack(jax.device_put(x, device))
 
 
@@ -126,8 +126,8 @@ def params_from_hf(tensors: Iterable[tuple[str, torch.Tensor]], config: transfor
   to_np = lambda t: (t.view(torch.int16).numpy().view(ml_dtypes.bfloat16)
                      if t.dtype == torch.bfloat16 else t.numpy())
   params: dict = {}
-  for spec in hf_io.name_map(config):
-    leaf = hf_io.assemble(spec, lambda name: to_np(got[name]))
+  for spec in hf_names.name_map(config):
+    leaf = hf_names.assemble(spec, lambda name: to_np(got[name]))
     node = params
     for key in spec.path[:-1]:
       node = node.setdefault(key, {})
@@ -182,8 +182,8 @@ def is_zero_copy(tensor: torch.Tensor, leaf: Any) -> bool:
 
 def zero_copy_report(params, config: transformer.ModelConfig) -> dict[str, bool]:
   """{hf_name: aliases the params' buffer}, for every tensor `hf_torch_tensors` yields."""
-  leaves = {spec.path: hf_io.leaf_at(params, spec.path) for spec in hf_io.name_map(config)}
-  specs = {name: spec for name, spec, _ in hf_io.checkpoint_order(config)}
+  leaves = {spec.path: hf_names.leaf_at(params, spec.path) for spec in hf_names.name_map(config)}
+  specs = {name: spec for name, spec, _ in hf_names.checkpoint_order(config)}
   return {name: is_zero_copy(t, leaves[specs[name].path])
           for name, t in hf_torch_tensors(params, config)}
 

@@ -47,11 +47,11 @@ def expected_digest(model_config, lora=None) -> str:
   """`tree_digest` of the params this model's engine takes, from its config alone; with `lora`
   (a `config.LoraSettings`) of the adapters, which are then its updates."""
   import numpy as np
-  from pipelinerl_jax.models import hf_io
-  from pipelinerl_jax.models import lora as lora_lib
+  from pipelinerl_jax.models.hf import names as hf_names
+  from pipelinerl_jax.models.layers import lora as lora_lib
   tree: dict = {}
   dtype = np.dtype(model_config.param_dtype)
-  shapes = ({spec.path: spec.shape for spec in hf_io.name_map(model_config)} if lora is None
+  shapes = ({spec.path: spec.shape for spec in hf_names.name_map(model_config)} if lora is None
             else lora_lib.shapes(model_config, lora))
   for path, shape in shapes.items():
     node = tree

@@ -43,7 +43,7 @@ continue. Only when that rollback also fails is the engine marked broken.
 staging buffer, see generation/actors/generator.py), and `apply_update` loads a pending update
 without generating, for a caller that must know when the source buffers are no longer read.
 
-LoRA (`lora=`, models/lora.py): the engine serves the checkpoint as the frozen base and its
+LoRA (`lora=`, models/layers/lora.py): the engine serves the checkpoint as the frozen base and its
 updates are adapters alone, `update_params(adapters, version)` (or PEFT-named tensors through
 `update_hf_tensors`), landed between two token steps the way `VllmEngineConfig.lora_update`
 says (generation/vllm/lora_updates.py): 'merge' (the default) reloads W + s A B merged in fp32
@@ -77,8 +77,12 @@ from pipelinerl_jax.generation import api
 from pipelinerl_jax.generation import budget
 from pipelinerl_jax.generation.transport import hf_tensors
 from pipelinerl_jax.generation.vllm import lora_updates
-from pipelinerl_jax.models import hf_io
-from pipelinerl_jax.models import lora as lora_lib
+from pipelinerl_jax.models.hf import checkpoint as hf_checkpoint
+from pipelinerl_jax.models.hf import files as hf_files
+from pipelinerl_jax.models.hf import names as hf_names
+from pipelinerl_jax.models.hf import peft as hf_peft
+from pipelinerl_jax.models.hf import schema as hf_schema
+from pipelinerl_jax.models.layers import lora as lora_lib
 
 _FINISH_REASONS = {'stop': 'stop', 'length': 'length'}
 _NO_ROLLBACK = object()  # marks weights that cannot be rebuilt for a rollback
@@ -167,7 +171,7 @@ def _remove_file_store(worker) -> None:
 
 
 def _checkpoint_dtype(model_dir: Path) -> str:
-  return budget.serving_dtype(json.loads((model_dir / hf_io.CONFIG_FILE).read_text())) or 'auto'
+  return budget.serving_dtype(json.loads((model_dir / hf_schema.CONFIG_FILE).read_text())) or 'auto'
 
 
 def device_kwargs(config: VllmEngineConfig, on_cuda: bool,
@@ -192,13 +196,13 @@ def device_kwargs(config: VllmEngineConfig, on_cuda: bool,
 
 def checkpoint_shapes(model_dir: Path) -> dict[str, tuple[int, ...]]:
   """{hf_name: shape} of the tensors stored in an HF checkpoint dir."""
-  single = model_dir / hf_io.SINGLE_FILE
+  single = model_dir / hf_checkpoint.SINGLE_FILE
   files = [single] if single.is_file() else sorted(
-      {model_dir / f for f in json.loads((model_dir / hf_io.INDEX_FILE).read_text())
+      {model_dir / f for f in json.loads((model_dir / hf_checkpoint.INDEX_FILE).read_text())
        ['weight_map'].values()})
   shapes = {}
   for f in files:
-    header, _ = hf_io.read_safetensors_header(f)
+    header, _ = hf_files.read_safetensors_header(f)
     shapes.update({name: tuple(e['shape']) for name, e in header.items()})
   return shapes
 
@@ -211,7 +215,7 @@ class VllmEngine(api.QueuedEngine):
     self.model_dir = Path(model_dir)
     self.config = config
     self.lora = lora
-    self.model_config = hf_io.load_config(self.model_dir)
+    self.model_config = hf_schema.load_config(self.model_dir)
     self._expected = hf_tensors.expected_shapes(self.model_config)
     stored = checkpoint_shapes(self.model_dir)
     tied = {'lm_head.weight'} if self.model_config.tie_embeddings else set()
@@ -287,9 +291,9 @@ class VllmEngine(api.QueuedEngine):
       self._set_pending(_Pending(lambda: self._adapter_tensors(params), version, keep=True))
       return
     problems = []
-    for spec in hf_io.name_map(self.model_config):
+    for spec in hf_names.name_map(self.model_config):
       try:
-        leaf = hf_io.leaf_at(params, spec.path)
+        leaf = hf_names.leaf_at(params, spec.path)
       except (KeyError, TypeError):
         problems.append(f'{"/".join(spec.path)} is missing')
         continue
@@ -445,7 +449,7 @@ class VllmEngine(api.QueuedEngine):
                                              serving)
       return
     with tempfile.TemporaryDirectory(prefix='lora-zero-') as d:
-      hf_io.save_peft(self._zero_adapters(numpy=True), self.model_config, self.lora, d,
+      hf_peft.save_peft(self._zero_adapters(numpy=True), self.model_config, self.lora, d,
                       base_model=str(self.model_dir))
       self._lora_request = LoRARequest('policy', lora_updates.LORA_ID, d)
       # Loaded and given its slot now, and pinned there: every request finds it, and no later
@@ -625,9 +629,9 @@ def _abort_layerwise_reload(worker):
 
 def _checkpoint_tensor(model_dir: Path, name: str):
   """One tensor of an HF checkpoint dir, read alone."""
-  single = model_dir / hf_io.SINGLE_FILE
+  single = model_dir / hf_checkpoint.SINGLE_FILE
   file = single if single.is_file() else model_dir / json.loads(
-      (model_dir / hf_io.INDEX_FILE).read_text())['weight_map'][name]
+      (model_dir / hf_checkpoint.INDEX_FILE).read_text())['weight_map'][name]
   with safetensors.safe_open(str(file), framework='pt') as f:
     return f.get_tensor(name)
 

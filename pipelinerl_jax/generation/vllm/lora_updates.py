@@ -27,8 +27,9 @@ import torch
 from pipelinerl_jax import config as config_lib
 from pipelinerl_jax.generation import budget
 from pipelinerl_jax.generation.transport import hf_tensors
-from pipelinerl_jax.models import hf_io
-from pipelinerl_jax.models import lora as lora_lib
+from pipelinerl_jax.models.hf import checkpoint as hf_checkpoint
+from pipelinerl_jax.models.hf import names as hf_names
+from pipelinerl_jax.models.layers import lora as lora_lib
 
 UPDATE_WAYS = ('slot', 'merge')
 LORA_ID = 1  # the one adapter the engine serves
@@ -112,7 +113,7 @@ class MergeWriter:
     wanted = {f'{s.module_name(i)}.weight': (s.target, i)
               for s in sent for i in range(model_config.num_layers)}
     # In checkpoint order: fused parts adjacent, as the reload wants them.
-    self._names = [(name, *wanted[name]) for name, _, _ in hf_io.checkpoint_order(model_config)
+    self._names = [(name, *wanted[name]) for name, _, _ in hf_names.checkpoint_order(model_config)
                    if name in wanted]
     self._base = dict(zip([n for n, _, _ in self._names],
                           _read_tensors(Path(model_dir), [n for n, _, _ in self._names])))
@@ -137,11 +138,11 @@ class MergeWriter:
 
 def _read_tensors(model_dir: Path, names: list[str]) -> list[torch.Tensor]:
   """Tensors of an HF checkpoint dir by name, as stored (one read per file)."""
-  single = model_dir / hf_io.SINGLE_FILE
+  single = model_dir / hf_checkpoint.SINGLE_FILE
   if single.is_file():
     where = {n: single for n in names}
   else:
-    weight_map = json.loads((model_dir / hf_io.INDEX_FILE).read_text())['weight_map']
+    weight_map = json.loads((model_dir / hf_checkpoint.INDEX_FILE).read_text())['weight_map']
     where = {n: model_dir / weight_map[n] for n in names}
   out = {}
   for file in sorted(set(where.values())):

@@ -90,12 +90,16 @@ def merged_targets(lora: config_lib.LoraSettings) -> tuple[str, ...]:
 def check_base(model_config) -> None:
   """Raises a one-line ValueError where adapters cannot cover `model_config`'s layers: a mixture
   of experts (its layers are scanned in runs of one kind, transformer.layer_groups, and its
-  experts are stacked weights, not projections)."""
+  experts are stacked weights, not projections), or a hybrid (the adapters' paths are one stack
+  of full-attention layers, `layers/attn/...`)."""
   c = model_config
   if getattr(c, 'moe_layers', ()):
     raise ValueError(f'config.model.lora: LoRA on a mixture-of-experts model ({c.num_experts} '
                      f'experts in {len(c.moe_layers)} layers) is not supported; set '
                      'model.lora.rank=0')
+  if getattr(c, 'linear_layers', ()):
+    raise ValueError(f'config.model.lora: LoRA on a hybrid model ({len(c.linear_layers)} Gated '
+                     'DeltaNet layers) is not supported; set model.lora.rank=0')
 
 
 def specs(model_config, lora: config_lib.LoraSettings) -> list[AdapterSpec]:
