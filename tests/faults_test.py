@@ -586,7 +586,7 @@ def test_training_without_tokenizer_files_fails_before_the_model_loads(model_wit
     ('', 'holds no problems'),
     ('{"problem": "1+1", "answer": "2"}\n\n{"problem": "2+2", "answer": "4"\n',
      'line 3: not valid JSON'),
-    ('{"problem": "1+1", "answer": "2"}\n[1, 2]\n', 'line 2: not a JSON object'),
+    ('{"problem": "1+1", "answer": "2"}\n[1, 2]\n', "row 1: field 'problem'"),
 ], ids=['missing', 'empty', 'malformed', 'not_an_object'])
 def test_bad_data_files_are_reported_before_the_model_loads(model_dir, tmp_path, monkeypatch,
                                                             content, message):
