@@ -16,6 +16,7 @@ from pipelinerl_jax import episodes
 from pipelinerl_jax.generation import api
 from pipelinerl_jax.generation import budget
 from pipelinerl_jax.generation import jax_engine as engine_lib
+from pipelinerl_jax.generation import paging
 from pipelinerl_jax.models.layers import attention as attention_lib
 from pipelinerl_jax.models.layers import paged_attention as paged
 from pipelinerl_jax.models import transformer
@@ -139,7 +140,7 @@ def test_writes_past_a_table_land_on_the_trash_page():
 
 
 def test_page_pool_counts_references():
-  pool = engine_lib.PagePool(6)
+  pool = paging.PagePool(6)
   a = pool.take(3)
   assert 0 not in a and pool.num_free == 2  # page 0 is the trash page
   pool.share(a[:2])                          # a second reader of two pages

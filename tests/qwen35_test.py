@@ -21,7 +21,6 @@ from pipelinerl_jax import config as config_lib
 from pipelinerl_jax import packing
 from pipelinerl_jax import sharding as sharding_lib
 from pipelinerl_jax import train
-from pipelinerl_jax.generation import jax_engine
 from pipelinerl_jax.models import transformer as tfm
 from pipelinerl_jax.models.hf import checkpoint as hf_checkpoint
 from pipelinerl_jax.models.hf import files as hf_files
@@ -360,24 +359,22 @@ def test_fields_the_model_cannot_honour_are_refused(hf, message):
   assert '\n' not in str(e.value)
 
 
-def test_the_jax_engine_decode_and_lora_refuse_a_hybrid_in_one_line(checkpoint, tmp_path):
-  """Until the engine keeps a recurrent state beside its KV cache: its constructor refuses, so
-  does the run's check of a config that names a hybrid dir with backend 'jax', and decoding over
-  a KV cache; LoRA's adapters cover a stack of attention layers only."""
+def test_a_run_with_the_jax_engine_passes_its_check_and_lora_is_refused_in_one_line(
+    checkpoint, tmp_path):
+  """The run's check takes a hybrid dir with backend 'jax' (the engine serves it:
+  tests/hybrid_engine_test.py); decoding over a cache without the linear layers' states is
+  refused naming them; LoRA's adapters cover a stack of attention layers only."""
   from pipelinerl_jax.pipeline import launch
-  expected = (r"^config.generation.backend='jax': the JAX engine does not serve hybrid models "
-              r'\(Qwen3_5ForCausalLM: 3 Gated DeltaNet layers')
   params = hybrid_params()
-  with pytest.raises(ValueError, match=expected):
-    jax_engine.JaxEngine(HYBRID, params, jax_engine.EngineConfig(num_slots=2, max_seq_len=16))
-  with pytest.raises(ValueError, match=r'Qwen3_5ForCausalLM: decoding over a KV cache does not '
-                                       r'run its Gated DeltaNet layers \(0, 1, 3\)'):
+  cache = tfm.init_cache(HYBRID, 1, 8)
+  assert cache.k.shape[0] == 1 and cache.linear.recurrent.shape == (3, 1, 4, 8, 8)
+  with pytest.raises(ValueError, match=r'Qwen3_5ForCausalLM: a generation cache without the '
+                                       r'states of its Gated DeltaNet layers \(0, 1, 3\)'):
     tfm.decode(params, HYBRID, jnp.ones((1, 2), jnp.int32), jnp.arange(2)[None],
-               tfm.init_cache(HYBRID, 1, 8))
+               cache._replace(linear=None))
   path, _ = checkpoint('text_untied_conv4')
   config = config_lib.load_preset('tiny')
   config.model.path = str(path)
-  with pytest.raises(ValueError, match=expected):
-    launch.check(config_lib.validate(config), str(tmp_path / 'run'))
+  launch.check(config_lib.validate(config), str(tmp_path / 'run'))
   with pytest.raises(ValueError, match=re.escape('config.model.lora: LoRA on a hybrid model (3 Gat')):
     lora_lib.specs(HYBRID, config_lib.LoraSettings(rank=2, alpha=4.0))

@@ -6,6 +6,7 @@ memory plan (`memory_plan.py`) computes ahead of a run:
   STAGING_BUFFERS       how many whole updates a generator holds staged at once
   vllm_memory_fraction  the `gpu_memory_utilization` vLLM is given on a CUDA device
   kv_pool_pages         the pages of the JAX engine's paged KV cache
+  saved_states          a hybrid's Gated DeltaNet states the JAX engine keeps beside its slots'
   vllm_lora_rank        the rank vLLM's LoRA slot is allocated at (LoRA runs)
 
 vLLM's share. vLLM asks for `gpu_memory_utilization x total` bytes for its own weights,
@@ -99,6 +100,14 @@ def vllm_memory_fraction(share: float, free_bytes: int, total_bytes: int,
         f'processes, the CUDA context, the weight-staging buffer) and {reserve_bytes / GIB:.2f} '
         'GiB are kept for weight updates; raise the share or free the GPU')
   return budget / total_bytes
+
+
+def saved_states(num_slots: int) -> int:
+  """The saved Gated DeltaNet states (generation/slot_state.py) a hybrid's JAX engine keeps
+  beside its `num_slots` slots' own: one per slot, room for a shared prompt's state per slot
+  (a prompt in flight holds one) or, in multi-turn runs, a finished turn's held for the next.
+  Each is one sequence's state in every linear layer; the engine holds `num_slots` + this."""
+  return num_slots
 
 
 def kv_page_bytes(num_layers: int, num_kv_heads: int, head_dim: int, page_size: int,

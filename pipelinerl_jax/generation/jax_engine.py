@@ -15,7 +15,8 @@ in every MoE layer: the routes of the forward pass that drew the token, recorded
 mu (`api.Completion.routes`) for the trainer to replay.
 
 `JaxEngine` is the mutable shell: current params and version, the pending queue, which sequence
-sits in which slot, the page allocator (`PagePool`) and each sequence's pages. One `step()`:
+sits in which slot, the page allocator (`paging.PagePool`) and each sequence's pages. One
+`step()`:
   1. applies a pending weight update (new params only; with `recompute_kv`, every sequence in a
      slot is loaded again under them);
   2. every `sync_every` token steps (4 on a GPU, 1 on a CPU), collects the tokens of the steps
@@ -51,6 +52,16 @@ written once, under one params version, and every sample admitted under that ver
 (reference counts return them when the last reader is done); each sample writes the prompt's
 last, partial page into a page of its own, where the samples diverge.
 
+Hybrids (Qwen3.5: Gated DeltaNet layers among attention layers) keep KV pages for their
+attention layers only, and per slot a fixed-size state for each linear layer
+(`slot_state.StateStore`, whose doc says how prefill, decode, shared prompts, continued turns,
+preemption and updates treat it): a sequence's cache is its pages and its slot's state. The
+writer of a shared prompt prefills it in two chunks, the full pages first, so that the state
+after them can be saved for the other samples; a turn that may be continued saves its slot's
+state when it finishes. So that this state is the one after the turn's last input even when
+the host sees a stop late (`sync_every` > 0), a hybrid's slot parks itself on the device when
+it draws one of its stop ids: the steps dispatched after it leave its state as it is.
+
 Shapes are bucketed, so steady state never recompiles: the decode step has one variant per (model
 config, H, read width W, filtering on/off) and prefill one per (row bucket, length bucket,
 width), powers of two. W, the block-table entries a step reads, is a power-of-two bucket of the
@@ -80,7 +91,9 @@ import numpy as np
 
 from pipelinerl_jax.generation import api
 from pipelinerl_jax.generation import budget
+from pipelinerl_jax.generation import paging
 from pipelinerl_jax.generation import sampling
+from pipelinerl_jax.generation import slot_state
 from pipelinerl_jax.models.layers import lora as lora_lib
 from pipelinerl_jax.models.layers import moe as moe_lib
 from pipelinerl_jax.models.layers import paged_attention
@@ -146,11 +159,14 @@ class Slots(NamedTuple):
   temperature: jax.Array  # fp32
   top_k: jax.Array        # int32, 0 = off
   top_p: jax.Array        # fp32, 1.0 = off
+  stops: jax.Array        # [H, Ks] int32: a hybrid's stop ids (-1: none), a slot that draws one
+                          # parks itself; Ks = 0 for other models
 
 
 class DecodeState(NamedTuple):
-  pool: paged_attention.PagedKVCache  # [L, A, K, Z, Dh]
+  pool: paged_attention.PagedKVCache  # [La, A, K, Z, Dh]: the attention layers'
   slots: Slots
+  linear: slot_state.StateStore | None  # a hybrid's linear layers' states
 
 
 class Chunk(NamedTuple):
@@ -166,9 +182,11 @@ class Chunk(NamedTuple):
 
 # Chunk.ints' columns: the chunk's first position and length; the slot it readies; the
 # sequence's last token (its first decode input) and that token's position (the context
-# length); the request seed's high and low words (uint32 bits); tokens already generated; top-k.
-(START, LENGTH, SLOT, LAST_TOKEN, NEXT_POSITION, SEED_HI, SEED_LO, STEPS, TOP_K,
- CHUNK_INTS) = range(10)
+# length); the request seed's high and low words (uint32 bits); tokens already generated; top-k;
+# where a hybrid's state starts and the slot it goes to (`slot_state.starting`, `write`); from
+# STOPS on, the Ks stop ids of the slot it readies.
+(START, LENGTH, SLOT, LAST_TOKEN, NEXT_POSITION, SEED_HI, SEED_LO, STEPS, TOP_K, STATE_FROM,
+ STATE_TO, STOPS) = range(12)
 
 
 def chunk_positions(chunk: Chunk) -> jax.Array:
@@ -178,18 +196,20 @@ def chunk_positions(chunk: Chunk) -> jax.Array:
   return jnp.where(col_T[None] < length_Rx1, start_Rx1 + col_T[None], PARKED)
 
 
-def init_state(config: transformer.ModelConfig, num_slots: int, num_pages: int, page_size: int
-               ) -> DecodeState:
-  """An all-zero pool; every slot parked."""
+def init_state(config: transformer.ModelConfig, num_slots: int, num_pages: int, page_size: int,
+               *, stop_width: int = 0, saved_states: int = 0) -> DecodeState:
+  """An all-zero pool and linear states; every slot parked. `stop_width`: Ks; `saved_states`:
+  a hybrid's saved rows (M)."""
   h = num_slots
   key_shape = jax.random.PRNGKey(0).shape
   slots = Slots(tokens=jnp.zeros((h,), jnp.int32), positions=jnp.full((h,), PARKED, jnp.int32),
                 rng=jnp.zeros((h, *key_shape), jnp.uint32), steps=jnp.zeros((h,), jnp.int32),
                 temperature=jnp.ones((h,), jnp.float32), top_k=jnp.zeros((h,), jnp.int32),
-                top_p=jnp.ones((h,), jnp.float32))
-  pool = paged_attention.init_pool(config.num_layers, num_pages, config.num_kv_heads, page_size,
-                                   config.head_dim, config.dtype)
-  return DecodeState(pool, slots)
+                top_p=jnp.ones((h,), jnp.float32),
+                stops=jnp.full((h, stop_width), -1, jnp.int32))
+  pool = paged_attention.init_pool(len(config.attention_layers), num_pages, config.num_kv_heads,
+                                   page_size, config.head_dim, config.dtype)
+  return DecodeState(pool, slots, slot_state.init(config, h, saved_states))
 
 
 def request_key(seed_2: jax.Array) -> jax.Array:
@@ -204,15 +224,18 @@ def prefill(params, state: DecodeState, chunk: Chunk, *, config: transformer.Mod
   """Writes each row's chunk into the pool; readies the slots of rows that end a context.
 
   `fresh`: every chunk starts at position 0, so it attends only to itself: it runs over a dense
-  cache of its own T positions (T x T scores, not T x W * Z) and then goes to its pages.
+  cache of its own T positions (T x T scores, not T x W * Z) and then goes to its pages (and a
+  hybrid's linear layers start from zeros).
   """
   TRACES['prefill'] += 1
   # The hidden states are not used, so no logits are made.
   positions_RxT = chunk_positions(chunk)
+  ints = chunk.ints
   if fresh:
     n, t = chunk.tokens.shape
     _, own = transformer.decode(params, config, chunk.tokens, positions_RxT,
                                 transformer.init_cache(config, n, t))  # padding: dropped
+    linear_R = own.linear
     page_RxT, offset_RxT = paged_attention.locate(chunk.table, positions_RxT,
                                                   state.pool.k.shape[3])
     to_pages = lambda pool_LxAxKxZxDh, own_LxRxTxKxDh: pool_LxAxKxZxDh.at[
@@ -221,16 +244,20 @@ def prefill(params, state: DecodeState, chunk: Chunk, *, config: transformer.Mod
                                         to_pages(state.pool.v, own.v))
   else:  # chunks of several positions read through the XLA gather (the kernels serve T = 1)
     xla = dataclasses.replace(config, decode_attention='xla')
-    _, pool, _ = transformer.decode_paged(params, xla, chunk.tokens, positions_RxT, state.pool,
-                                          chunk.table)
-  ints = chunk.ints
+    start_R = (None if state.linear is None
+               else slot_state.starting(state.linear, ints[:, STATE_FROM]))
+    _, pool, linear_R, _ = transformer.decode_paged(params, xla, chunk.tokens, positions_RxT,
+                                                    state.pool, chunk.table, start_R)
+  linear = (state.linear if linear_R is None
+            else slot_state.write(state.linear, ints[:, STATE_TO], linear_R))
   seeds_Rx2 = jax.lax.bitcast_convert_type(ints[:, SEED_HI:SEED_LO + 1], jnp.uint32)
   rows = Slots(tokens=ints[:, LAST_TOKEN], positions=ints[:, NEXT_POSITION],
                rng=jax.vmap(request_key)(seeds_Rx2), steps=ints[:, STEPS],
-               temperature=chunk.floats[:, 0], top_k=ints[:, TOP_K], top_p=chunk.floats[:, 1])
+               temperature=chunk.floats[:, 0], top_k=ints[:, TOP_K], top_p=chunk.floats[:, 1],
+               stops=ints[:, STOPS:])
   slots = jax.tree.map(lambda all_H, new_R: all_H.at[ints[:, SLOT]].set(new_R, mode='drop'),
                        state.slots, rows)
-  return DecodeState(pool, slots)
+  return DecodeState(pool, slots, linear)
 
 
 @functools.partial(jax.jit, static_argnames=('config', 'filtered'), donate_argnames=('state',))
@@ -247,22 +274,26 @@ def decode_step(params, state: DecodeState, table_HxW: jax.Array, *,
   """
   TRACES['decode_step'] += 1
   s = state.slots
-  h_Hx1xD, pool, experts_LsxHx1xXk = transformer.decode_paged(
-      params, config, s.tokens[:, None], s.positions[:, None], state.pool, table_HxW)
+  h_Hx1xD, pool, linear_H, experts_LsxHx1xXk = transformer.decode_paged(
+      params, config, s.tokens[:, None], s.positions[:, None], state.pool, table_HxW,
+      None if state.linear is None else state.linear.slots)
   logits_HxV = transformer.logits(params, config, h_Hx1xD, fp32_head=False)[:, 0]
   keys_H = jax.vmap(jax.random.fold_in)(s.rng, s.steps)
   if filtered:
     tokens_H, logprobs_H = sampling.sample(keys_H, logits_HxV, s.temperature, s.top_k, s.top_p)
   else:
     tokens_H, logprobs_H = sampling.sample(keys_H, logits_HxV, s.temperature)
-  slots = s._replace(tokens=tokens_H, positions=jnp.minimum(s.positions + 1, PARKED),
-                     steps=s.steps + 1)
+  positions_H = jnp.minimum(s.positions + 1, PARKED)
+  if s.stops.shape[1]:  # a hybrid: a slot that drew a stop id runs no further token
+    positions_H = jnp.where(jnp.any(tokens_H[:, None] == s.stops, axis=1), PARKED, positions_H)
+  slots = s._replace(tokens=tokens_H, positions=positions_H, steps=s.steps + 1)
   drawn = jnp.stack([tokens_H, jax.lax.bitcast_convert_type(logprobs_H, jnp.int32)])
   if experts_LsxHx1xXk is not None:
     h = tokens_H.shape[0]
     experts = experts_LsxHx1xXk[:, :, 0].transpose(0, 2, 1).reshape(-1, h).astype(jnp.int32)
     drawn = jnp.concatenate([drawn, experts])
-  return DecodeState(pool, slots), drawn
+  linear = state.linear if linear_H is None else state.linear._replace(slots=linear_H)
+  return DecodeState(pool, slots, linear), drawn
 
 
 def unpack_drawn(drawn: np.ndarray, config: transformer.ModelConfig
@@ -318,50 +349,6 @@ def _seed_words(seed: int) -> tuple[int, int]:
   return seed >> 32, seed & 0xFFFFFFFF
 
 
-class PagePool:
-  """The host's allocator of the pool's pages: ids 1..A-1 (0 is the trash page), each with a
-  reference count (a prompt's pages are held by every sample that reads them)."""
-
-  def __init__(self, num_pages: int):
-    if num_pages < 2:
-      raise ValueError(f'a KV pool needs at least 2 pages (one is the trash page), got '
-                       f'{num_pages}')
-    self.num_pages = num_pages
-    self._free = list(range(num_pages - 1, 0, -1))  # popped from the end: lowest ids first
-    self._refs = [0] * num_pages
-    self.peak_in_use = 0
-
-  @property
-  def num_free(self) -> int:
-    return len(self._free)
-
-  def take(self, n: int) -> list[int]:
-    if n > len(self._free):
-      raise RuntimeError(f'{n} pages asked, {len(self._free)} free')  # callers check first
-    free, refs = self._free, self._refs
-    pages = free[len(free) - n:]
-    del free[len(free) - n:]
-    pages.reverse()  # as popping one by one would give them
-    for p in pages:
-      refs[p] = 1
-    in_use = self.num_pages - 1 - len(free)
-    if in_use > self.peak_in_use:
-      self.peak_in_use = in_use
-    return pages
-
-  def share(self, pages: list[int]) -> None:
-    for p in pages:
-      assert self._refs[p] > 0, f'page {p} is not in use'
-      self._refs[p] += 1
-
-  def release(self, pages: list[int]) -> None:
-    for p in pages:
-      self._refs[p] -= 1
-      assert self._refs[p] >= 0, f'page {p} released twice'
-      if self._refs[p] == 0:
-        self._free.append(p)
-
-
 @dataclasses.dataclass(eq=False)
 class _Prefix:
   """The full pages of a prompt's context, written once under `version` by `writer`; valid for
@@ -372,6 +359,15 @@ class _Prefix:
   writer: '_Sequence'
   ready: bool = False   # the writer's prefill of these pages is dispatched
   holders: int = 0
+  state_row: int | None = None  # a hybrid's: the saved row of the state after these pages
+
+
+class _Held(NamedTuple):
+  """A finished turn that an episode may continue: the pool holds the KV of all its tokens but
+  the last in `pages`; a hybrid's saved row `state_row` holds its state after them."""
+  seq: '_Sequence'
+  pages: list[int]
+  state_row: int | None
 
 
 @dataclasses.dataclass(eq=False)
@@ -391,22 +387,16 @@ class _Sequence(api.SequenceRecord):
   prefix: _Prefix | None = None
   context: list[int] = dataclasses.field(default_factory=list)  # (prompt + tokens)[:-1]
   loaded: int = 0                 # context positions whose prefill is dispatched
+  # A hybrid's: where the state its next chunk starts from is (`slot_state.starting`), and the
+  # saved row it owns until that chunk has read it (a continued turn's).
+  state_from: int = slot_state.FRESH
+  owned_row: int | None = None
   decoding: bool = False
   first_step: int = 0             # tokens of earlier decode steps are not its own (any more)
   done: bool = False
 
   __eq__ = object.__eq__  # identity, as the host's bookkeeping means it
   __hash__ = object.__hash__
-
-
-def check_servable(model_config: transformer.ModelConfig) -> None:
-  """A one-line ValueError for a model this engine cannot decode: a hybrid's Gated DeltaNet
-  layers keep a recurrent state that the paged KV cache does not hold."""
-  if model_config.is_hybrid:
-    raise ValueError(f"config.generation.backend='jax': the JAX engine does not serve hybrid "
-                     f'models ({model_config.architecture}: {len(model_config.linear_layers)} '
-                     'Gated DeltaNet layers, whose recurrent state its paged KV cache does not '
-                     'hold)')
 
 
 class _Dispatched(NamedTuple):
@@ -430,7 +420,6 @@ class JaxEngine(api.QueuedEngine):
 
   def __init__(self, model_config: transformer.ModelConfig, params: Any,
                config: EngineConfig = EngineConfig(), *, version: int = 0, device: Any = None):
-    check_servable(model_config)
     super().__init__(version)
     self.model_config = dataclasses.replace(model_config,
                                             decode_attention=config.decode_attention)
@@ -446,10 +435,19 @@ class JaxEngine(api.QueuedEngine):
     self._adapter_layout = (jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype),
                                          params.adapters) if self._lora_scale else None)
     self._params = self._serving(self._place(params))
-    self._pages = PagePool(self._pool_size())
+    self._pages = paging.PagePool(self._pool_size())
     h = config.num_slots
-    self._state = self._place(init_state(self.model_config, h, self._pages.num_pages,
-                                         config.page_size))
+    # A hybrid's saved states (shared prompts, held turns), the copies into them not yet
+    # dispatched ((slot, row): before the next prefill, which may load another sequence into
+    # the slot), and the stop ids its slots park on.
+    self._hybrid = self.model_config.is_hybrid
+    self._saved = slot_state.SavedRows(budget.saved_states(h) if self._hybrid else 0)
+    self._saves: list[tuple[int, int]] = []
+    self._stop_width = (_pow2_at_least(max(1, len(config.eos_token_ids))) if self._hybrid
+                        else 0)
+    self._state = self._place(init_state(
+        self.model_config, h, self._pages.num_pages, config.page_size,
+        stop_width=self._stop_width, saved_states=self._saved.num_rows))
     self._slots: list[_Sequence | None] = [None] * h
     self._loading: list[_Sequence] = []   # in a slot, their context not all prefilled yet
     # Per slot, for the sequence decoding there (the host's mirror of the device): the
@@ -466,9 +464,8 @@ class JaxEngine(api.QueuedEngine):
     # Not in a slot yet: preempted ones (oldest first), then requests taken from the queue.
     self._waiting: collections.deque[_Sequence] = collections.deque()
     self._prefixes: dict[tuple[int, ...], _Prefix] = {}
-    # Finished continuable requests' pages, by request id, oldest first: (the sequence, its
-    # pages); the pool holds the KV of all its tokens but the last.
-    self._held: dict[str, tuple[_Sequence, list[int]]] = {}
+    # Finished continuable requests by request id, oldest first.
+    self._held: dict[str, _Held] = {}
     self._pending: list[_Dispatched] = []
     self._dispatched = 0
     self._table = np.zeros((h, config.table_width), np.int32)
@@ -519,7 +516,7 @@ class JaxEngine(api.QueuedEngine):
               if stats.get('bytes_limit') else None)
       pages = budget.kv_pool_pages(
           num_slots=c.num_slots, max_seq_len=c.max_seq_len, page_size=c.page_size,
-          page_bytes=budget.kv_page_bytes(m.num_layers, m.num_kv_heads, m.head_dim,
+          page_bytes=budget.kv_page_bytes(len(m.attention_layers), m.num_kv_heads, m.head_dim,
                                           c.page_size, m.dtype),
           pool_mb=c.pool_mb, free_bytes=free)
     if c.decode_attention != 'cudnn':
@@ -605,8 +602,9 @@ class JaxEngine(api.QueuedEngine):
                 step_seconds=self._step_seconds, busy_slots=busy, num_slots=len(self._slots),
                 pending=pending, version=self._version, kv_pages=self._pages.num_pages - 1,
                 kv_pages_free=self._pages.num_free, kv_pages_peak=self._pages.peak_in_use,
-                kv_pages_held=sum(len(pages) for _, pages in self._held.values()),
-                kv_page_size=self.config.page_size, sync_every=self._sync_every)
+                kv_pages_held=sum(len(h.pages) for h in self._held.values()),
+                kv_page_size=self.config.page_size, sync_every=self._sync_every,
+                saved_states=self._saved.num_rows, saved_states_free=self._saved.num_free)
 
   def precompile(self) -> int:
     """Compiles the decode step (unfiltered) for every read width it may use, so no token step
@@ -639,7 +637,7 @@ class JaxEngine(api.QueuedEngine):
     self._params = self._state = self._next_params = None
     self._slots = [None] * self.config.num_slots
     self._pending, self._table_dev, self._prefixes, self._loading = [], {}, {}, []
-    self._held = {}
+    self._held, self._saves = {}, []
     self._waiting.clear()
     self._requests.clear()
 
@@ -682,11 +680,11 @@ class JaxEngine(api.QueuedEngine):
   # Slots and pages.
 
   def _place_sequence(self, seq: _Sequence, slot: int, prefix: _Prefix | None,
-                      held: tuple[list[int], int] | None = None) -> None:
+                      held: tuple[_Held, int] | None = None) -> None:
     """Gives `seq` the slot and pages to load its context and decode `lookahead` steps (the
-    caller has checked there are enough free pages), sharing its prompt's pages when `prefix`
-    (`_usable_prefix`) is given, or taking over the previous turn's (pages, positions they
-    hold) when `held` (`_held_for`) is."""
+    caller has checked there are enough free pages), sharing its prompt's pages (and a hybrid's
+    state after them) when `prefix` (`_usable_prefix`) is given, or taking over the previous
+    turn's (held turn, positions its pages hold) when `held` (`_held_for`) is."""
     context = list(seq.request.prompt_tokens)
     context += seq.tokens
     context.pop()
@@ -694,13 +692,16 @@ class JaxEngine(api.QueuedEngine):
     seq.slot, seq.decoding, seq.first_step = slot, False, self._dispatched
     last_needed = seq.last_needed
     last = min(position + self._lookahead - 1, last_needed)
+    seq.state_from = slot_state.FRESH
     if held is not None:
+      entry, loaded = held
       del self._held[seq.request.continues]
-      pages, loaded = held
       total = self._pages_through(last)
-      self._pages.release(pages[total:])  # (pages it reserved for steps it never took)
-      seq.pages = pages[:total] + self._pages.take(max(0, total - len(pages)))
+      self._pages.release(entry.pages[total:])  # (pages it reserved for steps it never took)
+      seq.pages = entry.pages[:total] + self._pages.take(max(0, total - len(entry.pages)))
       seq.loaded = loaded
+      if entry.state_row is not None:
+        seq.state_from, seq.owned_row = self._saved_address(entry.state_row), entry.state_row
       self._counts['kv_held_reused'] += 1
       self._counts['kv_held_positions_reused'] += loaded
     elif prefix is None:
@@ -712,10 +713,17 @@ class JaxEngine(api.QueuedEngine):
       self._counts['prompt_pages_shared'] += len(shared)
       seq.pages = shared + self._pages.take(self._pages_through(last) - len(shared))
       seq.loaded = len(shared) * self.config.page_size
+      if prefix.state_row is not None:
+        seq.state_from = self._saved_address(prefix.state_row)
     if prefix is None and seq.prompt_pages and seq.request.continues is None:
-      prefix = _Prefix(key=tuple(seq.request.prompt_tokens), pages=seq.pages[:seq.prompt_pages],
-                       version=self._version, writer=seq, holders=1)
-      self._prefixes[prefix.key] = prefix
+      # A hybrid's samples also need the state after the shared pages: a saved row, if one is
+      # free (else no sharing: each sample loads its whole prompt).
+      row = self._saved.take() if self._hybrid else None
+      if row is not None or not self._hybrid:
+        prefix = _Prefix(key=tuple(seq.request.prompt_tokens),
+                         pages=seq.pages[:seq.prompt_pages], version=self._version, writer=seq,
+                         holders=1, state_row=row)
+        self._prefixes[prefix.key] = prefix
     seq.prefix = prefix
     self._slots[slot] = seq
     self._loading.append(seq)
@@ -724,8 +732,11 @@ class JaxEngine(api.QueuedEngine):
 
   def _new_sequence(self, request: api.Request, eos: frozenset[int]) -> _Sequence:
     sp, n = request.sampling, len(request.prompt_tokens)
+    stop_ids = eos.union(sp.stop_token_ids) if sp.stop_token_ids else eos
+    if len(stop_ids) > self._stop_width and self._hybrid:
+      self._widen_stops(len(stop_ids))
     return _Sequence(
-        request, stop_ids=eos.union(sp.stop_token_ids) if sp.stop_token_ids else eos,
+        request, stop_ids=stop_ids,
         max_tokens=sp.max_tokens, filtered=sp.top_k > 0 or sp.top_p < 1.0, prompt_len=n,
         prompt_pages=(n - 1) // self.config.page_size if self.config.share_prompts else 0,
         last_needed=n + sp.max_tokens - 2)
@@ -739,13 +750,25 @@ class JaxEngine(api.QueuedEngine):
       return None
     return prefix
 
-  def _held_for(self, seq: _Sequence) -> tuple[list[int], int] | None:
-    """(pages, positions whose KV they hold) of the turn `seq` continues, when the engine holds
-    them and they are a prefix of its history; a mismatch frees them (whole prefill)."""
+  def _widen_stops(self, n: int) -> None:
+    """Room for `n` stop ids per slot on the device (the next prefill and decode compile once)."""
+    width = _pow2_at_least(n)
+    stops = self._state.slots.stops
+    stops = jnp.pad(stops, ((0, 0), (0, width - stops.shape[1])), constant_values=-1)
+    self._state = self._state._replace(slots=self._state.slots._replace(stops=stops))
+    self._stop_width = width
+
+  def _saved_address(self, row: int) -> int:
+    """Where `slot_state.starting` finds saved row `row`."""
+    return self.config.num_slots + row
+
+  def _held_for(self, seq: _Sequence) -> tuple[_Held, int] | None:
+    """(the held turn `seq` continues, positions whose KV its pages hold), when the engine holds
+    it and its tokens are a prefix of `seq`'s history; a mismatch frees it (whole prefill)."""
     entry = self._held.get(seq.request.continues) if seq.request.continues else None
     if entry is None or seq.tokens:  # (a preempted continuation loads again from scratch)
       return None
-    previous, pages = entry
+    previous = entry.seq
     history = list(previous.request.prompt_tokens) + previous.tokens
     valid = len(history) - 1  # the last token was never an input
     prompt = seq.request.prompt_tokens
@@ -753,7 +776,7 @@ class JaxEngine(api.QueuedEngine):
       self._drop_held(seq.request.continues)
       self._counts['kv_held_mismatch'] += 1
       return None
-    return pages, valid
+    return entry, valid
 
   def _release_held(self) -> None:
     with self._lock:
@@ -764,8 +787,27 @@ class JaxEngine(api.QueuedEngine):
         self._counts['kv_held_released'] += 1
 
   def _drop_held(self, request_id: str) -> None:
-    _, pages = self._held.pop(request_id)
-    self._pages.release(pages)
+    entry = self._held.pop(request_id)
+    self._pages.release(entry.pages)
+    if entry.state_row is not None:
+      self._saved.release(entry.state_row)
+
+  def _hold(self, seq: _Sequence) -> bool:
+    """Keeps a finished continuable turn's pages (and a hybrid's state, copied into a saved row
+    before the slot is loaded again; the oldest held turn gives up its row when none is free).
+    False when a hybrid's state finds no row: the turn keeps nothing."""
+    row = None
+    if self._hybrid:
+      row = self._saved.take()
+      if row is None and self._held:  # (a hybrid's held turns all hold a row)
+        self._drop_held(next(iter(self._held)))
+        self._counts['kv_held_evicted'] += 1
+        row = self._saved.take()
+      if row is None:
+        return False
+      self._saves.append((seq.slot, row))
+    self._held[seq.request.request_id] = _Held(seq, seq.pages, row)
+    return True
 
   def _evict_held(self, num_free: int, keep: str | None = None) -> None:
     """Frees held pages, oldest first (but `keep`'s), until `num_free` pages are free."""
@@ -794,20 +836,25 @@ class JaxEngine(api.QueuedEngine):
     """Returns the sequence's pages and slot. Tokens of its steps still in flight are dropped
     (it will decode them again), unless `drop_in_flight` is False (they are its last ones).
     A `finished` continuable sequence keeps its pages in `_held` instead."""
-    if finished and seq.request.continuable:
-      self._held[seq.request.request_id] = (seq, seq.pages)
-    else:
+    if not (finished and seq.request.continuable and self._hold(seq)):
       self._pages.release(seq.pages)
     seq.pages = []
+    if seq.owned_row is not None:  # (preempted or aborted before its first chunk read it)
+      self._saved.release(seq.owned_row)
+      seq.owned_row = None
     prefix, seq.prefix = seq.prefix, None
     if prefix is not None:
       prefix.holders -= 1
-      if prefix.holders == 0 and self._prefixes.get(prefix.key) is prefix:
-        del self._prefixes[prefix.key]
+      if prefix.holders == 0:
+        if self._prefixes.get(prefix.key) is prefix:
+          del self._prefixes[prefix.key]
+        if prefix.state_row is not None:
+          self._saved.release(prefix.state_row)
       if prefix.writer is seq and not prefix.ready:  # aborted while loading: a reader writes
         heirs = [s for s in self._loading if s.prefix is prefix and s is not seq]
         if heirs:
           prefix.writer, heirs[0].loaded = heirs[0], 0
+          heirs[0].state_from = slot_state.FRESH
     slot = seq.slot
     if slot is not None:
       if self._slots[slot] is seq:
@@ -879,7 +926,7 @@ class JaxEngine(api.QueuedEngine):
         need -= len(prefix.pages)
       held = self._held_for(seq) if seq.request.continues is not None else None
       if held is not None:
-        need = max(0, need - len(held[0]))
+        need = max(0, need - len(held[0].pages))
       if need > self._pages.num_free - reserve:
         self._evict_held(need + reserve, keep=seq.request.continues)
         held = self._held_for(seq)  # (still there: kept)
@@ -904,7 +951,8 @@ class JaxEngine(api.QueuedEngine):
   def _load(self) -> None:
     """Dispatches prefill chunks for the sequences being loaded, oldest first, within
     `prefill_token_budget` positions (one chunk per sequence per step when chunked); a reader of
-    a shared prompt waits until the prompt's writer has dispatched those pages."""
+    a shared prompt waits until the prompt's writer has dispatched those pages. A hybrid's
+    writer loads the shared pages as a chunk of their own (the state after them is saved)."""
     c = self.config
     budget_left = c.prefill_token_budget
     served = set()  # sequences given a chunk in this step
@@ -918,6 +966,8 @@ class JaxEngine(api.QueuedEngine):
         n = len(seq.context) - seq.loaded  # 0: only its slot is to be readied
         if c.prefill_chunk:
           n = min(n, c.prefill_chunk)
+        if self._hybrid and seq.prefix is not None and not seq.prefix.ready:  # (the writer)
+          n = min(n, len(seq.prefix.pages) * c.page_size - seq.loaded)
         t = self._bucket_len(max(n, 1))
         if t > budget_left and (rows or served):  # the first row of a step always goes
           break
@@ -941,17 +991,37 @@ class JaxEngine(api.QueuedEngine):
       per_call = min(max_rows, 1 << (fits.bit_length() - 1))  # a power of two <= fits
       for i in range(0, len(group), per_call):
         part = group[i:i + per_call]
+        if self._saves:  # before any slot is loaded again
+          self._flush_saves()
         self._state = prefill(self._params, self._state, self._make_chunk(part, t),
                               config=self.model_config, fresh=fresh)
         self._counts['prefill_calls'] += 1
         self._counts['prefill_tokens'] += sum(n for _, n in part)
         for seq, n in part:
           seq.loaded += n
-          if seq.prefix is not None and seq.prefix.writer is seq and (
-              seq.loaded >= len(seq.prefix.pages) * self.config.page_size):
-            seq.prefix.ready = True
+          seq.state_from = seq.slot  # (a hybrid's next chunk continues its slot's state)
+          if seq.owned_row is not None:  # read by this chunk
+            self._saved.release(seq.owned_row)
+            seq.owned_row = None
+          prefix = seq.prefix
+          if prefix is not None and prefix.writer is seq and not prefix.ready and (
+              seq.loaded >= len(prefix.pages) * self.config.page_size):
+            prefix.ready = True
+            if prefix.state_row is not None:
+              self._saves.append((seq.slot, prefix.state_row))
           if seq.loaded >= len(seq.context):
             self._start_decoding(seq)
+
+  def _flush_saves(self) -> None:
+    """Dispatches the pending copies of slots' states into saved rows."""
+    n = _pow2_at_least(len(self._saves))
+    pad = n - len(self._saves)
+    slots = [s for s, _ in self._saves] + [0] * pad
+    rows = [r for _, r in self._saves] + [self._saved.num_rows] * pad  # (padding: nowhere)
+    self._state = self._state._replace(linear=slot_state.save(
+        self._state.linear, np.array(slots, np.int32), np.array(rows, np.int32)))
+    self._counts['states_saved'] += len(self._saves)
+    self._saves = []
 
   def _make_chunk(self, part, t: int) -> Chunk:
     c = self.config
@@ -960,24 +1030,29 @@ class JaxEngine(api.QueuedEngine):
     # Built as lists and converted once: cheaper than writing numpy arrays element by element.
     # The seed's words are written as int64 and wrap to their int32 bits in the cast.
     tokens, tables, ints, floats = [], [], [], []
+    no_stops = (-1,) * self._stop_width
     for seq, n in part:
       start = seq.loaded
       tokens.append(seq.context[start:start + n] + [0] * (t - n))
       pages = seq.pages[:width]
       tables.append(pages + [paged_attention.TRASH_PAGE] * (width - len(pages)))
+      state = (seq.state_from, seq.slot)
       if start + n >= len(seq.context):
         r = seq.request
         sp = r.sampling
+        stops = (*sorted(seq.stop_ids), *no_stops)[:self._stop_width]
         ints.append((start, n, seq.slot, seq.tokens[-1] if seq.tokens else r.prompt_tokens[-1],
-                     len(seq.context), *_seed_words(r.seed), len(seq.tokens), sp.top_k))
+                     len(seq.context), *_seed_words(r.seed), len(seq.tokens), sp.top_k, *state,
+                     *stops))
         floats.append((sp.temperature, sp.top_p))
       else:
-        ints.append((start, n, c.num_slots, 0, 0, 0, 0, 0, 0))
+        ints.append((start, n, c.num_slots, 0, 0, 0, 0, 0, 0, *state, *no_stops))
         floats.append((1.0, 1.0))
     pad = n_rows - len(part)
     tokens += [[0] * t] * pad
     tables += [[paged_attention.TRASH_PAGE] * width] * pad
-    ints += [(0, 0, c.num_slots, 0, 0, 0, 0, 0, 0)] * pad
+    ints += [(0, 0, c.num_slots, 0, 0, 0, 0, 0, 0, slot_state.FRESH, c.num_slots,
+              *no_stops)] * pad
     floats += [(1.0, 1.0)] * pad
     return Chunk(tokens=np.array(tokens, np.int32), table=np.array(tables, np.int32),
                  ints=np.array(ints, np.int64).astype(np.int32),

@@ -54,9 +54,13 @@ Two entry points share one module:
     returns log pi(target) and the entropy of each position's distribution.
   * generation: `decode_paged` -- writes the new tokens' keys/values into a paged KV cache
     (models/layers/paged_attention.py) at their positions and attends to every position at or
-    before each query's; the engine's path. `decode` does the same over a dense [L, R, S, K, Dh]
-    cache: the reference the tests compare against. Neither runs a hybrid model yet: a Gated
-    DeltaNet layer decodes from its `gated_delta.LinearState`, which no cache here carries.
+    before each query's; the engine's path. `decode` does the same over a dense [La, R, S, K, Dh]
+    cache: the reference the tests compare against. A hybrid's cache has keys and values for
+    its La attention layers only, and beside them each row's `gated_delta.LinearState` in its
+    Ll linear layers, stacked [Ll, R, ...]: a call continues each row's state from where it
+    stands and returns the state after the row's last real token. A token is real when its KV
+    lands somewhere: a position inside the dense cache, or on a page of the row's block table
+    other than the trash page; padding, free slots and parked rows keep their state.
 """
 
 from __future__ import annotations
@@ -301,25 +305,56 @@ def remat_policy(name: str):
 
 
 class KVCache(NamedTuple):
-  """Keys and values of every layer: [L, R, S, K, Dh] each."""
+  """A generation cache: keys and values of the La attention layers ([La, R, S, K, Dh] each,
+  or a paged pool [La, A, K, Z, Dh] read through block tables), and for a hybrid each row's
+  Gated DeltaNet state in its Ll linear layers (`gated_delta.LinearState` of [Ll, R, ...]
+  arrays; None for a model without linear layers)."""
   k: jax.Array
   v: jax.Array
+  linear: gated_delta.LinearState | None = None
 
 
 class _CacheCarry(NamedTuple):
-  """What the layer scan carries in generation: the whole cache of every layer (dense
-  [L, R, S, K, Dh] or a paged pool [L, A, K, Z, Dh]), the index of the layer being run, and for
-  a paged cache each row's block table [R, W] (None: dense)."""
+  """What the layer scan carries in generation: the KVCache of every layer, the index of the
+  attention layer and of the linear layer to run next (each kind counts its own), and for a
+  paged cache each row's block table [R, W] (None: dense)."""
   k: jax.Array
   v: jax.Array
   layer: jax.Array
   table: jax.Array | None
+  linear: gated_delta.LinearState | None
+  linear_layer: jax.Array
 
 
 def init_cache(config: ModelConfig, batch_size: int, max_len: int, dtype: Any = None) -> KVCache:
-  shape = (config.num_layers, batch_size, max_len, config.num_kv_heads, config.head_dim)
+  """Zeros: R fresh rows of `max_len` positions (a hybrid's linear states at their start)."""
+  shape = (len(config.attention_layers), batch_size, max_len, config.num_kv_heads,
+           config.head_dim)
   dtype = dtype or config.dtype
-  return KVCache(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype))
+  return KVCache(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype),
+                 init_linear_states(config, batch_size, dtype))
+
+
+def init_linear_states(config: ModelConfig, rows: int, dtype: Any = None
+                       ) -> gated_delta.LinearState | None:
+  """The zero state of `rows` fresh sequences in every linear layer, [Ll, R, ...] (None for a
+  model without linear layers)."""
+  if not config.is_hybrid:
+    return None
+  one = gated_delta.init_state(config, rows, dtype)
+  return jax.tree.map(lambda x: jnp.zeros((len(config.linear_layers), *x.shape), x.dtype), one)
+
+
+def _real_tokens(cache: _CacheCarry, positions_RxT: jax.Array) -> jax.Array:
+  """[R, T] int32, 1 where a generation call's token is real (its KV lands somewhere: inside
+  the dense cache, or on a page other than the trash page), else 0: the segment ids a linear
+  layer runs with, so that padding and rows with nothing to decode keep their state."""
+  if cache.table is None:
+    real_RxT = positions_RxT < cache.k.shape[2]
+  else:
+    page_RxT, _ = paged_attention.locate(cache.table, positions_RxT, cache.k.shape[3])
+    real_RxT = page_RxT != paged_attention.TRASH_PAGE
+  return real_RxT.astype(jnp.int32)
 
 
 class DecoderLayer(nn.Module):
@@ -346,11 +381,23 @@ class DecoderLayer(nn.Module):
     c = self.config
     norm = lambda name: rms_norm(c, name)
     if self.linear:
-      h, _ = gated_delta.GatedDeltaNet(c, name='linear_attn')(norm('input_norm')(x_RxTxD),
-                                                              segment_ids_RxT)
+      mixer = gated_delta.GatedDeltaNet(c, name='linear_attn')
+      if cache is None:
+        h, _ = mixer(norm('input_norm')(x_RxTxD), segment_ids_RxT)
+      else:  # this layer's slice of the rows' states in, its next state back in place
+        i = cache.linear_layer
+        state = jax.tree.map(lambda all_: jax.lax.dynamic_index_in_dim(all_, i, keepdims=False),
+                             cache.linear)
+        h, state = mixer(norm('input_norm')(x_RxTxD), _real_tokens(cache, positions_RxT),
+                         state)
+        cache = cache._replace(linear=jax.tree.map(
+            lambda all_, new: jax.lax.dynamic_update_index_in_dim(all_, new, i, 0),
+            cache.linear, state), linear_layer=i + 1)
     else:
       h, cache = full_attention.Attention(c, name='attn')(
           norm('input_norm')(x_RxTxD), positions_RxT, segment_ids_RxT, mask_RxTxS, cache, spans)
+      if cache is not None:
+        cache = cache._replace(layer=cache.layer + 1)  # the next attention layer's index
     x_RxTxD = x_RxTxD + h
     routes = None
     if self.moe:
@@ -360,8 +407,6 @@ class DecoderLayer(nn.Module):
     else:
       h = MLP(c, name='mlp')(norm('post_attn_norm')(x_RxTxD))
     x_RxTxD = x_RxTxD + h
-    if cache is not None:
-      cache = cache._replace(layer=cache.layer + 1)  # the next layer's index
     return (x_RxTxD, cache), routes
 
 
@@ -371,8 +416,9 @@ class Transformer(nn.Module):
   None).
 
   Training rows pass `segment_ids_RxT` (and no cache), and for cuDNN attention `spans`, the
-  packer's (segment_starts_RxG, segment_lengths_RxG); generation passes a dense cache and the
-  mask of cache slots each token sees, or a paged cache and each row's block table. An MoE model
+  packer's (segment_starts_RxG, segment_lengths_RxG); generation passes a `KVCache` (a hybrid's
+  with its rows' linear states) and the mask of cache slots each token sees, or a paged pool in
+  a KVCache and each row's block table. An MoE model
   may be handed the experts to replay, `routes_RxTxLsxXk`, for the tokens in `replay_RxT`.
   `mesh` / `batch_axes`: where the experts run (models/layers/moe.py, `expert_parallel`).
   """
@@ -382,19 +428,20 @@ class Transformer(nn.Module):
 
   @nn.compact
   def __call__(self, tokens_RxT, positions_RxT, segment_ids_RxT=None, mask_RxTxS=None,
-               cache: KVCache | paged_attention.PagedKVCache | None = None, table_RxW=None,
+               cache: KVCache | None = None, table_RxW=None,
                spans=None, routes_RxTxLsxXk=None, replay_RxT=None):
     c = self.config
-    if cache is not None and c.is_hybrid:
-      raise ValueError(f'{c.architecture}: decoding over a KV cache does not run its Gated '
-                       f'DeltaNet layers {c.linear_layers} (their state is not carried here)')
+    if cache is not None and c.is_hybrid and cache.linear is None:
+      raise ValueError(f'{c.architecture}: a generation cache without the states of its Gated '
+                       f'DeltaNet layers {c.linear_layers} (KVCache.linear)')
     embed = nn.Embed(c.vocab_size, c.hidden_size, dtype=c.dtype, param_dtype=c.param_dtype,
                      embedding_init=nn.initializers.normal(0.02), name='embed')
     x_RxTxD = embed(tokens_RxT)
     layer_cls = (nn.remat(DecoderLayer, prevent_cse=False, policy=remat_policy(c.remat_policy))
                  if c.remat else DecoderLayer)
-    carry = None if cache is None else _CacheCarry(cache.k, cache.v, jnp.zeros((), jnp.int32),
-                                                   table_RxW)
+    zero = jnp.zeros((), jnp.int32)
+    carry = None if cache is None else _CacheCarry(cache.k, cache.v, zero, table_RxW,
+                                                   cache.linear, zero)
     routes, moe_seen = [], 0
     for group in layer_groups(c):
       replayed = None  # this run's slice of the replayed routes, layers first: [n, R, T, Xk]
@@ -415,7 +462,7 @@ class Transformer(nn.Module):
     if not c.tie_embeddings and self.is_initializing():
       # Created here so init makes it; applied by `logits`, which may run in fp32 / chunks.
       dense(c.vocab_size, False, c, 'lm_head')(x_RxTxD)
-    new_cache = None if cache is None else type(cache)(carry.k, carry.v)
+    new_cache = None if cache is None else KVCache(carry.k, carry.v, carry.linear)
     stacked = (jax.tree.map(lambda *a: jnp.concatenate(a), *routes) if routes else None)
     return x_RxTxD, new_cache, stacked
 
@@ -560,6 +607,8 @@ def decode(params, config: ModelConfig, tokens_RxT, positions_RxT, cache: KVCach
   """Runs T new tokens per row against the cache: returns (logits [R, T, V], new cache).
 
   Prefill is T = prompt length (pad with positions >= cache length); a decode step is T = 1.
+  A hybrid's linear layers continue each row's state in the cache: the chunked form for T > 1,
+  the recurrent step for T = 1.
   """
   mask = cache_mask(positions_RxT, cache.k.shape[2])
   h, new_cache, _ = Transformer(config).apply(lora_lib.variables(params), tokens_RxT,
@@ -568,12 +617,17 @@ def decode(params, config: ModelConfig, tokens_RxT, positions_RxT, cache: KVCach
 
 
 def decode_paged(params, config: ModelConfig, tokens_RxT, positions_RxT,
-                 cache: paged_attention.PagedKVCache, table_RxW):
+                 pool: paged_attention.PagedKVCache, table_RxW,
+                 linear: gated_delta.LinearState | None = None):
   """Runs T new tokens per row against a paged cache: returns (hidden states [R, T, D], new
-  cache, experts [Ls, R, T, Xk] each token was routed to in the Ls MoE layers, or None for a
-  dense model). Row r's tokens go to the pages of `table_RxW[r]`; a position past the table
-  (padding) writes to the trash page. The table's width W bounds what a query reads: W * Z
-  positions. The caller makes the logits it needs (`logits`)."""
+  pool, the rows' new linear states (None for a model without linear layers), experts
+  [Ls, R, T, Xk] each token was routed to in the Ls MoE layers, or None for a dense model).
+  Row r's tokens go to the pages of `table_RxW[r]`; a position past the table (padding) writes
+  to the trash page, and a token on the trash page leaves the row's linear state as it was.
+  The table's width W bounds what a query reads: W * Z positions. `linear`: each row's state
+  in a hybrid's linear layers, [Ll, R, ...]. The caller makes the logits it needs (`logits`)."""
   h, new_cache, routes = Transformer(config).apply(
-      lora_lib.variables(params), tokens_RxT, positions_RxT, cache=cache, table_RxW=table_RxW)
-  return h, new_cache, None if routes is None else routes.used
+      lora_lib.variables(params), tokens_RxT, positions_RxT,
+      cache=KVCache(pool.k, pool.v, linear), table_RxW=table_RxW)
+  return (h, paged_attention.PagedKVCache(new_cache.k, new_cache.v), new_cache.linear,
+          None if routes is None else routes.used)

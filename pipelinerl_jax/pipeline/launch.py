@@ -101,19 +101,13 @@ def check(config: config_lib.Config, workdir: str,
           installed: stack_lib.Stack | None = None) -> None:
   """What a run needs beyond a consistent config: the model and the data named, what the
   installed stack can run (`installed`, default: read now, JAX's device included), a model dir
-  LoRA can adapt and the JAX engine serves (backend 'jax'), the backend installed (vLLM, Ray),
-  the workdir writable, config.cluster.interface on this host."""
+  LoRA can adapt, the backend installed (vLLM, Ray), the workdir writable,
+  config.cluster.interface on this host."""
   config.check_runnable()
   stack_lib.check(config, installed)  # reads the model's config.json, never its weights
-  lora, jax_backend = config.model.lora.enabled, config.generation.backend == 'jax'
-  if (lora or jax_backend) and config.model.path:  # its config.json, before any weight loads
-    model_config = hf_schema.load_config(
-        hf_schema.check_model_dir(config.model.path, 'config.model.path'))
-    if lora:
-      lora_lib.check_base(model_config)
-    if jax_backend:
-      from pipelinerl_jax.generation import jax_engine
-      jax_engine.check_servable(model_config)
+  if config.model.lora.enabled and config.model.path:  # its config.json, before any weights
+    lora_lib.check_base(hf_schema.load_config(
+        hf_schema.check_model_dir(config.model.path, 'config.model.path')))
   build_lib.check_backend_installed(config)  # before the demo model is built
   workdir_lib.check_dir(workdir, '--workdir')
   if config.cluster.interface:  # this host's side of the network the hosts share
