@@ -3,6 +3,8 @@
   tiny             the CPU demo (the default): arithmetic on a tiny locally built model
   tiny_lora        the same with LoRA: rank-8 adapters on every projection, the base frozen
   tiny_moe         the CPU demo's model as a mixture of experts (docs/moe.md)
+  tiny_hybrid      the CPU demo's model as a Qwen3.5 hybrid: 3 Gated DeltaNet layers to 1 gated
+                   attention layer, served by the JAX engine (docs/models.md)
   reasoning        the paper's regime on CPU: long worked solutions (~20-150 tokens) that span
                    several weight updates each; 15 minutes of RL on 2 cores (docs/results.md)
   tools            multi-turn: 2-digit products with a calculator tool the warm-started model
@@ -17,7 +19,7 @@
                    trainer processes on 16 GPUs, 8 vLLM generators
   qwen3_5_2b_1xgpu Qwen3.5-2B (hybrid: Gated DeltaNet and gated attention), full fine-tuning on
                    one 80 GB GPU, trainer and JAX engine in one process (placed by the memory
-                   plan; the JAX engine does not serve hybrids yet, so the run refuses to start)
+                   plan)
   eval             what `pipelinerl-eval` uses for an HF model dir or a PEFT adapter dir when no
                    --config is given: math test files, greedy, up to 4096 new tokens
 
@@ -94,6 +96,18 @@ def tiny_moe():
   demo.sft_examples = 2000
   # A third of tiny's rate: a first try at tiny's 3e-4 did worse (docs/moe.md).
   c.optimizer.lr = 1e-4
+  return c
+
+
+def tiny_hybrid():
+  """`tiny` on a hybrid: the demo model as a Qwen3.5, 4 layers of its width, 3 Gated DeltaNet
+  (2 key and 2 value heads of 32, a convolution of 4 taps) to 1 gated full-attention layer,
+  built and SFT-warmed as `tiny`'s is. The JAX engine keeps KV pages for the attention layer
+  and a state per slot for the linear ones (docs/models.md)."""
+  c = tiny()
+  demo = c.model.demo
+  demo.architecture = 'qwen3_5'
+  demo.num_layers = 4
   return c
 
 
@@ -396,11 +410,11 @@ def qwen3_5_2b_1xgpu():
   unchanged on export) or a Qwen3_5ForCausalLM dir. 18 of its 24 layers are Gated DeltaNet:
   KV pages only for the 6 full-attention layers (12 KiB a position in bf16), so the engine's
   default pool, every slot at full length (5.3 GiB), replaces 1.7B's 12 GiB; and per slot a
-  fixed state in each linear layer. The memory plan places it:
-  `python -m pipelinerl_jax.memory_plan --config=configs/math.py:qwen3_5_2b_1xgpu
-  --model_config=configs/models/Qwen3.5-2B --devices=1 --device=h100`. The JAX engine does not
-  serve hybrid models yet: until it does, the run is refused in one line at its start. Not run
-  on GPUs."""
+  fixed state in each linear layer, and as many saved ones (shared prompts' states). The memory
+  plan places it: `python -m pipelinerl_jax.memory_plan --config=configs/math.py:qwen3_5_2b_1xgpu
+  --model_config=configs/models/Qwen3.5-2B --devices=1 --device=h100`. Run end to end on CPU on
+  a miniature of its model (`python -m pipelinerl_jax.bench.gpu --quick
+  --sections=qwen3_5_1xgpu`); not run on GPUs."""
   c = qwen3_1p7b_1xgpu()
   c.generation.kv_pool_mb = 0
   return c
@@ -478,6 +492,7 @@ HARDWARE = {
     'tiny': dict(runs_on='a CPU (2 cores)', about='built on first use'),
     'tiny_lora': dict(runs_on='a CPU (2 cores)', about='built on first use'),
     'tiny_moe': dict(runs_on='a CPU (2 cores)', about='built on first use'),
+    'tiny_hybrid': dict(runs_on='a CPU (2 cores)', about='built on first use'),
     'reasoning': dict(runs_on='a CPU (2 cores)', about='built on first use'),
     'tools': dict(runs_on='a CPU (2 cores)', about='built on first use'),
     'qwen3_1p7b_1xgpu': dict(runs_on='one GPU of 80 GB', model='Qwen3-1.7B', devices=1,
@@ -490,12 +505,13 @@ HARDWARE = {
                      card='h100'),
     'qwen3_30b_a3b': dict(runs_on='3 hosts of 8 GPUs of 80 GB', model='Qwen3-30B-A3B',
                           devices=24, card='h100'),
-    'qwen3_5_2b_1xgpu': dict(runs_on='one GPU of 80 GB, once the JAX engine serves hybrids',
-                             model='Qwen3.5-2B', devices=1, card='h100'),
+    'qwen3_5_2b_1xgpu': dict(runs_on='one GPU of 80 GB', model='Qwen3.5-2B', devices=1,
+                             card='h100'),
     'eval': dict(runs_on='where the model fits (evaluation only)', about='the one evaluated'),
 }
 
-PRESETS = {'tiny': tiny, 'tiny_lora': tiny_lora, 'tiny_moe': tiny_moe, 'reasoning': reasoning,
+PRESETS = {'tiny': tiny, 'tiny_lora': tiny_lora, 'tiny_moe': tiny_moe,
+           'tiny_hybrid': tiny_hybrid, 'reasoning': reasoning,
            'tools': tools, 'qwen1p5b_8xh100': qwen1p5b_8xh100, 'paper_7b': paper_7b,
            'qwen3_1p7b_1xgpu': qwen3_1p7b_1xgpu, 'qwen3_8b_lora_1xgpu': qwen3_8b_lora_1xgpu,
            'qwen3_30b_a3b': qwen3_30b_a3b, 'qwen3_5_2b_1xgpu': qwen3_5_2b_1xgpu, 'eval': eval_}

@@ -117,11 +117,12 @@ class _Section:
 @dataclasses.dataclass(frozen=True)
 class DemoModelConfig(_Section):
   """The demo model built when `model.path` is '' (demo/warmstart.py): a small Qwen2 (or Qwen3,
-  or Qwen3-MoE) over a character tokenizer, SFT-warmed on a fixed set of the task's SFT-pool
-  problems."""
+  Qwen3-MoE or Qwen3.5) over a character tokenizer, SFT-warmed on a fixed set of the task's
+  SFT-pool problems."""
   # The HF format it is saved in: 'qwen2' (q/k/v biases), 'qwen3' (per-head q/k norms, no
-  # biases) or 'qwen3_moe' (Qwen3 with a mixture of experts for MLPs, the fields below).
-  architecture: Literal['qwen2', 'qwen3', 'qwen3_moe'] = 'qwen2'
+  # biases), 'qwen3_moe' (Qwen3 with a mixture of experts for MLPs, the fields below) or
+  # 'qwen3_5' (a hybrid: Gated DeltaNet layers and gated attention, the fields further below).
+  architecture: Literal['qwen2', 'qwen3', 'qwen3_moe', 'qwen3_5'] = 'qwen2'
   tie_embeddings: bool = False    # the lm_head is the embedding table (Qwen3 up to 4B)
   # qwen3_moe: experts per MoE layer, experts per token, each expert's width, renormalized top-k
   # gates, and the layers that keep a dense MLP of intermediate_size.
@@ -130,6 +131,15 @@ class DemoModelConfig(_Section):
   moe_intermediate_size: int = 32
   norm_topk_prob: bool = True
   mlp_only_layers: tuple[int, ...] = ()
+  # qwen3_5: every full_attention_interval-th layer is (gated) full attention, the others Gated
+  # DeltaNet layers of these key / value heads and head dims, with a convolution of
+  # linear_conv_kernel taps.
+  full_attention_interval: int = 4
+  linear_num_key_heads: int = 2
+  linear_num_value_heads: int = 2
+  linear_key_head_dim: int = 32
+  linear_value_head_dim: int = 32
+  linear_conv_kernel: int = 4
   hidden_size: int = 64
   intermediate_size: int = 256
   num_layers: int = 2
@@ -167,12 +177,22 @@ class DemoModelConfig(_Section):
            f'must be in 1..num_experts={self.num_experts}, got {self.num_experts_per_tok}')
     _check(self.moe_intermediate_size >= 1, 'moe_intermediate_size',
            f'must be >= 1, got {self.moe_intermediate_size}')
+    _check(self.full_attention_interval >= 1, 'full_attention_interval',
+           f'must be >= 1, got {self.full_attention_interval}')
+    _check(min(self.linear_num_key_heads, self.linear_key_head_dim, self.linear_value_head_dim,
+               self.linear_conv_kernel) >= 1
+           and self.linear_num_value_heads % self.linear_num_key_heads == 0,
+           'linear_num_value_heads', 'Gated DeltaNet heads, head dims and taps must be >= 1 and '
+           f'value heads a multiple of key heads, got {self.linear_num_key_heads} key heads, '
+           f'{self.linear_num_value_heads} value heads')
     _check(all(0 <= i < self.num_layers for i in self.mlp_only_layers), 'mlp_only_layers',
            f'must be layer indices below num_layers={self.num_layers}, got '
            f'{self.mlp_only_layers}')
 
   MOE_FIELDS = ('num_experts', 'num_experts_per_tok', 'moe_intermediate_size', 'norm_topk_prob',
                 'mlp_only_layers')
+  HYBRID_FIELDS = ('full_attention_interval', 'linear_num_key_heads', 'linear_num_value_heads',
+                   'linear_key_head_dim', 'linear_value_head_dim', 'linear_conv_kernel')
 
 
 # The math task's default system turn (task.system_prompt).
