@@ -74,8 +74,8 @@ generator beside the mesh, each with its share of the slots)
                       (the largest pool the engine makes without it); a hybrid's pages hold
                       its full-attention layers only
   state               a hybrid: each slot's Gated DeltaNet state in every linear layer
-                      (window in the compute dtype, recurrent state in fp32); the JAX engine
-                      does not serve hybrids yet, and the plan places the state it will need
+                      (window in the compute dtype, recurrent state in fp32), and a quarter as
+                      many saved ones (`budget.saved_states`: shared prompts', held turns')
 
 in-run evaluation (eval.every_steps > 0: a JAX engine of its own, built for each evaluation,
 between two train steps, on the first device the mesh leaves free, or device 0)
@@ -483,9 +483,16 @@ def evaluation_memory(m: transformer.ModelConfig, config: config_lib.Config,
   if lora is not None:
     weights = (0 if shares_base else weights) + lora_lib.num_params(m, lora) * _bytes(m.dtype)
   memory = dict(weights=weights, kv=pages * page_bytes)
-  if m.is_hybrid:  # its slots' Gated DeltaNet state, as the run's engine's
-    memory['state'] = g.num_slots * len(m.linear_layers) * gated_delta.state_bytes(m)
+  if m.is_hybrid:  # its slots' Gated DeltaNet states and the saved ones, as the run's engine's
+    memory['state'] = engine_state_bytes(m, g.num_slots)
   return memory
+
+
+def engine_state_bytes(m: transformer.ModelConfig, num_slots: int) -> int:
+  """A hybrid JAX engine's Gated DeltaNet states: every slot's and the saved ones, each in
+  every linear layer (generation/slot_state.py)."""
+  rows = num_slots + budget.saved_states(num_slots)
+  return rows * len(m.linear_layers) * gated_delta.state_bytes(m)
 
 
 def _evaluation_problems(p_trainer: dict[str, int], generator: dict[str, int],
@@ -629,9 +636,10 @@ def _jax_engine_plan(m: transformer.ModelConfig, config: config_lib.Config, mesh
     update = n * _bytes(m.param_dtype)
     facts['engine_shares_base'] = shares
   generator = dict(weights=weights, update=update, kv=pages * page_bytes)
-  if m.is_hybrid:  # a Gated DeltaNet state per slot and linear layer, beside the KV pool
-    generator['state'] = g.generator_slots * len(m.linear_layers) * gated_delta.state_bytes(m)
-    facts.update(state_bytes_per_slot=generator['state'] // g.generator_slots,
+  if m.is_hybrid:  # Gated DeltaNet states per slot and saved ones, beside the KV pool
+    generator['state'] = engine_state_bytes(m, g.generator_slots)
+    facts.update(state_bytes_per_slot=len(m.linear_layers) * gated_delta.state_bytes(m),
+                 saved_states=budget.saved_states(g.generator_slots),
                  linear_layers=len(m.linear_layers), attention_layers=len(m.attention_layers))
   engine = sum(generator.values())
   # The trash page holds no sequence; a full-length sequence takes whole pages.
@@ -736,8 +744,9 @@ def format_plan(p: Plan) -> str:
                  'sequences (a sequence that finds no free page waits, or is preempted)')
     if 'state_bytes_per_slot' in f:
       lines.append(f"  and per slot the Gated DeltaNet state of {f['linear_layers']} linear "
-                   f"layers: {f['state_bytes_per_slot'] / 2**20:.1f} MiB (KV pages only for "
-                   f"the {f['attention_layers']} full-attention layers)")
+                   f"layers, {f['state_bytes_per_slot'] / 2**20:.1f} MiB, and {f['saved_states']} "
+                   f"saved ones (KV pages only for the {f['attention_layers']} full-attention "
+                   'layers)')
     if not f['generator_devices']:
       lines.append(f'device 0 in all: {(p.trainer_total + p.generator_total) / GIB:.2f} GiB of '
                    f"{f['device_bytes'] / GIB:g}")

@@ -420,7 +420,8 @@ def test_the_in_run_evaluation_is_counted_where_it_runs():
 def test_the_one_gpu_qwen3_5_preset_fits_an_80_gb_card_with_kv_for_its_attention_layers_only():
   """Qwen3.5-2B (a hybrid: 18 Gated DeltaNet layers, 6 full-attention ones) on one 80 GB card
   (the 78 GiB a process gets on an H100): the KV pages hold the 6 attention layers alone, each
-  slot a fixed state in each of the 18 linear layers; 9B's full fine-tuning does not fit."""
+  slot a fixed state in each of the 18 linear layers, and a quarter as many saved ones (shared
+  prompts, held turns); 9B's full fine-tuning does not fit."""
   config = config_lib.load_preset('qwen3_5_2b_1xgpu')
   hf_config, source = memory_plan.read_hf_config(ROOT / 'configs/models/Qwen3.5-2B')
   gib = accelerators.card_named('h100').usable_gib
@@ -435,10 +436,12 @@ def test_the_one_gpu_qwen3_5_preset_fits_an_80_gb_card_with_kv_for_its_attention
   assert p.generator['kv'] == pages * g.kv_page_size * 2 * 6 * 2 * 256 * 2
   # The window (3 inputs of 2 * 16 * 128 + 16 * 128 channels, bf16) and the fp32 state.
   assert f['state_bytes_per_slot'] == 18 * (3 * 6144 * 2 + 16 * 128 * 128 * 4)
-  assert p.generator['state'] == g.num_slots * f['state_bytes_per_slot']
+  assert f['saved_states'] == g.num_slots // 4
+  assert p.generator['state'] == (g.num_slots + g.num_slots // 4) * f['state_bytes_per_slot']
   assert p.trainer_total + p.generator_total < 0.85 * gib * memory_plan.GIB
   text = memory_plan.format_plan(p)
-  assert 'the Gated DeltaNet state of 18 linear layers: 18.6 MiB' in text and 'FITS' in text
+  assert 'the Gated DeltaNet state of 18 linear layers, 18.6 MiB, and 32 saved' in text
+  assert 'FITS' in text
   nine, _ = memory_plan.read_hf_config(ROOT / 'configs/models/Qwen3.5-9B')
   assert 'a trainer device needs' in memory_plan.plan(config, nine, num_devices=1,
                                                       device_gib=gib).refusal

@@ -104,10 +104,12 @@ def vllm_memory_fraction(share: float, free_bytes: int, total_bytes: int,
 
 def saved_states(num_slots: int) -> int:
   """The saved Gated DeltaNet states (generation/slot_state.py) a hybrid's JAX engine keeps
-  beside its `num_slots` slots' own: one per slot, room for a shared prompt's state per slot
-  (a prompt in flight holds one) or, in multi-turn runs, a finished turn's held for the next.
-  Each is one sequence's state in every linear layer; the engine holds `num_slots` + this."""
-  return num_slots
+  beside its `num_slots` slots' own, each one sequence's state in every linear layer: a quarter
+  of the slots, one per group of 4 or more samples of a prompt in flight (a shared prompt holds
+  one), or in multi-turn runs a finished turn's, held for the next. When none is free a prompt
+  is not shared (each sample loads it whole) and the oldest held turn gives its up: fewer cost
+  prefill, never a wrong token."""
+  return max(1, num_slots // 4)
 
 
 def kv_page_bytes(num_layers: int, num_kv_heads: int, head_dim: int, page_size: int,

@@ -835,10 +835,8 @@ class JaxEngine(api.QueuedEngine):
                      finished: bool = False) -> None:
     """Returns the sequence's pages and slot. Tokens of its steps still in flight are dropped
     (it will decode them again), unless `drop_in_flight` is False (they are its last ones).
-    A `finished` continuable sequence keeps its pages in `_held` instead."""
-    if not (finished and seq.request.continuable and self._hold(seq)):
-      self._pages.release(seq.pages)
-    seq.pages = []
+    A `finished` continuable sequence keeps its pages in `_held` instead (after its prompt's
+    saved state, if it was the last to hold it, is given back: room for its own)."""
     if seq.owned_row is not None:  # (preempted or aborted before its first chunk read it)
       self._saved.release(seq.owned_row)
       seq.owned_row = None
@@ -855,6 +853,9 @@ class JaxEngine(api.QueuedEngine):
         if heirs:
           prefix.writer, heirs[0].loaded = heirs[0], 0
           heirs[0].state_from = slot_state.FRESH
+    if not (finished and seq.request.continuable and self._hold(seq)):
+      self._pages.release(seq.pages)
+    seq.pages = []
     slot = seq.slot
     if slot is not None:
       if self._slots[slot] is seq:
