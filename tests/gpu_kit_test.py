@@ -394,7 +394,8 @@ def test_quick_collective_section_sends_whole_updates_between_two_processes(tmp_
 # The optional sections that need neither vLLM nor a second process to meet (those two run on
 # their own, serial): one kit run for all, as a user names several with --sections. The budget
 # is the sections' room on a loaded host; test_the_time_budget_bounds_the_run tests budgets.
-OPTIONAL_RUN = ('qwen3_1xgpu', 'lora_1xgpu', 'lora', 'moe_layer', 'gated_delta')
+OPTIONAL_RUN = ('qwen3_1xgpu', 'lora_1xgpu', 'qwen3_5_1xgpu', 'lora', 'moe_layer',
+                'gated_delta')
 
 
 @pytest.fixture(scope='module')
@@ -423,11 +424,14 @@ def optional_section(optional, section) -> dict:
   return items(report, section)
 
 
-@pytest.mark.parametrize('section,preset', [('qwen3_1xgpu', 'qwen3_1p7b_1xgpu'),
-                                            ('lora_1xgpu', 'qwen3_8b_lora_1xgpu')])
-def test_quick_one_gpu_section_runs_the_preset_on_a_tiny_qwen3(optional, section, preset):
-  """`--sections=qwen3_1xgpu --quick` (and the LoRA preset's): the one-GPU preset's path (a
-  random Qwen3 saved as an HF dir, the preset run whole) on CPU, the image's absent packages
+@pytest.mark.parametrize('section,preset,model_type', [
+    ('qwen3_1xgpu', 'qwen3_1p7b_1xgpu', 'qwen3'), ('lora_1xgpu', 'qwen3_8b_lora_1xgpu', 'qwen3'),
+    ('qwen3_5_1xgpu', 'qwen3_5_2b_1xgpu', 'qwen3_5_text')])
+def test_quick_one_gpu_section_runs_the_preset_on_a_tiny_model(optional, section, preset,
+                                                                model_type):
+  """`--sections=qwen3_1xgpu --quick` (and the LoRA and the Qwen3.5 presets'): the one-GPU
+  preset's path (a random model of its family saved as an HF dir, the preset run whole: for
+  Qwen3.5 a hybrid trained and decoded by the JAX engine) on CPU, the image's absent packages
   hidden; the plan's terms and the run's figures recorded."""
   (item,) = optional_section(optional, section).values()
   assert item['name'] == f'{preset} preset' and item['preset'] == preset
@@ -439,7 +443,7 @@ def test_quick_one_gpu_section_runs_the_preset_on_a_tiny_qwen3(optional, section
   assert item['plan_refusal'] == '' and positive(item['plan_total_bytes'])
   model = optional[2] / 'one_gpu' / f'{preset}-quick'
   config = json.loads((model / 'config.json').read_text())
-  assert config['model_type'] == 'qwen3'
+  assert config['model_type'] == model_type
   # Each step published the whole params, or with LoRA the adapters alone, in fp32.
   model_config = hf_schema.config_from_hf(config)
   lora = config_lib.load_preset(preset).model.lora

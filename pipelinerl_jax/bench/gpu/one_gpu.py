@@ -8,8 +8,9 @@ weights almost never emit a token the tokenizer knows, let alone EOS: every samp
 max_new_tokens, so the trainer packs the worst case the memory plan assumes. Rewards are all 0:
 the loss is 0 and the step still runs whole. Each preset is its own section, so that the
 device's peak (`memory_stats`) is that run's alone; it is recorded beside the memory plan's
-terms, with the median train step and decode tokens/s. --quick runs the same path on a Qwen3 in
-miniature with the preset's other settings shrunk to what a CPU runs.
+terms, with the median train step and decode tokens/s. --quick runs the same path on a model
+of the preset's family in miniature (Qwen3, or a Qwen3.5 hybrid) with the preset's other
+settings shrunk to what a CPU runs.
 """
 
 from __future__ import annotations
@@ -24,13 +25,31 @@ from pipelinerl_jax.bench.gpu import section as section_lib
 ROOT = pathlib.Path(__file__).resolve().parents[3]
 # The one-GPU presets, each with the model whose shapes its run takes.
 PRESET_MODELS = {'qwen3_1p7b_1xgpu': 'configs/models/Qwen3-1.7B',
-                 'qwen3_8b_lora_1xgpu': 'configs/models/Qwen3-8B'}
+                 'qwen3_8b_lora_1xgpu': 'configs/models/Qwen3-8B',
+                 'qwen3_5_2b_1xgpu': 'configs/models/Qwen3.5-2B'}
 # --quick: Qwen3 in miniature (head_dim != hidden / heads, GQA 2, tied), runnable on a CPU.
 QUICK_HF = dict(architectures=['Qwen3ForCausalLM'], model_type='qwen3', vocab_size=512,
                 hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                 num_attention_heads=4, num_key_value_heads=2, head_dim=32,
                 tie_word_embeddings=True, rope_theta=1e6, rope_scaling=None,
                 max_position_embeddings=4096, torch_dtype='bfloat16')
+# ... and Qwen3.5's: 3 Gated DeltaNet layers and one gated attention layer, 2 value heads a key
+# head, a convolution of 4 taps.
+QUICK_HF_HYBRID = dict(QUICK_HF, architectures=['Qwen3_5ForCausalLM'], model_type='qwen3_5_text',
+                       num_hidden_layers=4, linear_num_key_heads=2, linear_num_value_heads=4,
+                       linear_key_head_dim=16, linear_value_head_dim=16,
+                       linear_conv_kernel_dim=4)
+
+
+def quick_hf(preset: str) -> dict[str, Any]:
+  """The miniature of `preset`'s model family that --quick runs."""
+  full, _ = _full_hf(preset)
+  return QUICK_HF_HYBRID if full['model_type'].startswith('qwen3_5') else QUICK_HF
+
+
+def _full_hf(preset: str):
+  from pipelinerl_jax import memory_plan
+  return memory_plan.read_hf_config(ROOT / PRESET_MODELS[preset])
 # Kept for what follows the run's stop: the engine's drain, the final checkpoint, teardown.
 AFTER_RUN_S = 45.0
 
@@ -105,7 +124,7 @@ def run_preset(s: section_lib.Section, preset: str) -> None:
 
   name = f'{preset} preset'
   quick = s.args.quick
-  hf_config = QUICK_HF if quick else memory_plan.read_hf_config(ROOT / PRESET_MODELS[preset])[0]
+  hf_config = quick_hf(preset) if quick else _full_hf(preset)[0]
   work = pathlib.Path(s.args.workdir) / 'one_gpu'
   t0 = time.perf_counter()
   model_dir = make_model_dir(work / f'{preset}-{"quick" if quick else "model"}', hf_config)

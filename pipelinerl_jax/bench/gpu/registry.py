@@ -60,6 +60,8 @@ SECTIONS: dict[str, SectionSpec] = {spec.name: spec for spec in (
                 weight=6.0, default=False),
     SectionSpec('lora_1xgpu', one_gpu.runner_for('qwen3_8b_lora_1xgpu'), one_gpu.describe,
                 weight=6.0, default=False),
+    SectionSpec('qwen3_5_1xgpu', one_gpu.runner_for('qwen3_5_2b_1xgpu'), one_gpu.describe,
+                weight=6.0, default=False),
     # Adapter updates against full ones, and decode with adapters (bench/lora.py's processes).
     SectionSpec('lora', lora.run, lora.describe, weight=4.0, default=False),
     # One MoE layer's grouped matmul against the dense reference (bench/moe_layer.py's).
