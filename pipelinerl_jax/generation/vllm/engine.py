@@ -76,6 +76,7 @@ from pipelinerl_jax import config as config_lib
 from pipelinerl_jax.generation import api
 from pipelinerl_jax.generation import budget
 from pipelinerl_jax.generation.transport import hf_tensors
+from pipelinerl_jax.generation.vllm import hybrids
 from pipelinerl_jax.generation.vllm import lora_updates
 from pipelinerl_jax.models.hf import checkpoint as hf_checkpoint
 from pipelinerl_jax.models.hf import files as hf_files
@@ -219,7 +220,10 @@ class VllmEngine(api.QueuedEngine):
     self._expected = hf_tensors.expected_shapes(self.model_config)
     stored = checkpoint_shapes(self.model_dir)
     tied = {'lm_head.weight'} if self.model_config.tie_embeddings else set()
-    if {k: v for k, v in stored.items() if k not in tied} != self._expected:
+    # A composite dir's other towers (Qwen3.5's vision) are served as stored, never updated.
+    carried = hf_schema.family_of(self.model_config).carried
+    if {k: v for k, v in stored.items()
+        if k not in tied and not k.startswith(carried)} != self._expected:
       raise ValueError(f'{self.model_dir}: the checkpoint\'s tensors do not match the name map of '
                        'its config.json; updates could not be checked against it')
 
@@ -228,6 +232,9 @@ class VllmEngine(api.QueuedEngine):
     import vllm
     from vllm.platforms import current_platform
     dtype = config.dtype or _checkpoint_dtype(self.model_dir)
+    hybrids.check_servable(self.model_config, dtype, current_platform.is_cpu())
+    if self.model_config.is_hybrid:
+      hybrids.import_models()
     kwargs = dict(model=str(self.model_dir), dtype=dtype, skip_tokenizer_init=True,
                   enable_prefix_caching=False, logprobs_mode='processed_logprobs',
                   async_scheduling=False, max_model_len=config.max_model_len,
@@ -239,6 +246,7 @@ class VllmEngine(api.QueuedEngine):
       kwargs['hf_overrides'] = {'head_dtype': 'float32'}
     if lora is not None:
       kwargs.update(lora_updates.llm_kwargs(lora, config.lora_update))
+    kwargs.update(hybrids.llm_kwargs(self.model_config))
     kwargs.update(llm_kwargs)
     self.llm_kwargs = dict(kwargs)  # what vLLM was started with (memory share, graphs, ...)
     self._llm = vllm.LLM(**kwargs)
