@@ -155,6 +155,6 @@ def test_the_cli_refuses_what_it_cannot_evaluate_in_one_line(exports, tmp_path):
     (bad / name).write_bytes(open(f'{dirs["peft"]}/{name}', 'rb').read())
   config = json.loads((bad / hf_peft.CONFIG_FILE).read_text())
   (bad / hf_peft.CONFIG_FILE).write_text(json.dumps({**config,
-                                                           'base_model_name_or_path': '/gone'}))
+                                                     'base_model_name_or_path': '/gone'}))
   with pytest.raises(FileNotFoundError, match=r"its base model '/gone' is not an HF model dir"):
     cli(str(bad), files)
