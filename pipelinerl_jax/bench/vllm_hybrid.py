@@ -80,16 +80,16 @@ def draw(out_dir: pathlib.Path, seed: int, scale: float) -> pathlib.Path:
 
 def build(workdir: str | os.PathLike, scale: float = 0.1) -> pathlib.Path:
   """Writes the two draws (transformers) and the served dir (the first, through our loader and
-  saver, fp32) under `workdir`; returns the served dir."""
+  saver, fp32) under `workdir`/std<scale>, once; returns the served dir."""
   from pipelinerl_jax.models.hf import checkpoint as hf_checkpoint
   from pipelinerl_jax.models.hf import schema as hf_schema
-  workdir = pathlib.Path(workdir)
-  served = workdir / 'served'
+  root = pathlib.Path(workdir) / f'std{scale:g}'
+  served = root / 'served'
   if (served / hf_schema.CONFIG_FILE).exists():
     return served
   for seed in (0, 1):
-    draw(workdir / f'draw-{seed}', seed, scale)
-  source = workdir / 'draw-0'
+    draw(root / f'draw-{seed}', seed, scale)
+  source = root / 'draw-0'
   config = hf_schema.load_config(source)
   hf_checkpoint.save_params(hf_checkpoint.load_params(source, config), config, served,
                             dtype='float32',
