@@ -64,6 +64,8 @@ def test_fusion_units_keep_fused_parts_together(params):
   assert all(len(u) == 2 and 'up_proj' in u[1] for u in gate_up)
   assert hf_tensors.module_of('model.layers.3.mlp.up_proj.weight') == \
       'model.layers.3.mlp.gate_up_proj'
+  assert hf_tensors.module_of('model.layers.3.mlp.shared_expert.gate_proj.weight') == \
+      'model.layers.3.mlp.shared_expert.gate_up_proj'  # vLLM's Qwen3.5-MoE shared expert
   assert hf_tensors.module_of('model.norm.weight') == 'model.norm'
 
 

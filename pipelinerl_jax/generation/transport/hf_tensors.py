@@ -54,7 +54,8 @@ from pipelinerl_jax.models import transformer
 # HF names of the parts that vLLM loads into one fused module, -> that module's name.
 _FUSED = (
     (re.compile(r'^(.*\.self_attn\.)[qkv]_proj\.(weight|bias)$'), r'\1qkv_proj'),
-    (re.compile(r'^(.*\.mlp\.)(gate|up)_proj\.weight$'), r'\1gate_up_proj'),
+    # An MLP, or a mixture of experts' shared expert (Qwen3.5-MoE: mlp.shared_expert.*).
+    (re.compile(r'^(.*\.mlp\.(?:shared_expert\.)?)(gate|up)_proj\.weight$'), r'\1gate_up_proj'),
     # A Gated DeltaNet layer (Qwen3.5): qkv with z, b with a.
     (re.compile(r'^(.*\.linear_attn\.)in_proj_(qkv|z)\.weight$'), r'\1in_proj_qkvz'),
     (re.compile(r'^(.*\.linear_attn\.)in_proj_(b|a)\.weight$'), r'\1in_proj_ba'),
