@@ -23,11 +23,13 @@ LoRA (models/layers/lora.py): an update is the adapters alone, named and laid ou
 `update_*` functions take the run's `config.LoraSettings` (None: a full update) and pick the
 one layout or the other.
 
-Atomic units: vLLM fuses q/k/v into one `qkv_proj` module (weights and biases) and gate/up into
-`gate_up_proj`, and re-packs a module only once all of its parts have arrived; a unit sent
-without its siblings is loaded half-old, half-garbage. `fusion_units` groups consecutive
-tensors by the module they land in, and `buckets` packs whole units into byte-bounded buckets for
-transports that move a bounded amount at a time; a unit is never split across buckets.
+Atomic units: vLLM fuses q/k/v into one `qkv_proj` module (weights and biases), gate/up into
+`gate_up_proj`, and a Gated DeltaNet layer's in_proj_qkv/in_proj_z into `in_proj_qkvz` and
+in_proj_b/in_proj_a into `in_proj_ba`; it re-packs a module only once all of its parts have
+arrived, so a unit sent without its siblings is loaded half-old, half-garbage. `fusion_units`
+groups consecutive tensors by the module they land in, and `buckets` packs whole units into
+byte-bounded buckets for transports that move a bounded amount at a time; a unit is never split
+across buckets.
 """
 
 from __future__ import annotations
@@ -52,7 +54,11 @@ from pipelinerl_jax.models import transformer
 # HF names of the parts that vLLM loads into one fused module, -> that module's name.
 _FUSED = (
     (re.compile(r'^(.*\.self_attn\.)[qkv]_proj\.(weight|bias)$'), r'\1qkv_proj'),
-    (re.compile(r'^(.*\.mlp\.)(gate|up)_proj\.weight$'), r'\1gate_up_proj'),
+    # An MLP, or a mixture of experts' shared expert (Qwen3.5-MoE: mlp.shared_expert.*).
+    (re.compile(r'^(.*\.mlp\.(?:shared_expert\.)?)(gate|up)_proj\.weight$'), r'\1gate_up_proj'),
+    # A Gated DeltaNet layer (Qwen3.5): qkv with z, b with a.
+    (re.compile(r'^(.*\.linear_attn\.)in_proj_(qkv|z)\.weight$'), r'\1in_proj_qkvz'),
+    (re.compile(r'^(.*\.linear_attn\.)in_proj_(b|a)\.weight$'), r'\1in_proj_ba'),
 )
 
 
@@ -103,7 +109,13 @@ def hf_torch_tensors(params, config: transformer.ModelConfig
       raise ValueError(f'leaf {"/".join(spec.path)} has shape {tuple(t.shape)}, the config '
                        f'implies {spec.shape}')
     t = t if index is None else t[index]
-    yield name, (t.T if spec.transposed else t)
+    yield name, (_reversed_axes(t) if spec.transposed else t)
+
+
+def _reversed_axes(t: torch.Tensor) -> torch.Tensor:
+  """`t` with its axes reversed, a view (torch's `.T` is for matrices only: a conv1d weight has
+  three axes)."""
+  return t.permute(*range(t.ndim - 1, -1, -1))
 
 
 def gathered_torch_tensors(params, config: transformer.ModelConfig, device: jax.Device,
