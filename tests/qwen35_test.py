@@ -74,15 +74,21 @@ def checkpoint(tmp_path_factory):
         model = transformers.Qwen3_5ForConditionalGeneration(config)
       else:
         model = transformers.Qwen3_5ForCausalLM(transformers.Qwen3_5TextConfig(**TEXT, **text))
-      with torch.no_grad():
-        for pname, p in model.named_parameters():
-          if not pname.endswith(('A_log', 'dt_bias')):  # keep the decay's own init
-            p.copy_((0.1 if 'norm' in pname else 0.2) * torch.randn_like(p))
       path = tmp_path_factory.mktemp(name)
-      model.eval().save_pretrained(path)
+      randomize(model).save_pretrained(path)
       made[name] = (path, model)
     return made[name]
   return make
+
+
+def randomize(model, scale=0.2):
+  """`model` in eval mode, its weights drawn afresh (norms off their init, so the (1 + w)
+  convention matters), the decay's A_log and dt_bias as initialized."""
+  with torch.no_grad():
+    for pname, p in model.named_parameters():
+      if not pname.endswith(('A_log', 'dt_bias')):  # keep the decay's own init
+        p.copy_((0.1 if 'norm' in pname else scale) * torch.randn_like(p))
+  return model.eval()
 
 
 def hf_logits(model, tokens_BxT):
