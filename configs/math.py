@@ -3,6 +3,8 @@
   tiny             the CPU demo (the default): arithmetic on a tiny locally built model
   tiny_lora        the same with LoRA: rank-8 adapters on every projection, the base frozen
   tiny_moe         the CPU demo's model as a mixture of experts (docs/moe.md)
+  tiny_hybrid_moe  the CPU demo's model as a Qwen3.5-MoE: 3 Gated DeltaNet layers to 1 full-
+                   attention layer, every MLP 8 experts beside a shared one (docs/moe.md)
   reasoning        the paper's regime on CPU: long worked solutions (~20-150 tokens) that span
                    several weight updates each; 15 minutes of RL on 2 cores (docs/results.md)
   tools            multi-turn: 2-digit products with a calculator tool the warm-started model
@@ -94,6 +96,24 @@ def tiny_moe():
   demo.sft_examples = 2000
   # A third of tiny's rate: a first try at tiny's 3e-4 did worse (docs/moe.md).
   c.optimizer.lr = 1e-4
+  return c
+
+
+def tiny_hybrid_moe():
+  """`tiny_moe` as a Qwen3.5-MoE: 4 layers of width 64, three Gated DeltaNet layers (2 key heads,
+  4 value heads of 16) then one gated full-attention layer, each MLP 8 experts of width 32 (4 a
+  token, renormalized) beside a shared expert of width 32 with its sigmoid gate; built and
+  SFT-warmed as `tiny_moe`'s is; model.moe_routing picks routing replay (docs/moe.md). Its warm
+  start and its runs generate with the JAX engine, which refuses a hybrid model until it serves
+  one."""
+  c = tiny_moe()
+  demo = c.model.demo
+  demo.architecture = 'qwen3_5_moe'
+  demo.num_layers = 4
+  demo.full_attention_interval = 4
+  demo.linear_num_key_heads, demo.linear_num_value_heads = 2, 4
+  demo.linear_key_head_dim = demo.linear_value_head_dim = 16
+  demo.shared_expert_intermediate_size = 32
   return c
 
 
@@ -478,6 +498,7 @@ HARDWARE = {
     'tiny': dict(runs_on='a CPU (2 cores)', about='built on first use'),
     'tiny_lora': dict(runs_on='a CPU (2 cores)', about='built on first use'),
     'tiny_moe': dict(runs_on='a CPU (2 cores)', about='built on first use'),
+    'tiny_hybrid_moe': dict(runs_on='a CPU (2 cores)', about='built on first use'),
     'reasoning': dict(runs_on='a CPU (2 cores)', about='built on first use'),
     'tools': dict(runs_on='a CPU (2 cores)', about='built on first use'),
     'qwen3_1p7b_1xgpu': dict(runs_on='one GPU of 80 GB', model='Qwen3-1.7B', devices=1,
@@ -495,7 +516,8 @@ HARDWARE = {
     'eval': dict(runs_on='where the model fits (evaluation only)', about='the one evaluated'),
 }
 
-PRESETS = {'tiny': tiny, 'tiny_lora': tiny_lora, 'tiny_moe': tiny_moe, 'reasoning': reasoning,
+PRESETS = {'tiny': tiny, 'tiny_lora': tiny_lora, 'tiny_moe': tiny_moe,
+           'tiny_hybrid_moe': tiny_hybrid_moe, 'reasoning': reasoning,
            'tools': tools, 'qwen1p5b_8xh100': qwen1p5b_8xh100, 'paper_7b': paper_7b,
            'qwen3_1p7b_1xgpu': qwen3_1p7b_1xgpu, 'qwen3_8b_lora_1xgpu': qwen3_8b_lora_1xgpu,
            'qwen3_30b_a3b': qwen3_30b_a3b, 'qwen3_5_2b_1xgpu': qwen3_5_2b_1xgpu, 'eval': eval_}
