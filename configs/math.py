@@ -20,6 +20,8 @@
   qwen3_5_2b_1xgpu Qwen3.5-2B (hybrid: Gated DeltaNet and gated attention), full fine-tuning on
                    one 80 GB GPU, trainer and JAX engine in one process (placed by the memory
                    plan; the JAX engine does not serve hybrids yet, so the run refuses to start)
+  qwen3_5_9b_lora_1xgpu  Qwen3.5-9B with LoRA on one 80 GB GPU, trainer and JAX engine sharing
+                   the frozen bf16 base (placed by the memory plan)
   eval             what `pipelinerl-eval` uses for an HF model dir or a PEFT adapter dir when no
                    --config is given: math test files, greedy, up to 4096 new tokens
 
@@ -426,6 +428,22 @@ def qwen3_5_2b_1xgpu():
   return c
 
 
+def qwen3_5_9b_lora_1xgpu():
+  """Qwen3.5-9B with LoRA on ONE 80 GB GPU: qwen3_8b_lora_1xgpu's run (rank-32 adapters on every
+  projection LoRA covers, the base frozen in bf16 and shared by the trainer and an inline JAX
+  engine) on a hybrid, with twice the sequences in flight. 24 of its 32 layers are Gated
+  DeltaNet: KV pages only for the 8 full-attention layers (32 KiB a position in bf16, against
+  Qwen3-8B's 144), so the engine's default pool holds all 128 slots at full length (20 GiB),
+  beside each slot's fixed state in the 24 linear layers (49 MiB). The memory plan places it:
+  `python -m pipelinerl_jax.memory_plan --config=configs/math.py:qwen3_5_9b_lora_1xgpu
+  --model_config=configs/models/Qwen3.5-9B --devices=1 --device=h100`. Not run on GPUs."""
+  c = qwen3_8b_lora_1xgpu()
+  c.generation.num_slots = 128
+  c.generation.kv_pool_mb = 0      # every slot at full length
+  c.rl.batch_size = 128            # 16 prompts x 8 samples per step
+  return c
+
+
 def _math_task(c):
   """Math with reward 1 if correct else 0; model.path and task.*_files are placeholders."""
   c.task.name = 'math'
@@ -513,6 +531,8 @@ HARDWARE = {
                           devices=24, card='h100'),
     'qwen3_5_2b_1xgpu': dict(runs_on='one GPU of 80 GB, once the JAX engine serves hybrids',
                              model='Qwen3.5-2B', devices=1, card='h100'),
+    'qwen3_5_9b_lora_1xgpu': dict(runs_on='one GPU of 80 GB, once the JAX engine serves hybrids',
+                                  model='Qwen3.5-9B', devices=1, card='h100'),
     'eval': dict(runs_on='where the model fits (evaluation only)', about='the one evaluated'),
 }
 
@@ -520,4 +540,5 @@ PRESETS = {'tiny': tiny, 'tiny_lora': tiny_lora, 'tiny_moe': tiny_moe,
            'tiny_hybrid_moe': tiny_hybrid_moe, 'reasoning': reasoning,
            'tools': tools, 'qwen1p5b_8xh100': qwen1p5b_8xh100, 'paper_7b': paper_7b,
            'qwen3_1p7b_1xgpu': qwen3_1p7b_1xgpu, 'qwen3_8b_lora_1xgpu': qwen3_8b_lora_1xgpu,
-           'qwen3_30b_a3b': qwen3_30b_a3b, 'qwen3_5_2b_1xgpu': qwen3_5_2b_1xgpu, 'eval': eval_}
+           'qwen3_30b_a3b': qwen3_30b_a3b, 'qwen3_5_2b_1xgpu': qwen3_5_2b_1xgpu,
+           'qwen3_5_9b_lora_1xgpu': qwen3_5_9b_lora_1xgpu, 'eval': eval_}

@@ -488,3 +488,27 @@ def test_qwen3_5_35b_a3b_takes_17_gpus_of_80gb_or_9_of_141gb():
   with pytest.raises(ValueError, match=r'^config.model.lora: LoRA on a mixture-of-experts model '
                                        r'\(256 experts in 40 layers\)'):
     plan(9, 'h200', eight, lora)
+
+
+def test_the_qwen3_5_9b_lora_preset_shares_the_base_on_one_80_gb_card():
+  """Qwen3.5-9B with LoRA on one 80 GB card (the 78 GiB a process gets on an H100): the frozen
+  bf16 base is one copy that the trainer and the JAX engine both read; the engine's KV pages
+  hold the 8 full-attention layers alone, all 128 slots at full length, beside each slot's state
+  in the 24 Gated DeltaNet layers; full fine-tuning of the same run does not fit."""
+  config = config_lib.load_preset('qwen3_5_9b_lora_1xgpu')
+  hf_config, source = memory_plan.read_hf_config(ROOT / 'configs/models/Qwen3.5-9B')
+  gib = accelerators.card_named('h100').usable_gib
+  p = memory_plan.plan(config, hf_config, num_devices=1, device_gib=gib, source=source)
+  assert p.fits, p.refusal
+  f, g = p.facts, config_lib.validate(config, runnable=False).generation
+  assert (f['mesh'], f['train_devices'], f['generator_devices']) == ('1,1,1', 1, 0)
+  assert f['engine_shares_base'] and (f['attention_layers'], f['linear_layers']) == (8, 24)
+  assert p.trainer['base'] == f['params'] * 2
+  # Keys and values of 4 heads of 256 in 8 layers, bf16: 32 KiB a position; every slot full.
+  pages = 1 + g.num_slots * -(-g.max_seq_len // g.kv_page_size)
+  assert p.generator['kv'] == pages * g.kv_page_size * 2 * 8 * 4 * 256 * 2
+  assert f['kv_pool_full_sequences'] == g.num_slots == 128
+  assert p.trainer_total + p.generator_total < 0.85 * gib * memory_plan.GIB
+  config.model.lora.rank = 0
+  full = memory_plan.plan(config, hf_config, num_devices=1, device_gib=gib, source=source)
+  assert 'a trainer device needs' in full.refusal
