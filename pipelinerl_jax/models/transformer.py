@@ -33,9 +33,8 @@ Shape letters (the README's table): R rows, T query tokens, S key/cache position
 width, N query heads, K key/value heads, Q = N // K, Dh head dim, E rotary frequencies (Dh / 2),
 F MLP width, V vocab, L layers; J chunks of Tb positions (logits are made a chunk at a time);
 for mixtures of experts X experts, Xk experts per token, I expert width, Is the shared expert's
-width, Ls MoE layers; for
-Gated DeltaNet layers (layers/gated_delta.py) Hk / Hv key / value heads of Dk / Dv, Cc
-convolution channels, Kc convolution taps.
+width, Ls MoE layers; for Gated DeltaNet layers (layers/gated_delta.py) Hk / Hv key / value
+heads of Dk / Dv, Cc convolution channels, Kc convolution taps.
 
 Layers are stacked and scanned in runs of one kind (`layer_groups`): a model whose layers are all
 alike (Qwen3-30B-A3B: every layer MoE) is one scan over `layers`; a change of kind (Qwen3-MoE's
