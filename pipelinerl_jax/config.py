@@ -203,8 +203,14 @@ class DemoModelConfig(_Section):
 # The math task's default system turn (task.system_prompt).
 DEFAULT_SYSTEM_PROMPT = 'Please reason step by step, and put your final answer within \\boxed{}.'
 
-# The linear maps of a decoder layer that LoRA can adapt (models/layers/lora.py), as HF names them.
-LORA_TARGETS = ('q_proj', 'k_proj', 'v_proj', 'o_proj', 'gate_proj', 'up_proj', 'down_proj')
+# The linear maps of a decoder layer that LoRA can adapt (models/layers/lora.py), as HF names them:
+# full attention's, a Gated DeltaNet layer's (Qwen3.5's linear attention) and the MLP's.
+LORA_TARGETS = ('q_proj', 'k_proj', 'v_proj', 'o_proj',
+                'in_proj_qkv', 'in_proj_z', 'in_proj_b', 'in_proj_a', 'out_proj',
+                'gate_proj', 'up_proj', 'down_proj')
+# The default: every one but a Gated DeltaNet's in_proj_b and in_proj_a, whose outputs (one
+# number per value head: the write rate and the decay) are too narrow for a rank-r delta.
+LORA_DEFAULT_TARGETS = tuple(t for t in LORA_TARGETS if t not in ('in_proj_b', 'in_proj_a'))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -214,10 +220,12 @@ class LoraSettings(_Section):
   adapters (and their Adam state) are optimized, checkpointed and sent to the generators.
 
   Also what the model code, the engines and the transports take as a run's LoRA (checked here
-  once; `lora.active` gives None when off). Targets are kept in LORA_TARGETS' order."""
+  once; `lora.active` gives None when off). Targets are kept in LORA_TARGETS' order; a model
+  adapts those of them it has (`lora.targets_in`), and refuses a list that names none."""
   rank: int = 0                   # r; 0 = off (every weight is trained)
   alpha: float = 32.0             # the delta is scaled by alpha / rank
-  targets: tuple[str, ...] = LORA_TARGETS  # default: all seven projections of every layer
+  # Default: every projection of every layer, but a Gated DeltaNet's in_proj_b and in_proj_a.
+  targets: tuple[str, ...] = LORA_DEFAULT_TARGETS
   init_seed: int = 0              # A's random init (B starts at zero)
 
   def _check_values(self):

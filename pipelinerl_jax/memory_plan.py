@@ -118,6 +118,7 @@ from pipelinerl_jax import sharding as sharding_lib
 from pipelinerl_jax import train
 from pipelinerl_jax.generation import budget
 from pipelinerl_jax.models.hf import names as hf_names
+from pipelinerl_jax.models.hf import peft as hf_peft
 from pipelinerl_jax.models.hf import schema as hf_schema
 from pipelinerl_jax.models.layers import gated_delta
 from pipelinerl_jax.models.layers import lora as lora_lib
@@ -369,8 +370,10 @@ def train_step_memory(m: transformer.ModelConfig, optimizer_config: config_lib.O
                 batch=rows_per_shard * (t * (BATCH_BYTES_PER_TOKEN + routes)
                                         + 8 * max_segments_per_row))
   if lora is not None:
-    # The adapters' x A of every projection, saved for the backward pass: [U, Ra] each.
-    memory['saved'] += l * len(lora.targets) * tokens * lora.rank * dt
+    # The adapters' x A of every adapted projection of every layer, saved for the backward
+    # pass: [U, Ra] each.
+    adapted = sum(s.count for s in lora_lib.specs(m, lora))
+    memory['saved'] += adapted * tokens * lora.rank * dt
     memory = dict(base=base_bytes, adapters=memory.pop('params'), **memory)
   facts = dict(rows_per_micro_batch=rows_per_micro, tokens_per_micro_batch=tokens,
                replicated_on_fsdp=sharding_lib.replicated_on_fsdp(
@@ -392,7 +395,7 @@ def publishing_memory(m: transformer.ModelConfig, config: config_lib.Config, par
     return {}
   lora = lora_lib.active(config.model.lora)
   if lora is not None:  # the adapters, replicated, in their dtype (transport_dtype)
-    largest = budget.largest_tensor_bytes(lora_lib.peft_shapes(m, lora).values(), wire)
+    largest = budget.largest_tensor_bytes(hf_peft.shapes(m, lora).values(), wire)
     return dict(published=2 * param_bytes, sending=max(largest, param_bytes) + largest
                 + CUDA_CONTEXT_BYTES)
   largest = budget.largest_tensor_bytes(_hf_shapes(m), wire)
@@ -416,7 +419,7 @@ def generator_memory(m: transformer.ModelConfig, config: config_lib.Config,
   sb = _bytes(serving_dtype)
   slots = -(-g.num_slots // g.num_generators)
   max_len = g.max_prompt_len + g.max_new_tokens
-  shapes = _hf_shapes(m) if lora is None else list(lora_lib.peft_shapes(m, lora).values())
+  shapes = _hf_shapes(m) if lora is None else list(hf_peft.shapes(m, lora).values())
   collective = g.remote.weight_transport != 'object_store' and g.placement == 'ray'
   if collective:
     staging = budget.STAGING_BUFFERS * budget.staged_bytes(shapes, wire)
@@ -437,8 +440,8 @@ def generator_memory(m: transformer.ModelConfig, config: config_lib.Config,
   if lora is not None and g.vllm.lora_update == 'merge':
     # The base's kernels of every module an adapter touches, kept on the host to merge from.
     kept = config_lib.LoraSettings(1, 1.0, lora_lib.merged_targets(lora))
-    host_base = m.num_layers * sum(s.in_features * s.out_features
-                                   for s in lora_lib.specs(m, kept)) * sb
+    host_base = sum(s.count * s.in_features * s.out_features
+                    for s in lora_lib.specs(m, kept)) * sb
   if lora is not None and g.vllm.lora_update == 'slot':
     # vLLM's one LoRA slot: every targeted projection's A and B at its padded rank.
     padded = config_lib.LoraSettings(budget.vllm_lora_rank(lora.rank), lora.alpha, lora.targets)

@@ -27,7 +27,6 @@ from pipelinerl_jax.models.hf import checkpoint as hf_checkpoint
 from pipelinerl_jax.models.hf import files as hf_files
 from pipelinerl_jax.models.hf import schema as hf_schema
 from pipelinerl_jax.models.layers import gated_delta
-from pipelinerl_jax.models.layers import lora as lora_lib
 
 TEXT = dict(vocab_size=96, hidden_size=32, intermediate_size=48, rms_norm_eps=1e-6)
 VISION = dict(depth=1, hidden_size=16, intermediate_size=32, num_heads=2, out_hidden_size=32,
@@ -366,10 +365,10 @@ def test_fields_the_model_cannot_honour_are_refused(hf, message):
   assert '\n' not in str(e.value)
 
 
-def test_the_jax_engine_decode_and_lora_refuse_a_hybrid_in_one_line(checkpoint, tmp_path):
+def test_the_jax_engine_and_decode_refuse_a_hybrid_in_one_line(checkpoint, tmp_path):
   """Until the engine keeps a recurrent state beside its KV cache: its constructor refuses, so
   does the run's check of a config that names a hybrid dir with backend 'jax', and decoding over
-  a KV cache; LoRA's adapters cover a stack of attention layers only."""
+  a KV cache."""
   from pipelinerl_jax.pipeline import launch
   expected = (r"^config.generation.backend='jax': the JAX engine does not serve hybrid models "
               r'\(Qwen3_5ForCausalLM: 3 Gated DeltaNet layers')
@@ -385,5 +384,3 @@ def test_the_jax_engine_decode_and_lora_refuse_a_hybrid_in_one_line(checkpoint, 
   config.model.path = str(path)
   with pytest.raises(ValueError, match=expected):
     launch.check(config_lib.validate(config), str(tmp_path / 'run'))
-  with pytest.raises(ValueError, match=re.escape('config.model.lora: LoRA on a hybrid model (3 Gat')):
-    lora_lib.specs(HYBRID, config_lib.LoraSettings(rank=2, alpha=4.0))

@@ -36,12 +36,12 @@ for mixtures of experts X experts, Xk experts per token, I expert width, Is the 
 width, Ls MoE layers; for Gated DeltaNet layers (layers/gated_delta.py) Hk / Hv key / value
 heads of Dk / Dv, Cc convolution channels, Kc convolution taps.
 
-Layers are stacked and scanned in runs of one kind (`layer_groups`): a model whose layers are all
-alike (Qwen3-30B-A3B: every layer MoE) is one scan over `layers`; a change of kind (Qwen3-MoE's
-`mlp_only_layers`, `decoder_sparse_step`; Qwen3.5's `layer_types`, three Gated DeltaNet layers to
-one full-attention layer) splits the stack into runs `layers_0`, `layers_1`, ..., each its own
-scan over its own stacked params. Runs keep one scan's compile time and memory layout for the
-common case and cost one more scan per change of kind.
+Layers are stacked and scanned in runs of one kind (`ModelConfig.layer_groups`): a model whose
+layers are all alike (Qwen3-30B-A3B: every layer MoE) is one scan over `layers`; a change of kind
+(Qwen3-MoE's `mlp_only_layers`, `decoder_sparse_step`; Qwen3.5's `layer_types`, three Gated
+DeltaNet layers to one full-attention layer) splits the stack into runs `layers_0`, `layers_1`,
+..., each its own scan over its own stacked params (and LoRA adapters). Runs keep one scan's
+compile time and memory layout for the common case and cost one more scan per change of kind.
 
 Qwen3.5's full attention (`attention_output_gate`) has q_proj emit each head's query and a gate,
 and multiplies attention's output by sigmoid(gate) before o_proj; RoPE turns the first
@@ -88,6 +88,16 @@ class RopeScaling:
   low_freq_factor: float = 1.0
   high_freq_factor: float = 4.0
   original_max_position_embeddings: int = 8192
+
+
+class LayerGroup(NamedTuple):
+  """A run of consecutive layers of one kind, scanned together over params stacked under
+  `name`: layers first..first+count-1, MoE or dense MLP, Gated DeltaNet or full attention."""
+  name: str
+  first: int
+  count: int
+  moe: bool
+  linear: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -223,6 +233,24 @@ class ModelConfig:
     return tuple(i for i in range(self.num_layers) if i not in linear)
 
   @property
+  def layer_groups(self) -> tuple[LayerGroup, ...]:
+    """The model's runs of layers (see the module docstring): one group `layers` when every
+    layer is of one kind, else `layers_0`, `layers_1`, ... in order. A property, so that the
+    layers' code, which reads the config by attribute, finds the runs without importing this
+    module (layers/lora.py stacks adapters as the runs stack kernels)."""
+    moe, linear = set(self.moe_layers), set(self.linear_layers)
+    runs = []
+    for i in range(self.num_layers):
+      kind = (i in moe, i in linear)
+      if runs and runs[-1][2] == kind:
+        runs[-1][1] += 1
+      else:
+        runs.append([i, 1, kind])
+    names = ['layers'] if len(runs) == 1 else [f'layers_{j}' for j in range(len(runs))]
+    return tuple(LayerGroup(n, first, count, *kind)
+                 for n, (first, count, kind) in zip(names, runs))
+
+  @property
   def rotary_dim(self) -> int:
     """The dims of each head RoPE turns (transformers: int(head_dim * partial_rotary_factor))."""
     return int(self.head_dim * self.partial_rotary_factor)
@@ -264,31 +292,6 @@ class ModelConfig:
     idle = self.num_experts - self.num_experts_per_tok
     return self.num_params - len(self.moe_layers) * idle * 3 * self.hidden_size * (
         self.moe_intermediate_size)
-
-
-class LayerGroup(NamedTuple):
-  """A run of consecutive layers of one kind, scanned together over params stacked under
-  `name`: layers first..first+count-1, MoE or dense MLP, Gated DeltaNet or full attention."""
-  name: str
-  first: int
-  count: int
-  moe: bool
-  linear: bool = False
-
-
-def layer_groups(config: ModelConfig) -> tuple[LayerGroup, ...]:
-  """The model's runs of layers (see the module docstring): one group `layers` when every
-  layer is of one kind, else `layers_0`, `layers_1`, ... in order."""
-  moe, linear = set(config.moe_layers), set(config.linear_layers)
-  runs = []
-  for i in range(config.num_layers):
-    kind = (i in moe, i in linear)
-    if runs and runs[-1][2] == kind:
-      runs[-1][1] += 1
-    else:
-      runs.append([i, 1, kind])
-  names = ['layers'] if len(runs) == 1 else [f'layers_{j}' for j in range(len(runs))]
-  return tuple(LayerGroup(n, first, count, *kind) for n, (first, count, kind) in zip(names, runs))
 
 
 # What a rematerialized layer keeps for its backward pass besides its input (the rest is
@@ -413,7 +416,7 @@ class Transformer(nn.Module):
     carry = None if cache is None else _CacheCarry(cache.k, cache.v, jnp.zeros((), jnp.int32),
                                                    table_RxW)
     routes, moe_seen = [], 0
-    for group in layer_groups(c):
+    for group in c.layer_groups:
       replayed = None  # this run's slice of the replayed routes, layers first: [n, R, T, Xk]
       if group.moe and routes_RxTxLsxXk is not None:
         replayed = jnp.moveaxis(routes_RxTxLsxXk[:, :, moe_seen:moe_seen + group.count], 2, 0)

@@ -19,7 +19,7 @@ must not be donated or deleted until the receiver is done (the `api.Engine.updat
 ownership contract).
 
 LoRA (models/layers/lora.py): an update is the adapters alone, named and laid out as PEFT saves them
-(A [Ra, Di] and B [Do, Ra] per layer, torch's Linear layout: `lora.peft_shapes`); the
+(A [Ra, Di] and B [Do, Ra] per layer, torch's Linear layout: `hf.peft.shapes`); the
 `update_*` functions take the run's `config.LoraSettings` (None: a full update) and pick the
 one layout or the other.
 
@@ -45,6 +45,7 @@ import torch
 
 from pipelinerl_jax import config as config_lib
 from pipelinerl_jax.models.hf import names as hf_names
+from pipelinerl_jax.models.hf import peft as hf_peft
 from pipelinerl_jax.models.layers import lora as lora_lib
 from pipelinerl_jax.models import transformer
 
@@ -139,7 +140,7 @@ def update_shapes(config: transformer.ModelConfig, lora: config_lib.LoraSettings
                   ) -> dict[str, tuple[int, ...]]:
   """{name: shape} of every tensor of an update, in wire order: a full one's HF tensors, or the
   adapters' PEFT tensors."""
-  return expected_shapes(config) if lora is None else lora_lib.peft_shapes(config, lora)
+  return expected_shapes(config) if lora is None else hf_peft.shapes(config, lora)
 
 
 def gathered_update_tensors(params, config: transformer.ModelConfig, device: jax.Device,
@@ -150,7 +151,7 @@ def gathered_update_tensors(params, config: transformer.ModelConfig, device: jax
   if lora is None:
     yield from gathered_torch_tensors(params, config, device, dtype)
     return
-  for name, x in lora_lib.peft_tensors(params, config, lora, dtype):
+  for name, x in hf_peft.tensors(params, config, lora, dtype):
     yield name, torch.from_numpy(x) if device.platform == 'cpu' else torch.from_dlpack(
         jax.device_put(x, device))
 
@@ -162,13 +163,10 @@ def update_from_hf(tensors: Iterable[tuple[str, torch.Tensor]], config: transfor
   if lora is None:
     return params_from_hf(tensors, config, dtype)
   got = dict(tensors)
-  check_complete([(n, tuple(t.shape)) for n, t in got.items()], lora_lib.peft_shapes(config, lora))
-  flat = {}
-  for s in lora_lib.specs(config, lora):
-    for which in ('a', 'b'):
-      leaf = np.stack([got[s.peft_name(i, which)].numpy().T for i in range(config.num_layers)])
-      flat[s.path + (which,)] = leaf if dtype is None else leaf.astype(dtype)
-  return lora_lib.nest(flat)
+  check_complete([(n, tuple(t.shape)) for n, t in got.items()], hf_peft.shapes(config, lora))
+  rows = hf_peft.stacked(lambda name, _: got[name].numpy(), config, lora)
+  return lora_lib.nest({path: np.stack(r) if dtype is None else np.stack(r).astype(dtype)
+                        for path, r in rows.items()})
 
 
 def is_zero_copy(tensor: torch.Tensor, leaf: Any) -> bool:

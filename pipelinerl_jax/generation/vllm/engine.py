@@ -477,7 +477,7 @@ class VllmEngine(api.QueuedEngine):
     """PEFT-named adapter tensors (a transport's views), checked complete, as adapters."""
     try:
       hf_tensors.check_complete([(n, tuple(t.shape)) for n, t in tensors],
-                                lora_lib.peft_shapes(self.model_config, self.lora))
+                                hf_peft.shapes(self.model_config, self.lora))
     except ValueError as e:
       raise WeightUpdateError(str(e)) from None
     return lora_updates.from_peft(tensors, self.model_config, self.lora)
