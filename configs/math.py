@@ -3,6 +3,8 @@
   tiny             the CPU demo (the default): arithmetic on a tiny locally built model
   tiny_lora        the same with LoRA: rank-8 adapters on every projection, the base frozen
   tiny_moe         the CPU demo's model as a mixture of experts (docs/moe.md)
+  tiny_hybrid_moe  the CPU demo's model as a Qwen3.5-MoE: 3 Gated DeltaNet layers to 1 full-
+                   attention layer, every MLP 8 experts beside a shared one (docs/moe.md)
   reasoning        the paper's regime on CPU: long worked solutions (~20-150 tokens) that span
                    several weight updates each; 15 minutes of RL on 2 cores (docs/results.md)
   tools            multi-turn: 2-digit products with a calculator tool the warm-started model
@@ -18,6 +20,8 @@
   qwen3_5_2b_1xgpu Qwen3.5-2B (hybrid: Gated DeltaNet and gated attention), full fine-tuning on
                    one 80 GB GPU, trainer and JAX engine in one process (placed by the memory
                    plan; the JAX engine does not serve hybrids yet, so the run refuses to start)
+  qwen3_5_9b_lora_1xgpu  Qwen3.5-9B with LoRA on one 80 GB GPU, trainer and JAX engine sharing
+                   the frozen bf16 base (placed by the memory plan)
   eval             what `pipelinerl-eval` uses for an HF model dir or a PEFT adapter dir when no
                    --config is given: math test files, greedy, up to 4096 new tokens
 
@@ -94,6 +98,24 @@ def tiny_moe():
   demo.sft_examples = 2000
   # A third of tiny's rate: a first try at tiny's 3e-4 did worse (docs/moe.md).
   c.optimizer.lr = 1e-4
+  return c
+
+
+def tiny_hybrid_moe():
+  """`tiny_moe` as a Qwen3.5-MoE: 4 layers of width 64, three Gated DeltaNet layers (2 key heads,
+  4 value heads of 16) then one gated full-attention layer, each MLP 8 experts of width 32 (4 a
+  token, renormalized) beside a shared expert of width 32 with its sigmoid gate; built and
+  SFT-warmed as `tiny_moe`'s is; model.moe_routing picks routing replay (docs/moe.md). Its warm
+  start and its runs generate with the JAX engine, which refuses a hybrid model until it serves
+  one."""
+  c = tiny_moe()
+  demo = c.model.demo
+  demo.architecture = 'qwen3_5_moe'
+  demo.num_layers = 4
+  demo.full_attention_interval = 4
+  demo.linear_num_key_heads, demo.linear_num_value_heads = 2, 4
+  demo.linear_key_head_dim = demo.linear_value_head_dim = 16
+  demo.shared_expert_intermediate_size = 32
   return c
 
 
@@ -412,6 +434,22 @@ def qwen3_5_2b_1xgpu():
   return c
 
 
+def qwen3_5_9b_lora_1xgpu():
+  """Qwen3.5-9B with LoRA on ONE 80 GB GPU: qwen3_8b_lora_1xgpu's run (rank-32 adapters on every
+  projection LoRA covers, the base frozen in bf16 and shared by the trainer and an inline JAX
+  engine) on a hybrid, with twice the sequences in flight. 24 of its 32 layers are Gated
+  DeltaNet: KV pages only for the 8 full-attention layers (32 KiB a position in bf16, against
+  Qwen3-8B's 144), so the engine's default pool holds all 128 slots at full length (20 GiB),
+  beside each slot's fixed state in the 24 linear layers (49 MiB). The memory plan places it:
+  `python -m pipelinerl_jax.memory_plan --config=configs/math.py:qwen3_5_9b_lora_1xgpu
+  --model_config=configs/models/Qwen3.5-9B --devices=1 --device=h100`. Not run on GPUs."""
+  c = qwen3_8b_lora_1xgpu()
+  c.generation.num_slots = 128
+  c.generation.kv_pool_mb = 0      # every slot at full length
+  c.rl.batch_size = 128            # 16 prompts x 8 samples per step
+  return c
+
+
 def _math_task(c):
   """Math with reward 1 if correct else 0; model.path and task.*_files are placeholders."""
   c.task.name = 'math'
@@ -484,6 +522,7 @@ HARDWARE = {
     'tiny': dict(runs_on='a CPU (2 cores)', about='built on first use'),
     'tiny_lora': dict(runs_on='a CPU (2 cores)', about='built on first use'),
     'tiny_moe': dict(runs_on='a CPU (2 cores)', about='built on first use'),
+    'tiny_hybrid_moe': dict(runs_on='a CPU (2 cores)', about='built on first use'),
     'reasoning': dict(runs_on='a CPU (2 cores)', about='built on first use'),
     'tools': dict(runs_on='a CPU (2 cores)', about='built on first use'),
     'qwen3_1p7b_1xgpu': dict(runs_on='one GPU of 80 GB', model='Qwen3-1.7B', devices=1,
@@ -498,10 +537,14 @@ HARDWARE = {
                           devices=24, card='h100'),
     'qwen3_5_2b_1xgpu': dict(runs_on='one GPU of 80 GB, once the JAX engine serves hybrids',
                              model='Qwen3.5-2B', devices=1, card='h100'),
+    'qwen3_5_9b_lora_1xgpu': dict(runs_on='one GPU of 80 GB, once the JAX engine serves hybrids',
+                                  model='Qwen3.5-9B', devices=1, card='h100'),
     'eval': dict(runs_on='where the model fits (evaluation only)', about='the one evaluated'),
 }
 
-PRESETS = {'tiny': tiny, 'tiny_lora': tiny_lora, 'tiny_moe': tiny_moe, 'reasoning': reasoning,
+PRESETS = {'tiny': tiny, 'tiny_lora': tiny_lora, 'tiny_moe': tiny_moe,
+           'tiny_hybrid_moe': tiny_hybrid_moe, 'reasoning': reasoning,
            'tools': tools, 'qwen1p5b_8xh100': qwen1p5b_8xh100, 'paper_7b': paper_7b,
            'qwen3_1p7b_1xgpu': qwen3_1p7b_1xgpu, 'qwen3_8b_lora_1xgpu': qwen3_8b_lora_1xgpu,
-           'qwen3_30b_a3b': qwen3_30b_a3b, 'qwen3_5_2b_1xgpu': qwen3_5_2b_1xgpu, 'eval': eval_}
+           'qwen3_30b_a3b': qwen3_30b_a3b, 'qwen3_5_2b_1xgpu': qwen3_5_2b_1xgpu,
+           'qwen3_5_9b_lora_1xgpu': qwen3_5_9b_lora_1xgpu, 'eval': eval_}

@@ -208,7 +208,8 @@ def _layer_bytes_per_token(m: transformer.ModelConfig, moe: bool = False, ep: in
   them: fp32 norm inputs and RoPE, the rest in the compute dtype. An MoE layer (layers/moe.py):
   router logits and fp32 probabilities, and for each of the Xk assignments the token gathered,
   the expert's gate, up and activation and its output; split over an expert axis of `ep`, the
-  gathered rows and the shares before the reduce-scatter (ep rows of D for each of its own).
+  gathered rows and the shares before the reduce-scatter (ep rows of D for each of its own); a
+  shared expert's (Qwen3.5-MoE) gate, up, activation and output, and its gate's logit.
   A Gated DeltaNet layer (`linear`, layers/gated_delta.py) in place of attention: its four
   projections and the gated norm; in fp32 the convolution's output and its SiLU, q and k per
   value head, v, the decay and beta; per value head and position about 11 rows of Tb (the
@@ -224,6 +225,8 @@ def _layer_bytes_per_token(m: transformer.ModelConfig, moe: bool = False, ep: in
   if moe:
     xk, width = m.num_experts_per_tok, m.moe_intermediate_size
     mlp = m.num_experts + xk * (2 * d + 3 * width) + 2 * ep * d
+    if m.shared_expert_intermediate_size:
+      mlp += 3 * m.shared_expert_intermediate_size + d + 1
   masks = 0
   if linear:
     _, hv, dk, dv, cc, _ = gated_delta.dims(m)
@@ -316,8 +319,10 @@ def train_step_memory(m: transformer.ModelConfig, optimizer_config: config_lib.O
   linear_layers = len(m.linear_layers)
   layer_params = (m.num_params - v * d * (1 if m.tie_embeddings else 2) - d
                   - moe_layers * experts) // l
-  if linear_layers:  # the larger of the two kinds (no MoE among Qwen3.5's dense models)
-    linear_layer = m.linear_attention_params + 3 * d * m.intermediate_size + 2 * d
+  if linear_layers:  # the larger of the two kinds; Qwen3.5's MLPs are all dense or all MoE
+    mlp_params = (d * m.num_experts + m.shared_expert_params if moe_layers
+                  else 3 * d * m.intermediate_size)  # an MoE layer's experts are added below
+    linear_layer = m.linear_attention_params + mlp_params + 2 * d
     layer_params = max(linear_layer, (l * layer_params - linear_layers * linear_layer)
                        // max(1, l - linear_layers))
   if moe_layers:
@@ -336,14 +341,16 @@ def train_step_memory(m: transformer.ModelConfig, optimizer_config: config_lib.O
   if m.remat:
     # Each layer's input, and what the policy keeps (transformer.REMAT_POLICIES): attention's
     # q, k, v, output and statistics; 'dots' also the o-projection and MLP (dense: the three
-    # projections'; MoE: the router's, the grouped matmuls are recomputed) outputs, and a
-    # Gated DeltaNet's four projections and out_proj.
+    # projections'; MoE: the router's and a shared expert's, the grouped matmuls are
+    # recomputed) outputs, and a Gated DeltaNet's four projections and out_proj.
     kept = 0
     if m.remat_policy in ('attention', 'dots'):
       kept = tokens * 2 * (m.num_heads + m.num_kv_heads) * m.head_dim * dt + attn_saved
     saved = l * tokens * d * dt + attention_layers * kept
     if m.remat_policy == 'dots':
-      mlp = {False: 2 * m.intermediate_size, True: m.num_experts}
+      shared = m.shared_expert_intermediate_size
+      mlp = {False: 2 * m.intermediate_size,
+             True: m.num_experts + (2 * shared + 1 + d if shared else 0)}
       mixer = {False: 0, True: 0}
       if linear_layers:
         _, hv, _, dv, cc, _ = gated_delta.dims(m)
@@ -419,8 +426,8 @@ def generator_memory(m: transformer.ModelConfig, config: config_lib.Config,
   else:  # each tensor reaches the GPU on its own, from the host
     staging = budget.largest_tensor_bytes(shapes, m.param_dtype)
   d, f = m.hidden_size, m.intermediate_size
-  if m.is_moe:  # the MLP width a token uses: its experts', or a dense layer's
-    f = max(m.num_experts_per_tok * m.moe_intermediate_size,
+  if m.is_moe:  # the MLP width a token uses: its experts' (and a shared one's), or a dense's
+    f = max(m.num_experts_per_tok * m.moe_intermediate_size + m.shared_expert_intermediate_size,
             f if len(m.moe_layers) < m.num_layers else 0)
   q_kv = (m.num_heads + 2 * m.num_kv_heads) * m.head_dim
   profile = VLLM_BATCHED_TOKENS * (4 * f + 4 * d + q_kv) * sb

@@ -1,5 +1,5 @@
 """Decoder-only LM in Flax (linen) covering Qwen2 / Qwen2.5, Qwen3 (dense and MoE), Qwen3.5 (the
-hybrid of Gated DeltaNet and gated full attention) and Llama-3.
+hybrid of Gated DeltaNet and gated full attention, dense and MoE) and Llama-3.
 
 Parameter pytree (layers stacked on a leading axis L by `nn.scan`; kernels are [in, out]):
 
@@ -23,15 +23,18 @@ Parameter pytree (layers stacked on a leading axis L by `nn.scan`; kernels are [
   layers/moe/router/kernel             [L, D, X]              (an MoE layer's MLP: layers/moe.py)
   layers/moe/{gate,up}_proj/kernel     [L, X, D, I]
   layers/moe/down_proj/kernel          [L, X, I, D]
+  layers/moe/shared_expert/{gate,up}_proj/kernel [L, D, Is]   (Qwen3.5-MoE's shared expert,
+  layers/moe/shared_expert/down_proj/kernel [L, Is, D]         beside the routed ones, and its
+  layers/moe/shared_expert_gate/kernel [L, D, 1]               sigmoid gate)
   final_norm/scale                     [D]
   lm_head/kernel                       [D, V]                 (absent when embeddings are tied)
 
 Shape letters (the README's table): R rows, T query tokens, S key/cache positions, D model
 width, N query heads, K key/value heads, Q = N // K, Dh head dim, E rotary frequencies (Dh / 2),
 F MLP width, V vocab, L layers; J chunks of Tb positions (logits are made a chunk at a time);
-for mixtures of experts X experts, Xk experts per token, I expert width, Ls MoE layers; for
-Gated DeltaNet layers (layers/gated_delta.py) Hk / Hv key / value heads of Dk / Dv, Cc
-convolution channels, Kc convolution taps.
+for mixtures of experts X experts, Xk experts per token, I expert width, Is the shared expert's
+width, Ls MoE layers; for Gated DeltaNet layers (layers/gated_delta.py) Hk / Hv key / value
+heads of Dk / Dv, Cc convolution channels, Kc convolution taps.
 
 Layers are stacked and scanned in runs of one kind (`ModelConfig.layer_groups`): a model whose
 layers are all alike (Qwen3-30B-A3B: every layer MoE) is one scan over `layers`; a change of kind
@@ -137,14 +140,17 @@ class ModelConfig:
   # Generation: how a decode step reads the paged KV cache (layers/paged_attention.py); set by the
   # engine from generation.decode_attention.
   decode_attention: str = 'xla'   # 'xla' | 'pallas' | 'cudnn'
-  # Mixture of experts (Qwen3-MoE, layers/moe.py): the layers in `moe_layers` replace their MLP
-  # by num_experts experts of width moe_intermediate_size, num_experts_per_tok per token;
-  # () = a dense model. `moe_dispatch`: 'ragged' (tokens sorted by expert, grouped matmul) or
-  # 'dense' (every expert on every token: the reference).
+  # Mixture of experts (Qwen3-MoE, Qwen3.5-MoE: layers/moe.py): the layers in `moe_layers`
+  # replace their MLP by num_experts experts of width moe_intermediate_size, num_experts_per_tok
+  # per token; () = a dense model. Qwen3.5-MoE adds a shared expert every token goes through, of
+  # width shared_expert_intermediate_size (0 = none), its output scaled by a sigmoid gate.
+  # `moe_dispatch`: 'ragged' (tokens sorted by expert, grouped matmul) or 'dense' (every expert
+  # on every token: the reference).
   num_experts: int = 0
   num_experts_per_tok: int = 0
   moe_intermediate_size: int = 0
   norm_topk_prob: bool = False
+  shared_expert_intermediate_size: int = 0
   moe_layers: tuple[int, ...] = ()
   moe_dispatch: str = 'ragged'
   # Hybrid models (Qwen3.5, layers/gated_delta.py): the layers in `linear_layers` replace
@@ -182,6 +188,10 @@ class ModelConfig:
       raise ValueError(f'MoE layers need num_experts >= num_experts_per_tok >= 1 and '
                        f'moe_intermediate_size >= 1, got {self.num_experts}, '
                        f'{self.num_experts_per_tok}, {self.moe_intermediate_size}')
+    if self.shared_expert_intermediate_size < 0 or (self.shared_expert_intermediate_size
+                                                    and not layers):
+      raise ValueError(f'shared_expert_intermediate_size={self.shared_expert_intermediate_size} '
+                       'needs MoE layers and must be >= 0')
     if self.moe_dispatch not in moe_lib.DISPATCHES:
       raise ValueError(f'moe_dispatch={self.moe_dispatch!r} is not one of {moe_lib.DISPATCHES}')
     if not (0 < self.partial_rotary_factor <= 1 and self.rotary_dim >= 2
@@ -255,10 +265,17 @@ class ModelConfig:
     if self.qk_norm:
       attention += 2 * self.head_dim
     moe, linear = len(self.moe_layers), len(self.linear_layers)
-    experts = self.num_experts * 3 * d * self.moe_intermediate_size + d * self.num_experts
+    experts = (self.num_experts * 3 * d * self.moe_intermediate_size + d * self.num_experts
+               + self.shared_expert_params)
     mixers = (l - linear) * attention + linear * self.linear_attention_params
     return (v * d * (1 if self.tie_embeddings else 2) + mixers + l * 2 * d
             + (l - moe) * 3 * d * f + moe * experts + d)
+
+  @property
+  def shared_expert_params(self) -> int:
+    """Params of one MoE layer's shared expert and its gate (0 without one)."""
+    width = self.shared_expert_intermediate_size
+    return (3 * width + 1) * self.hidden_size if width else 0
 
   @property
   def linear_attention_params(self) -> int:

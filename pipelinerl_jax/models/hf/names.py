@@ -89,6 +89,15 @@ def name_map(config: ModelConfig) -> list[TensorSpec]:
       specs += [layer('mlp.gate.weight', ('moe', 'router', 'kernel'), (d, x), transposed=True),
                 expert('gate_proj', (d, i)), expert('up_proj', (d, i)),
                 expert('down_proj', (i, d))]
+      if c.shared_expert_intermediate_size:  # Qwen3.5-MoE: the shared expert and its gate
+        s = c.shared_expert_intermediate_size
+        shared = lambda p, shape: layer(f'mlp.shared_expert.{p}.weight',
+                                        ('moe', 'shared_expert', p, 'kernel'), shape,
+                                        transposed=True)
+        specs += [shared('gate_proj', (d, s)), shared('up_proj', (d, s)),
+                  shared('down_proj', (s, d)),
+                  layer('mlp.shared_expert_gate.weight', ('moe', 'shared_expert_gate', 'kernel'),
+                        (d, 1), transposed=True)]
     else:
       specs += [
           layer('mlp.gate_proj.weight', ('mlp', 'gate_proj', 'kernel'), (d, f), transposed=True),
