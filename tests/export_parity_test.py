@@ -30,7 +30,7 @@ from pipelinerl_jax.models import transformer
 from lora_test import random_adapters  # tests/ is on sys.path
 
 MAX_TOKENS = 12
-LORA = lora_lib.LoraConfig(rank=4, alpha=8.0)
+LORA = config_lib.LoraSettings(rank=4, alpha=8.0)
 PROBLEMS = [('What is 2+3?', '5'), ('What is 7-4?', '3'), ('Compute 6*7.', '42')]
 
 
