@@ -1,8 +1,8 @@
 """Trainer processes as Ray actors (train.num_processes=2, generation.placement='ray'): the driver
 is process 0, process 1 a Ray actor beside it; generator actors on CPU.
 
-One run of the main command, then the same command again, check every fault in turn on one
-cluster each (what each run costs is mostly its start: Ray, JAX in two processes):
+Two runs of the main command, the second resuming the first, each take two faults in turn
+(what a run costs is mostly its start: Ray, JAX in two processes):
   1. 2 generator actors, the weights through the object store. The second actor is killed with
      -9 mid-run: it is restarted once and every sample is trained exactly once. Then Ctrl-C:
      every loop stops within 10 s, both processes save, nothing is left behind, and the last
@@ -10,8 +10,9 @@ cluster each (what each run costs is mostly its start: Ray, JAX in two processes
      of the exit checkpoint exactly.
   2. The same command resumes from that checkpoint over gloo (the nccl protocol): both processes
      gather a whole copy onto their own devices and process 0 broadcasts its copy, which the
-     generator loads without a transport error; each checkpointed version equals what it was
-     sent. Then kill -9 of the trainer actor stops the run with one line naming it.
+     generator loads without a transport error; the latest checkpoint equals what the generator
+     was sent at its version. Then kill -9 of the trainer actor stops the run with one line
+     naming it.
 (That such a run learns follows from multihost_test's two-process step equalling the
 single-process one; the learning runs are reward_test's.) The pieces' assembly refuses a gap, an
 overlap or a wrong layout whole. Bad settings are one-line errors naming the key; trainer
