@@ -5,6 +5,8 @@
   tiny_moe         the CPU demo's model as a mixture of experts (docs/moe.md)
   tiny_hybrid      the CPU demo's model as a Qwen3.5 hybrid: 3 Gated DeltaNet layers to 1 gated
                    attention layer, served by the JAX engine (docs/models.md)
+  tiny_hybrid_moe  the CPU demo's model as a Qwen3.5-MoE: 3 Gated DeltaNet layers to 1 full-
+                   attention layer, every MLP 8 experts beside a shared one (docs/moe.md)
   reasoning        the paper's regime on CPU: long worked solutions (~20-150 tokens) that span
                    several weight updates each; 15 minutes of RL on 2 cores (docs/results.md)
   tools            multi-turn: 2-digit products with a calculator tool the warm-started model
@@ -20,6 +22,8 @@
   qwen3_5_2b_1xgpu Qwen3.5-2B (hybrid: Gated DeltaNet and gated attention), full fine-tuning on
                    one 80 GB GPU, trainer and JAX engine in one process (placed by the memory
                    plan)
+  qwen3_5_9b_lora_1xgpu  Qwen3.5-9B with LoRA on one 80 GB GPU, trainer and JAX engine sharing
+                   the frozen bf16 base (placed by the memory plan)
   eval             what `pipelinerl-eval` uses for an HF model dir or a PEFT adapter dir when no
                    --config is given: math test files, greedy, up to 4096 new tokens
 
@@ -101,7 +105,7 @@ def tiny_moe():
 
 def tiny_hybrid():
   """`tiny` on a hybrid: the demo model as a Qwen3.5, 4 layers of its width, 3 Gated DeltaNet
-  (2 key and 2 value heads of 32, a convolution of 4 taps) to 1 gated full-attention layer,
+  (2 key heads, 4 value heads of 16, a convolution of 4 taps) to 1 gated full-attention layer,
   built and SFT-warmed as `tiny`'s is. The JAX engine keeps KV pages for the attention layer
   and a state per slot for the linear ones (docs/models.md)."""
   c = tiny()
@@ -111,11 +115,28 @@ def tiny_hybrid():
   return c
 
 
+def tiny_hybrid_moe():
+  """`tiny_moe` as a Qwen3.5-MoE: 4 layers of width 64, three Gated DeltaNet layers (2 key heads,
+  4 value heads of 16) then one gated full-attention layer, each MLP 8 experts of width 32 (4 a
+  token, renormalized) beside a shared expert of width 32 with its sigmoid gate; built and
+  SFT-warmed as `tiny_moe`'s is; model.moe_routing picks routing replay (docs/moe.md)."""
+  c = tiny_moe()
+  demo = c.model.demo
+  demo.architecture = 'qwen3_5_moe'
+  demo.num_layers = 4
+  demo.full_attention_interval = 4
+  demo.linear_num_key_heads, demo.linear_num_value_heads = 2, 4
+  demo.linear_key_head_dim = demo.linear_value_head_dim = 16
+  demo.shared_expert_intermediate_size = 32
+  return c
+
+
 def reasoning():
   """Long-hand addition with every carry written out (tasks/reasoning.py): RL on operands of 1-6
   digits, the warm start on 1-8 (it has seen every line shape RL asks for). A 3-layer model
-  SFT-warmed locally on 2000 worked solutions. H = 128 slots of ~100-token samples against B = 32
-  per step: a sample is decoded across several optimizer steps (docs/results.md: its run)."""
+  SFT-warmed locally on 2000 worked solutions. H = 128 slots of ~100-token samples against B = 16
+  per step: a sample is decoded across several optimizer steps, on an idle host and a busy one
+  alike (docs/results.md: its runs)."""
   c = config_lib.base_config()
   c.task.name = 'reasoning'
   c.task.ops = ('+',)
@@ -138,14 +159,19 @@ def reasoning():
   c.generation.num_slots = 128
   c.generation.max_prompt_len = 16  # '999999+999999=\n'
   c.generation.max_new_tokens = 151  # the longest 6-digit solution (150) + EOS
-  c.rl.batch_size = 32             # 4 prompts x 8 samples per optimizer step
+  # How many versions write a sample is its decode time over the time between two updates.
+  # Both scale with B when generation limits the pace (a sample lives ~H/B steps) and the second
+  # with B when training does: a small B keeps samples across updates on fast and slow hosts
+  # (at B = 32 it swung with the host's load; bench/regime.py measures it).
+  c.rl.batch_size = 16             # 2 prompts x 8 samples per optimizer step
   c.rl.group_size = 8
   c.rl.max_lag = 8
   c.rl.total_steps = 100_000       # the time budget below ends the run
   c.rl.max_time_s = 900.0
   # A near-deterministic policy that must get ~100 tokens exactly right: 3e-4 (the tiny
-  # demo's) collapses it within 10 steps, pipeline and conventional alike.
-  c.optimizer.lr = 1e-4
+  # demo's) collapsed it at B = 32, pipeline and conventional alike; 5e-5 at B = 16 is the rate
+  # per sample that 1e-4 was at B = 32 (1e-4 at B = 16 collapsed it too, later).
+  c.optimizer.lr = 5e-5
   c.optimizer.max_grad_norm = 1.0
   c.train.seq_len = 256
   return c
@@ -420,6 +446,22 @@ def qwen3_5_2b_1xgpu():
   return c
 
 
+def qwen3_5_9b_lora_1xgpu():
+  """Qwen3.5-9B with LoRA on ONE 80 GB GPU: qwen3_8b_lora_1xgpu's run (rank-32 adapters on every
+  projection LoRA covers, the base frozen in bf16 and shared by the trainer and an inline JAX
+  engine) on a hybrid, with twice the sequences in flight. 24 of its 32 layers are Gated
+  DeltaNet: KV pages only for the 8 full-attention layers (32 KiB a position in bf16, against
+  Qwen3-8B's 144), so the engine's default pool holds all 128 slots at full length (20 GiB),
+  beside each slot's fixed state in the 24 linear layers (49 MiB). The memory plan places it:
+  `python -m pipelinerl_jax.memory_plan --config=configs/math.py:qwen3_5_9b_lora_1xgpu
+  --model_config=configs/models/Qwen3.5-9B --devices=1 --device=h100`. Not run on GPUs."""
+  c = qwen3_8b_lora_1xgpu()
+  c.generation.num_slots = 128
+  c.generation.kv_pool_mb = 0      # every slot at full length
+  c.rl.batch_size = 128            # 16 prompts x 8 samples per step
+  return c
+
+
 def _math_task(c):
   """Math with reward 1 if correct else 0; model.path and task.*_files are placeholders."""
   c.task.name = 'math'
@@ -493,6 +535,7 @@ HARDWARE = {
     'tiny_lora': dict(runs_on='a CPU (2 cores)', about='built on first use'),
     'tiny_moe': dict(runs_on='a CPU (2 cores)', about='built on first use'),
     'tiny_hybrid': dict(runs_on='a CPU (2 cores)', about='built on first use'),
+    'tiny_hybrid_moe': dict(runs_on='a CPU (2 cores)', about='built on first use'),
     'reasoning': dict(runs_on='a CPU (2 cores)', about='built on first use'),
     'tools': dict(runs_on='a CPU (2 cores)', about='built on first use'),
     'qwen3_1p7b_1xgpu': dict(runs_on='one GPU of 80 GB', model='Qwen3-1.7B', devices=1,
@@ -507,11 +550,17 @@ HARDWARE = {
                           devices=24, card='h100'),
     'qwen3_5_2b_1xgpu': dict(runs_on='one GPU of 80 GB', model='Qwen3.5-2B', devices=1,
                              card='h100'),
+    'qwen3_5_2b_1xgpu': dict(runs_on='one GPU of 80 GB',
+                             model='Qwen3.5-2B', devices=1, card='h100'),
+    'qwen3_5_9b_lora_1xgpu': dict(runs_on='one GPU of 80 GB',
+                                  model='Qwen3.5-9B', devices=1, card='h100'),
     'eval': dict(runs_on='where the model fits (evaluation only)', about='the one evaluated'),
 }
 
 PRESETS = {'tiny': tiny, 'tiny_lora': tiny_lora, 'tiny_moe': tiny_moe,
-           'tiny_hybrid': tiny_hybrid, 'reasoning': reasoning,
+           'tiny_hybrid': tiny_hybrid, 'tiny_hybrid_moe': tiny_hybrid_moe,
+           'reasoning': reasoning,
            'tools': tools, 'qwen1p5b_8xh100': qwen1p5b_8xh100, 'paper_7b': paper_7b,
            'qwen3_1p7b_1xgpu': qwen3_1p7b_1xgpu, 'qwen3_8b_lora_1xgpu': qwen3_8b_lora_1xgpu,
-           'qwen3_30b_a3b': qwen3_30b_a3b, 'qwen3_5_2b_1xgpu': qwen3_5_2b_1xgpu, 'eval': eval_}
+           'qwen3_30b_a3b': qwen3_30b_a3b, 'qwen3_5_2b_1xgpu': qwen3_5_2b_1xgpu,
+           'qwen3_5_9b_lora_1xgpu': qwen3_5_9b_lora_1xgpu, 'eval': eval_}

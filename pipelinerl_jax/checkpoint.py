@@ -44,6 +44,7 @@ from pipelinerl_jax import config as config_lib
 from pipelinerl_jax import train
 from pipelinerl_jax.models.hf import checkpoint as hf_checkpoint
 from pipelinerl_jax.models.hf import files as hf_files
+from pipelinerl_jax.models.hf import peft as hf_peft
 from pipelinerl_jax.models.hf import schema as hf_schema
 from pipelinerl_jax.models.layers import lora as lora_lib
 from pipelinerl_jax.models import transformer
@@ -212,14 +213,18 @@ def saved_lora(meta: dict[str, Any]) -> config_lib.LoraSettings | None:
   return lora_lib.active(config_lib.LoraSettings(**saved)) if saved else None
 
 
-def check_same_trainable(meta: dict[str, Any], config: config_lib.Config, path: str) -> None:
-  """A checkpoint holds what its run trained (every weight, or adapters of one rank and set of
-  targets): another config.model.lora could not restore it."""
+def check_same_trainable(meta: dict[str, Any], config: config_lib.Config, path: str,
+                         model_config: transformer.ModelConfig) -> None:
+  """A checkpoint holds what its run trained (every weight, or adapters of one rank on one set
+  of the model's projections): another config.model.lora could not restore it. Targets the model
+  does not have make no difference (a list written before the Gated DeltaNet's existed)."""
   saved, wanted = saved_lora(meta), lora_lib.active(config.model.lora)
-  trained = lambda l: l and (l.rank, l.alpha, l.targets)  # A's init seed: no matter once saved
+  # A's init seed: no matter once saved.
+  trained = lambda l: l and (l.rank, l.alpha, lora_lib.targets_in(model_config, l))
   if trained(saved) != trained(wanted):
     describe = lambda l: 'full fine-tuning' if l is None else (
-        f'LoRA rank {l.rank} alpha {l.alpha:g} on {",".join(l.targets)}')
+        f'LoRA rank {l.rank} alpha {l.alpha:g} on '
+        f'{",".join(lora_lib.targets_in(model_config, l))}')
     raise ValueError(f'config.model.lora: this run is {describe(wanted)}, the checkpoints in '
                      f'{path} are {describe(saved)}; use the same settings, or set '
                      'config.checkpoint.dir to a new directory')
@@ -234,7 +239,7 @@ def restore_latest(config: config_lib.Config, checkpoints: Checkpointer,
   if not config.checkpoint.resume or checkpoints.latest_step() is None:
     return None
   # Before restoring: a state of another shape would otherwise read as an unreadable checkpoint.
-  check_same_trainable(read_meta(checkpoints.path), config, checkpoints.path)
+  check_same_trainable(read_meta(checkpoints.path), config, checkpoints.path, model_config)
   target, shardings = abstract_state(model_config, optimizer, mesh,
                                      lora_lib.active(config.model.lora))
   state, meta = _restore_newest_readable(checkpoints, target)
@@ -354,13 +359,13 @@ def load_params(path: str | os.PathLike, model_config: transformer.ModelConfig,
 def is_peft_dir(path: str | os.PathLike) -> bool:
   """A PEFT LoRA adapter dir (`export --format=peft` writes one)."""
   p = Path(path)
-  return (p / lora_lib.PEFT_CONFIG_FILE).is_file() and (p / lora_lib.PEFT_WEIGHTS_FILE).is_file()
+  return (p / hf_peft.CONFIG_FILE).is_file() and (p / hf_peft.WEIGHTS_FILE).is_file()
 
 
 def read_peft_config(path: str | os.PathLike) -> tuple[config_lib.LoraSettings, str]:
   """(the LoRA settings, the base model it names) of a PEFT adapter dir; a LoRA this project
   cannot serve (rsLoRA, DoRA, other modules) is refused in one line."""
-  file = Path(path) / lora_lib.PEFT_CONFIG_FILE
+  file = Path(path) / hf_peft.CONFIG_FILE
   try:
     c = json.loads(file.read_text())
     targets = c['target_modules']
@@ -382,9 +387,9 @@ _PEFT_DTYPES = {'F32': np.float32, 'F16': np.float16, 'BF16': ml_dtypes.bfloat16
 def load_peft_adapters(path: str | os.PathLike, model_config: transformer.ModelConfig,
                        lora: config_lib.LoraSettings) -> dict:
   """The adapters pytree (a [L, Di, Ra], b [L, Ra, Do], in model_config.param_dtype) of a PEFT
-  adapter dir, by the names `lora.AdapterSpec.peft_name` gives (what PEFT writes for Qwen2 /
-  Qwen3 / Llama); a missing or misshapen tensor is named in one line."""
-  file = Path(path) / lora_lib.PEFT_WEIGHTS_FILE
+  adapter dir, by the names PEFT writes (`hf.peft.tensor_name`); a missing or misshapen tensor
+  is named in one line."""
+  file = Path(path) / hf_peft.WEIGHTS_FILE
   header, start = hf_files.read_safetensors_header(file)
   mmap = np.memmap(file, dtype=np.uint8, mode='r')
 
@@ -399,16 +404,10 @@ def load_peft_adapters(path: str | os.PathLike, model_config: transformer.ModelC
     begin, end = entry['data_offsets']
     return mmap[start + begin:start + end].view(_PEFT_DTYPES[entry['dtype']]).reshape(shape)
 
-  flat = {}
-  for spec in lora_lib.specs(model_config, lora):
-    a = [tensor(spec.peft_name(i, 'a'), (lora.rank, spec.in_features)).T
-         for i in range(model_config.num_layers)]
-    b = [tensor(spec.peft_name(i, 'b'), (spec.out_features, lora.rank)).T
-         for i in range(model_config.num_layers)]
-    for which, x in (('a', a), ('b', b)):
-      flat[spec.path + (which,)] = jax.numpy.asarray(np.stack(x).astype(np.float32),
-                                                     dtype=model_config.param_dtype)
-  return lora_lib.nest(flat)
+  rows = hf_peft.stacked(tensor, model_config, lora)
+  return lora_lib.nest({path: jax.numpy.asarray(np.stack(r).astype(np.float32),
+                                                dtype=model_config.param_dtype)
+                        for path, r in rows.items()})
 
 
 def frozen_base_config(model_config: transformer.ModelConfig) -> transformer.ModelConfig:

@@ -117,29 +117,32 @@ class _Section:
 @dataclasses.dataclass(frozen=True)
 class DemoModelConfig(_Section):
   """The demo model built when `model.path` is '' (demo/warmstart.py): a small Qwen2 (or Qwen3,
-  Qwen3-MoE or Qwen3.5) over a character tokenizer, SFT-warmed on a fixed set of the task's
-  SFT-pool problems."""
+  Qwen3-MoE, Qwen3.5 or Qwen3.5-MoE) over a character tokenizer, SFT-warmed on a fixed set of
+  the task's SFT-pool problems."""
   # The HF format it is saved in: 'qwen2' (q/k/v biases), 'qwen3' (per-head q/k norms, no
-  # biases), 'qwen3_moe' (Qwen3 with a mixture of experts for MLPs, the fields below) or
-  # 'qwen3_5' (a hybrid: Gated DeltaNet layers and gated attention, the fields further below).
-  architecture: Literal['qwen2', 'qwen3', 'qwen3_moe', 'qwen3_5'] = 'qwen2'
+  # biases), 'qwen3_moe' (Qwen3 with a mixture of experts for MLPs, the fields below), 'qwen3_5'
+  # (Qwen3.5: Gated DeltaNet layers among gated full-attention ones; the linear-attention fields
+  # below) or 'qwen3_5_moe' (Qwen3.5-MoE: the same, every MLP experts beside a shared expert).
+  architecture: Literal['qwen2', 'qwen3', 'qwen3_moe', 'qwen3_5', 'qwen3_5_moe'] = 'qwen2'
   tie_embeddings: bool = False    # the lm_head is the embedding table (Qwen3 up to 4B)
-  # qwen3_moe: experts per MoE layer, experts per token, each expert's width, renormalized top-k
-  # gates, and the layers that keep a dense MLP of intermediate_size.
+  # qwen3_moe, qwen3_5_moe: experts per MoE layer, experts per token, each expert's width;
+  # qwen3_moe: renormalized top-k gates (Qwen3.5-MoE always renormalizes), the layers that keep
+  # a dense MLP of intermediate_size; qwen3_5_moe: the shared expert's width.
   num_experts: int = 8
   num_experts_per_tok: int = 4
   moe_intermediate_size: int = 32
   norm_topk_prob: bool = True
   mlp_only_layers: tuple[int, ...] = ()
-  # qwen3_5: every full_attention_interval-th layer is (gated) full attention, the others Gated
-  # DeltaNet layers of these key / value heads and head dims, with a convolution of
-  # linear_conv_kernel taps.
+  shared_expert_intermediate_size: int = 32
+  # qwen3_5, qwen3_5_moe: every full_attention_interval-th layer full attention, the rest Gated
+  # DeltaNet layers of linear_num_key_heads / linear_num_value_heads heads of linear_key_head_dim /
+  # linear_value_head_dim, with a causal convolution of linear_conv_kernel_dim taps.
   full_attention_interval: int = 4
   linear_num_key_heads: int = 2
-  linear_num_value_heads: int = 2
-  linear_key_head_dim: int = 32
-  linear_value_head_dim: int = 32
-  linear_conv_kernel: int = 4
+  linear_num_value_heads: int = 4
+  linear_key_head_dim: int = 16
+  linear_value_head_dim: int = 16
+  linear_conv_kernel_dim: int = 4
   hidden_size: int = 64
   intermediate_size: int = 256
   num_layers: int = 2
@@ -177,29 +180,40 @@ class DemoModelConfig(_Section):
            f'must be in 1..num_experts={self.num_experts}, got {self.num_experts_per_tok}')
     _check(self.moe_intermediate_size >= 1, 'moe_intermediate_size',
            f'must be >= 1, got {self.moe_intermediate_size}')
-    _check(self.full_attention_interval >= 1, 'full_attention_interval',
-           f'must be >= 1, got {self.full_attention_interval}')
-    _check(min(self.linear_num_key_heads, self.linear_key_head_dim, self.linear_value_head_dim,
-               self.linear_conv_kernel) >= 1
-           and self.linear_num_value_heads % self.linear_num_key_heads == 0,
-           'linear_num_value_heads', 'Gated DeltaNet heads, head dims and taps must be >= 1 and '
-           f'value heads a multiple of key heads, got {self.linear_num_key_heads} key heads, '
-           f'{self.linear_num_value_heads} value heads')
     _check(all(0 <= i < self.num_layers for i in self.mlp_only_layers), 'mlp_only_layers',
            f'must be layer indices below num_layers={self.num_layers}, got '
            f'{self.mlp_only_layers}')
+    if self.architecture == 'qwen3_5_moe':
+      _check(not self.mlp_only_layers, 'mlp_only_layers',
+             f'{self.mlp_only_layers}: every Qwen3.5-MoE layer has experts')
+      _check(self.norm_topk_prob, 'norm_topk_prob', 'Qwen3.5-MoE always renormalizes its gates')
+      _check(self.shared_expert_intermediate_size >= 1, 'shared_expert_intermediate_size',
+             f'must be >= 1, got {self.shared_expert_intermediate_size}')
+    if self.architecture in ('qwen3_5', 'qwen3_5_moe'):
+      for name in self.HYBRID_FIELDS:
+        _check(getattr(self, name) >= 1, name, f'must be >= 1, got {getattr(self, name)}')
+      _check(self.linear_num_value_heads % self.linear_num_key_heads == 0,
+             'linear_num_value_heads', f'{self.linear_num_value_heads} must be a multiple of '
+             f'linear_num_key_heads={self.linear_num_key_heads}')
 
   MOE_FIELDS = ('num_experts', 'num_experts_per_tok', 'moe_intermediate_size', 'norm_topk_prob',
                 'mlp_only_layers')
+  # Fields only a Qwen3.5 or Qwen3.5-MoE demo reads (a build of another architecture ignores them).
   HYBRID_FIELDS = ('full_attention_interval', 'linear_num_key_heads', 'linear_num_value_heads',
-                   'linear_key_head_dim', 'linear_value_head_dim', 'linear_conv_kernel')
+                   'linear_key_head_dim', 'linear_value_head_dim', 'linear_conv_kernel_dim')
 
 
 # The math task's default system turn (task.system_prompt).
 DEFAULT_SYSTEM_PROMPT = 'Please reason step by step, and put your final answer within \\boxed{}.'
 
-# The linear maps of a decoder layer that LoRA can adapt (models/layers/lora.py), as HF names them.
-LORA_TARGETS = ('q_proj', 'k_proj', 'v_proj', 'o_proj', 'gate_proj', 'up_proj', 'down_proj')
+# The linear maps of a decoder layer that LoRA can adapt (models/layers/lora.py), as HF names them:
+# full attention's, a Gated DeltaNet layer's (Qwen3.5's linear attention) and the MLP's.
+LORA_TARGETS = ('q_proj', 'k_proj', 'v_proj', 'o_proj',
+                'in_proj_qkv', 'in_proj_z', 'in_proj_b', 'in_proj_a', 'out_proj',
+                'gate_proj', 'up_proj', 'down_proj')
+# The default: every one but a Gated DeltaNet's in_proj_b and in_proj_a, whose outputs (one
+# number per value head: the write rate and the decay) are too narrow for a rank-r delta.
+LORA_DEFAULT_TARGETS = tuple(t for t in LORA_TARGETS if t not in ('in_proj_b', 'in_proj_a'))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -209,10 +223,12 @@ class LoraSettings(_Section):
   adapters (and their Adam state) are optimized, checkpointed and sent to the generators.
 
   Also what the model code, the engines and the transports take as a run's LoRA (checked here
-  once; `lora.active` gives None when off). Targets are kept in LORA_TARGETS' order."""
+  once; `lora.active` gives None when off). Targets are kept in LORA_TARGETS' order; a model
+  adapts those of them it has (`lora.targets_in`), and refuses a list that names none."""
   rank: int = 0                   # r; 0 = off (every weight is trained)
   alpha: float = 32.0             # the delta is scaled by alpha / rank
-  targets: tuple[str, ...] = LORA_TARGETS  # default: all seven projections of every layer
+  # Default: every projection of every layer, but a Gated DeltaNet's in_proj_b and in_proj_a.
+  targets: tuple[str, ...] = LORA_DEFAULT_TARGETS
   init_seed: int = 0              # A's random init (B starts at zero)
 
   def _check_values(self):
@@ -927,9 +943,9 @@ class Config(_Section):
     _check(not self.model.lora.enabled or tr.num_processes == 1, 'model.lora',
            f'LoRA trains in one trainer process (train.num_processes={tr.num_processes})')
     _check(not (self.model.lora.enabled and not self.model.path
-                and self.model.demo.architecture == 'qwen3_moe'), 'model.lora',
-           "LoRA on a mixture-of-experts model (model.demo.architecture='qwen3_moe') is not "
-           'supported; set model.lora.rank=0')
+                and self.model.demo.architecture in ('qwen3_moe', 'qwen3_5_moe')), 'model.lora',
+           f'LoRA on a mixture-of-experts model (model.demo.architecture='
+           f"{self.model.demo.architecture!r}) is not supported; set model.lora.rank=0")
     _check(d.coordinator_port == 0 or (tr.num_processes > 1 and g.placement == 'ray'),
            'train.distributed.coordinator_port',
            "is the port of the coordinator the run starts itself (trainer processes as Ray "

@@ -70,6 +70,10 @@ def evaluate_checkpoint(config: ml_collections.ConfigDict | config_lib.Config | 
   None keeps the config's; `test_files` replace task.test_files."""
   if backend not in BACKENDS:
     raise ValueError(f'--backend={backend!r}: expected one of {", ".join(BACKENDS)}')
+  if config is not None:  # a run that needs a GPU says so before any checkpoint is read
+    if isinstance(config, config_lib.Config):
+      config = config_lib.to_config_dict(config)
+    platforms.check(config)
   kind = checkpoint_kind(checkpoint)
   run_model_dir = ''
   if kind == 'orbax':  # a missing or empty dir: one line, before anything

@@ -118,6 +118,7 @@ from pipelinerl_jax import sharding as sharding_lib
 from pipelinerl_jax import train
 from pipelinerl_jax.generation import budget
 from pipelinerl_jax.models.hf import names as hf_names
+from pipelinerl_jax.models.hf import peft as hf_peft
 from pipelinerl_jax.models.hf import schema as hf_schema
 from pipelinerl_jax.models.layers import gated_delta
 from pipelinerl_jax.models.layers import lora as lora_lib
@@ -207,7 +208,8 @@ def _layer_bytes_per_token(m: transformer.ModelConfig, moe: bool = False, ep: in
   them: fp32 norm inputs and RoPE, the rest in the compute dtype. An MoE layer (layers/moe.py):
   router logits and fp32 probabilities, and for each of the Xk assignments the token gathered,
   the expert's gate, up and activation and its output; split over an expert axis of `ep`, the
-  gathered rows and the shares before the reduce-scatter (ep rows of D for each of its own).
+  gathered rows and the shares before the reduce-scatter (ep rows of D for each of its own); a
+  shared expert's (Qwen3.5-MoE) gate, up, activation and output, and its gate's logit.
   A Gated DeltaNet layer (`linear`, layers/gated_delta.py) in place of attention: its four
   projections and the gated norm; in fp32 the convolution's output and its SiLU, q and k per
   value head, v, the decay and beta; per value head and position about 11 rows of Tb (the
@@ -223,6 +225,8 @@ def _layer_bytes_per_token(m: transformer.ModelConfig, moe: bool = False, ep: in
   if moe:
     xk, width = m.num_experts_per_tok, m.moe_intermediate_size
     mlp = m.num_experts + xk * (2 * d + 3 * width) + 2 * ep * d
+    if m.shared_expert_intermediate_size:
+      mlp += 3 * m.shared_expert_intermediate_size + d + 1
   masks = 0
   if linear:
     _, hv, dk, dv, cc, _ = gated_delta.dims(m)
@@ -315,8 +319,10 @@ def train_step_memory(m: transformer.ModelConfig, optimizer_config: config_lib.O
   linear_layers = len(m.linear_layers)
   layer_params = (m.num_params - v * d * (1 if m.tie_embeddings else 2) - d
                   - moe_layers * experts) // l
-  if linear_layers:  # the larger of the two kinds (no MoE among Qwen3.5's dense models)
-    linear_layer = m.linear_attention_params + 3 * d * m.intermediate_size + 2 * d
+  if linear_layers:  # the larger of the two kinds; Qwen3.5's MLPs are all dense or all MoE
+    mlp_params = (d * m.num_experts + m.shared_expert_params if moe_layers
+                  else 3 * d * m.intermediate_size)  # an MoE layer's experts are added below
+    linear_layer = m.linear_attention_params + mlp_params + 2 * d
     layer_params = max(linear_layer, (l * layer_params - linear_layers * linear_layer)
                        // max(1, l - linear_layers))
   if moe_layers:
@@ -335,14 +341,16 @@ def train_step_memory(m: transformer.ModelConfig, optimizer_config: config_lib.O
   if m.remat:
     # Each layer's input, and what the policy keeps (transformer.REMAT_POLICIES): attention's
     # q, k, v, output and statistics; 'dots' also the o-projection and MLP (dense: the three
-    # projections'; MoE: the router's, the grouped matmuls are recomputed) outputs, and a
-    # Gated DeltaNet's four projections and out_proj.
+    # projections'; MoE: the router's and a shared expert's, the grouped matmuls are
+    # recomputed) outputs, and a Gated DeltaNet's four projections and out_proj.
     kept = 0
     if m.remat_policy in ('attention', 'dots'):
       kept = tokens * 2 * (m.num_heads + m.num_kv_heads) * m.head_dim * dt + attn_saved
     saved = l * tokens * d * dt + attention_layers * kept
     if m.remat_policy == 'dots':
-      mlp = {False: 2 * m.intermediate_size, True: m.num_experts}
+      shared = m.shared_expert_intermediate_size
+      mlp = {False: 2 * m.intermediate_size,
+             True: m.num_experts + (2 * shared + 1 + d if shared else 0)}
       mixer = {False: 0, True: 0}
       if linear_layers:
         _, hv, _, dv, cc, _ = gated_delta.dims(m)
@@ -362,8 +370,10 @@ def train_step_memory(m: transformer.ModelConfig, optimizer_config: config_lib.O
                 batch=rows_per_shard * (t * (BATCH_BYTES_PER_TOKEN + routes)
                                         + 8 * max_segments_per_row))
   if lora is not None:
-    # The adapters' x A of every projection, saved for the backward pass: [U, Ra] each.
-    memory['saved'] += l * len(lora.targets) * tokens * lora.rank * dt
+    # The adapters' x A of every adapted projection of every layer, saved for the backward
+    # pass: [U, Ra] each.
+    adapted = sum(s.count for s in lora_lib.specs(m, lora))
+    memory['saved'] += adapted * tokens * lora.rank * dt
     memory = dict(base=base_bytes, adapters=memory.pop('params'), **memory)
   facts = dict(rows_per_micro_batch=rows_per_micro, tokens_per_micro_batch=tokens,
                replicated_on_fsdp=sharding_lib.replicated_on_fsdp(
@@ -385,7 +395,7 @@ def publishing_memory(m: transformer.ModelConfig, config: config_lib.Config, par
     return {}
   lora = lora_lib.active(config.model.lora)
   if lora is not None:  # the adapters, replicated, in their dtype (transport_dtype)
-    largest = budget.largest_tensor_bytes(lora_lib.peft_shapes(m, lora).values(), wire)
+    largest = budget.largest_tensor_bytes(hf_peft.shapes(m, lora).values(), wire)
     return dict(published=2 * param_bytes, sending=max(largest, param_bytes) + largest
                 + CUDA_CONTEXT_BYTES)
   largest = budget.largest_tensor_bytes(_hf_shapes(m), wire)
@@ -409,15 +419,15 @@ def generator_memory(m: transformer.ModelConfig, config: config_lib.Config,
   sb = _bytes(serving_dtype)
   slots = -(-g.num_slots // g.num_generators)
   max_len = g.max_prompt_len + g.max_new_tokens
-  shapes = _hf_shapes(m) if lora is None else list(lora_lib.peft_shapes(m, lora).values())
+  shapes = _hf_shapes(m) if lora is None else list(hf_peft.shapes(m, lora).values())
   collective = g.remote.weight_transport != 'object_store' and g.placement == 'ray'
   if collective:
     staging = budget.STAGING_BUFFERS * budget.staged_bytes(shapes, wire)
   else:  # each tensor reaches the GPU on its own, from the host
     staging = budget.largest_tensor_bytes(shapes, m.param_dtype)
   d, f = m.hidden_size, m.intermediate_size
-  if m.is_moe:  # the MLP width a token uses: its experts', or a dense layer's
-    f = max(m.num_experts_per_tok * m.moe_intermediate_size,
+  if m.is_moe:  # the MLP width a token uses: its experts' (and a shared one's), or a dense's
+    f = max(m.num_experts_per_tok * m.moe_intermediate_size + m.shared_expert_intermediate_size,
             f if len(m.moe_layers) < m.num_layers else 0)
   q_kv = (m.num_heads + 2 * m.num_kv_heads) * m.head_dim
   profile = VLLM_BATCHED_TOKENS * (4 * f + 4 * d + q_kv) * sb
@@ -430,8 +440,8 @@ def generator_memory(m: transformer.ModelConfig, config: config_lib.Config,
   if lora is not None and g.vllm.lora_update == 'merge':
     # The base's kernels of every module an adapter touches, kept on the host to merge from.
     kept = config_lib.LoraSettings(1, 1.0, lora_lib.merged_targets(lora))
-    host_base = m.num_layers * sum(s.in_features * s.out_features
-                                   for s in lora_lib.specs(m, kept)) * sb
+    host_base = sum(s.count * s.in_features * s.out_features
+                    for s in lora_lib.specs(m, kept)) * sb
   if lora is not None and g.vllm.lora_update == 'slot':
     # vLLM's one LoRA slot: every targeted projection's A and B at its padded rank.
     padded = config_lib.LoraSettings(budget.vllm_lora_rank(lora.rank), lora.alpha, lora.targets)

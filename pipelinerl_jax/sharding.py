@@ -42,6 +42,10 @@ PARAM_RULES: Sequence[tuple[str, tuple]] = (
     (r'moe/router/kernel$', (None, 'fsdp', None)),                # [L, D, X]
     (r'moe/(gate|up)_proj/kernel$', (None, 'expert', 'fsdp', 'tensor')),  # [L, X, D, I]
     (r'moe/down_proj/kernel$', (None, 'expert', 'tensor', 'fsdp')),       # [L, X, I, D]
+    # Qwen3.5-MoE's shared expert (a dense SwiGLU beside the routed experts) and its gate.
+    (r'shared_expert/(gate|up)_proj/kernel$', (None, 'fsdp', 'tensor')),  # [L, D, Is]
+    (r'shared_expert/down_proj/kernel$', (None, 'tensor', 'fsdp')),       # [L, Is, D]
+    (r'shared_expert_gate/kernel$', (None, 'fsdp', None)),                # [L, D, 1]
     # Gated DeltaNet (Qwen3.5): q, k and v share one projection and one convolution over their
     # channels, so 'tensor' leaves these layers whole (the full-attention ones still split).
     (r'linear_attn/in_proj_\w+/kernel$', (None, 'fsdp', None)),          # [L, D, Cc | Hv*Dv | Hv]

@@ -11,6 +11,7 @@ import os
 import pathlib
 import subprocess
 import sys
+import time
 
 import jax
 import jax.numpy as jnp
@@ -629,3 +630,47 @@ def test_moe_replay_smoke_keeps_raw_rewards_and_computes_the_trend(tmp_path):
   assert 'routes_used_differ' not in json.dumps(report)
   assert '|logpi-logmu| replay' in stdout and 'rise/noise' in stdout
   assert pathlib.Path(report['png']).stat().st_size > 10_000
+
+
+def test_regime_smoke_keeps_raw_values_and_stops_its_spinners(tmp_path):
+  """bench.regime --busy 1: the run's per-step values as its metrics.jsonl logged them, the
+  regime's means computed from them, and the spinning process gone once the run is."""
+  report, stdout = _run_learning_bench('regime', tmp_path, '--preset=tiny', '--busy=1')
+  _assert_raw_rewards_give_the_trend(report, tmp_path, ['busy1'])
+  (row,) = report['runs']
+  raw = report['raw']['busy1/seed0']
+  logged = metrics_lib.read_metrics(str(tmp_path / 'runs' / 'busy1' / 'seed0' / 'metrics.jsonl'))
+  for key in ('frac_multi_version', 'versions_per_sample_mean', 'ess'):
+    assert raw[key] == [r[key] for r in logged], key
+  assert row['versions_mean'] == pytest.approx(np.mean(raw['versions_per_sample_mean']))
+  assert row['frac_multi_version'] == pytest.approx(np.mean(raw['frac_multi_version']))
+  assert row['busy'] == 1 and len(report['busy_pids']) == 1
+  assert not _running(report['busy_pids'][0])
+  assert 'multi_version' in stdout and 'rise/noise' in stdout
+
+
+def test_regime_spinners_die_with_a_bench_killed_by_sigkill(tmp_path):
+  """A bench killed with -9 runs no `finally`: its spinners end by the kernel's parent-death
+  signal, which they ask for themselves."""
+  proc = subprocess.Popen(
+      [sys.executable, '-c', 'import time\nfrom pipelinerl_jax.bench import regime\n'
+       'with regime.busy_cores(2) as pids:\n  print(*pids, flush=True)\n  time.sleep(120)\n'],
+      cwd=ROOT, stdout=subprocess.PIPE, text=True)
+  pids = [int(p) for p in proc.stdout.readline().split()]
+  assert len(pids) == 2 and all(_running(p) for p in pids)
+  proc.kill()
+  proc.wait()
+  deadline = time.monotonic() + 30
+  while any(_running(p) for p in pids) and time.monotonic() < deadline:
+    time.sleep(0.1)
+  assert not any(_running(p) for p in pids)
+
+
+def _running(pid: int) -> bool:
+  """Whether the process exists and has not exited (an exited one may wait as a zombie for a
+  parent that does not reap it)."""
+  try:
+    stat = pathlib.Path(f'/proc/{pid}/stat').read_text()
+  except FileNotFoundError:
+    return False
+  return stat.rsplit(')', 1)[1].split()[0] != 'Z'

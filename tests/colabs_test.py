@@ -18,9 +18,11 @@ SUMMARY_KEYS = ('name', 'steps', 'samples', 'ess', 'lag_min', 'lag_mean', 'lag_m
 
 
 @pytest.fixture(scope='module')
-def cache_dir(tmp_path_factory):
-  """One untrained demo model, built by the first notebook and reused by the others."""
-  return str(tmp_path_factory.mktemp('model_cache'))
+def cache_dir(built_once):
+  """The demo models' cache of every notebook on every pytest-xdist worker: each preset's
+  untrained model is built by the first notebook that needs it and reused by the others (a
+  build appears whole, by a rename, so two at once cannot clash)."""
+  return str(built_once('colab_models', lambda _: None))
 
 
 def execute(name: str, cache_dir: str, monkeypatch) -> tuple[dict, list]:

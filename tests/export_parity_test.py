@@ -23,9 +23,9 @@ from pipelinerl_jax import evaluate
 from pipelinerl_jax import export as export_lib
 from pipelinerl_jax import sharding as sharding_lib
 from pipelinerl_jax import train
+from pipelinerl_jax.models.hf import peft as hf_peft
 from pipelinerl_jax.models.hf import schema as hf_schema
 from pipelinerl_jax.models.hf import tokenizer as hf_tokenizer
-from pipelinerl_jax.models.layers import lora as lora_lib
 from pipelinerl_jax.models import transformer
 
 from lora_test import random_adapters  # tests/ is on sys.path
@@ -151,10 +151,10 @@ def test_the_cli_refuses_what_it_cannot_evaluate_in_one_line(exports, tmp_path):
     cli(dirs['full'], ())
   bad = tmp_path / 'peft'
   bad.mkdir()
-  for name in (lora_lib.PEFT_CONFIG_FILE, lora_lib.PEFT_WEIGHTS_FILE):
+  for name in (hf_peft.CONFIG_FILE, hf_peft.WEIGHTS_FILE):
     (bad / name).write_bytes(open(f'{dirs["peft"]}/{name}', 'rb').read())
-  config = json.loads((bad / lora_lib.PEFT_CONFIG_FILE).read_text())
-  (bad / lora_lib.PEFT_CONFIG_FILE).write_text(json.dumps({**config,
-                                                           'base_model_name_or_path': '/gone'}))
+  config = json.loads((bad / hf_peft.CONFIG_FILE).read_text())
+  (bad / hf_peft.CONFIG_FILE).write_text(json.dumps({**config,
+                                                     'base_model_name_or_path': '/gone'}))
   with pytest.raises(FileNotFoundError, match=r"its base model '/gone' is not an HF model dir"):
     cli(str(bad), files)

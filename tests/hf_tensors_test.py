@@ -7,6 +7,7 @@ import torch
 
 from pipelinerl_jax.generation.transport import hf_tensors
 from pipelinerl_jax.models.hf import names as hf_names
+from pipelinerl_jax.models.hf import schema as hf_schema
 from pipelinerl_jax.models import transformer
 
 CONFIG = transformer.ModelConfig(vocab_size=96, hidden_size=64, intermediate_size=128,
@@ -63,6 +64,8 @@ def test_fusion_units_keep_fused_parts_together(params):
   assert all(len(u) == 2 and 'up_proj' in u[1] for u in gate_up)
   assert hf_tensors.module_of('model.layers.3.mlp.up_proj.weight') == \
       'model.layers.3.mlp.gate_up_proj'
+  assert hf_tensors.module_of('model.layers.3.mlp.shared_expert.gate_proj.weight') == \
+      'model.layers.3.mlp.shared_expert.gate_up_proj'  # vLLM's Qwen3.5-MoE shared expert
   assert hf_tensors.module_of('model.norm.weight') == 'model.norm'
 
 
@@ -119,3 +122,24 @@ def test_params_from_hf_inverts_the_hf_views(params, dtype):
                                rtol=1e-2 if dtype == 'bfloat16' else 0, atol=0)
   with pytest.raises(ValueError, match='tensors missing'):
     hf_tensors.params_from_hf(tensors[1:], CONFIG)
+
+
+def test_a_hybrids_tensors_alias_their_leaves_and_fused_projections_travel_together():
+  """Qwen3.5's Gated DeltaNet layers: vLLM loads in_proj_qkv with in_proj_z and in_proj_b with
+  in_proj_a into one module each; the conv1d weight (three axes) crosses as HF's [Cc, 1, Kc]."""
+  config = hf_schema.config_from_hf(dict(
+      architectures=['Qwen3_5ForCausalLM'], model_type='qwen3_5_text', vocab_size=96,
+      hidden_size=32, intermediate_size=48, num_hidden_layers=4, num_attention_heads=2,
+      num_key_value_heads=1, head_dim=16, linear_num_key_heads=1, linear_num_value_heads=2,
+      linear_key_head_dim=8, linear_value_head_dim=8, linear_conv_kernel_dim=4))
+  params = transformer.init_params(config, jax.random.PRNGKey(0))
+  ours = list(hf_tensors.hf_torch_tensors(params, config))
+  for (name, t), (_, ref) in zip(ours, hf_names.hf_tensors(params, config)):
+    np.testing.assert_array_equal(t.numpy(), np.asarray(ref), err_msg=name)
+  assert dict(ours)['model.layers.0.linear_attn.conv1d.weight'].shape == (32, 1, 4)
+  assert all(hf_tensors.zero_copy_report(params, config).values())
+  units = [[n.split('.')[-2] for n, _ in u] for u in hf_tensors.fusion_units(ours)
+           if 'linear_attn' in u[0][0] and 'in_proj' in u[0][0]]
+  assert units == [['in_proj_qkv', 'in_proj_z'], ['in_proj_b', 'in_proj_a']] * 3
+  assert hf_tensors.module_of('model.layers.2.linear_attn.in_proj_a.weight') == \
+      'model.layers.2.linear_attn.in_proj_ba'

@@ -3,7 +3,8 @@ log mu against the trainer's log pi for whole sequences (fp32, within 1e-4) with
 across an update with recompute; a prompt's samples starting from one saved state, chunked
 prefill, preemption, sync_every and slots loaded again after others changing no token; a
 continued turn starting from its held state even when its stop is seen late; after an update, no
-request starting from a state written under the older version.
+request starting from a state written under the older version. A Qwen3.5-MoE's recorded routes,
+replayed by the trainer, give its log mu; a hybrid's adapters are served unmerged.
 
 One engine shape (H = 4 slots, S = 48, pages of 4, one prefill length bucket), so the tests share
 their compiled steps; more requests than slots, so every run loads sequences into slots that
@@ -11,6 +12,7 @@ others have used.
 """
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -50,9 +52,9 @@ def requests(n_group=3):
                   api.Request('short', PROMPT[:5], sp(1.0, 6), seed=9)]
 
 
-def run(params, config=CONFIG, new_params=None, k=3, reqs=None):
+def run(params, config=CONFIG, new_params=None, k=3, reqs=None, model=HYBRID):
   """Every request to completion; `new_params` (version 1) is applied after k steps."""
-  with engine_lib.JaxEngine(HYBRID, params, config) as eng:
+  with engine_lib.JaxEngine(model, params, config) as eng:
     for r in reqs or requests():
       eng.submit(r)
     done = {}
@@ -79,22 +81,30 @@ def assert_same(a, b, atol=1e-5):
 _ROWS = 8  # the trainer's batch: one compile for every set of completions
 
 
-@jax.jit
-def _trainer_logprobs(params, tokens, segments):
+@functools.partial(jax.jit, static_argnums=1)
+def _trainer_logprobs(params, model, tokens, segments, routes=None, replay=None):
   t = tokens.shape[1]
   positions = jnp.broadcast_to(jnp.arange(t), tokens.shape)
-  return tfm.token_logprobs(params, HYBRID, tokens, jnp.roll(tokens, -1, 1), positions,
-                            segments)[0]
+  return tfm.token_logprobs_routed(params, model, tokens, jnp.roll(tokens, -1, 1), positions,
+                                   segments, routes_RxTxLsxXk=routes, replay_RxT=replay)[0]
 
 
-def trainer_logprobs(params, completions):
+def trainer_logprobs(params, completions, model=HYBRID):
   """log pi of each completion's tokens under `params`, as the trainer computes it (whole
-  sequences, the chunked delta rule), one padded batch."""
+  sequences, the chunked delta rule), one padded batch; for an MoE model each completion token
+  replays the experts the engine recorded for it."""
   tokens, segments = np.zeros((_ROWS, S), np.int32), np.zeros((_ROWS, S), np.int32)
+  routes = replay = None
+  if model.moe_layers:
+    routes = np.zeros((_ROWS, S, len(model.moe_layers), model.num_experts_per_tok), np.int32)
+    replay = np.zeros((_ROWS, S), bool)
   for i, c in enumerate(completions):
     seq = list(c.prompt_tokens) + c.tokens.tolist()
     tokens[i, :len(seq)], segments[i, :len(seq)] = seq, 1
-  logp = np.asarray(_trainer_logprobs(params, tokens, segments))
+    if routes is not None:  # at the position whose target is the token
+      at = slice(len(c.prompt_tokens) - 1, len(seq) - 1)
+      routes[i, at], replay[i, at] = c.routes, True
+  logp = np.asarray(_trainer_logprobs(params, model, tokens, segments, routes, replay))
   return [logp[i, len(c.prompt_tokens) - 1:len(c.prompt_tokens) - 1 + len(c.tokens)]
           for i, c in enumerate(completions)]
 
@@ -208,3 +218,48 @@ def test_no_state_of_an_older_version_starts_a_request_submitted_after_an_update
   np.testing.assert_array_equal(done['late'].tokens, fresh['late'].tokens)
   np.testing.assert_allclose(done['late'].logprobs, fresh['late'].logprobs, atol=1e-5)
   assert (done['late'].versions == 1).all()
+
+
+# Qwen3.5-MoE: the same hybrid, every MLP 8 experts (2 a token) beside a shared expert.
+HYBRID_MOE = dataclasses.replace(
+    HYBRID, intermediate_size=0, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=16,
+    norm_topk_prob=True, shared_expert_intermediate_size=16,
+    moe_layers=tuple(range(HYBRID.num_layers)), architecture='Qwen3_5MoeForCausalLM')
+
+
+def test_a_hybrid_moe_records_routes_the_trainer_replays_to_its_log_mu():
+  """Qwen3.5-MoE: each token's experts in every MoE layer are recorded as it is drawn (from the
+  prefill for the first, the recurrent step after): the experts the trainer's router picks at
+  lag 0 in fp32, and the trainer's log pi, replaying them over whole sequences, equals log mu."""
+  params = jax.tree.map(lambda x: 4 * x, tfm.init_params(HYBRID_MOE, jax.random.PRNGKey(0)))
+  out, _ = run(params, model=HYBRID_MOE)
+  completions = list(out.values())
+  for c in completions:
+    assert c.routes.shape == (len(c.tokens), 4, 2), c.request_id
+  for c, ref in zip(completions, trainer_logprobs(params, completions, HYBRID_MOE)):
+    np.testing.assert_allclose(c.logprobs, ref, atol=1e-4, err_msg=c.request_id)
+  # At lag 0 in fp32 they are the experts the trainer's own router picks.
+  c = completions[0]
+  seq = jnp.asarray([list(c.prompt_tokens) + c.tokens.tolist()])
+  _, _, own = tfm.token_logprobs_routed(params, HYBRID_MOE, seq, jnp.roll(seq, -1, 1),
+                                        jnp.arange(seq.shape[1])[None], jnp.ones_like(seq))
+  drawn_at = np.asarray(own.own)[:, 0, len(c.prompt_tokens) - 1:-1]  # [Ls, C, Xk]
+  np.testing.assert_array_equal(np.sort(drawn_at, -1), np.sort(np.moveaxis(c.routes, 0, 1), -1))
+
+
+def test_a_hybrid_with_adapters_is_served_unmerged_as_the_trainer_scores_it(params_a):
+  """LoRA on a hybrid: the base and random adapters on every projection LoRA covers (the Gated
+  DeltaNet layers' too), served unmerged; log mu equals log pi of the same `lora.Adapted`."""
+  from pipelinerl_jax import config as config_lib
+  from pipelinerl_jax.models.layers import lora as lora_lib
+  from lora_test import random_adapters  # tests/ is on sys.path
+  every = config_lib.LoraSettings(rank=2, alpha=4.0, targets=config_lib.LORA_TARGETS)
+  adapted = lora_lib.Adapted(params_a, random_adapters(HYBRID, every, 2, b_scale=0.3),
+                             every.scale)
+  out, _ = run(adapted)
+  completions = list(out.values())
+  under_base = trainer_logprobs(params_a, completions)
+  for c, ref, base in zip(completions, trainer_logprobs(adapted, completions), under_base):
+    np.testing.assert_allclose(c.logprobs, ref, atol=1e-4, err_msg=c.request_id)
+  assert max(float(np.max(np.abs(r - b))) for r, b in zip(
+      trainer_logprobs(adapted, completions), under_base)) > 0.1  # (the adapters matter)

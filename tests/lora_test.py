@@ -19,6 +19,7 @@ from pipelinerl_jax import train
 from pipelinerl_jax.generation import api
 from pipelinerl_jax.generation import jax_engine
 from pipelinerl_jax.models.hf import checkpoint as hf_checkpoint
+from pipelinerl_jax.models.hf import peft as hf_peft
 from pipelinerl_jax.models.hf import schema as hf_schema
 from pipelinerl_jax.models.layers import lora as lora_lib
 from pipelinerl_jax.models import transformer
@@ -262,7 +263,7 @@ def test_peft_export_loads_in_peft_with_the_merged_exports_logits(model_dir, tmp
 
   export_lib.export_hf(tmp_path / 'ckpt', None, tmp_path / 'peft', format='peft')
   export_lib.export_hf(tmp_path / 'ckpt', None, tmp_path / 'merged')
-  saved = json.loads((tmp_path / 'peft' / lora_lib.PEFT_CONFIG_FILE).read_text())
+  saved = json.loads((tmp_path / 'peft' / hf_peft.CONFIG_FILE).read_text())
   assert saved['r'] == 4 and saved['lora_alpha'] == 8.0
   with pytest.raises(ValueError, match='format=.* expected one of'):
     export_lib.export_hf(tmp_path / 'ckpt', None, tmp_path / 'x', format='gguf')

@@ -445,3 +445,73 @@ def test_the_one_gpu_qwen3_5_preset_fits_an_80_gb_card_with_kv_for_its_attention
   nine, _ = memory_plan.read_hf_config(ROOT / 'configs/models/Qwen3.5-9B')
   assert 'a trainer device needs' in memory_plan.plan(config, nine, num_devices=1,
                                                       device_gib=gib).refusal
+
+
+def test_qwen3_5_35b_a3b_takes_17_gpus_of_80gb_or_9_of_141gb():
+  """Qwen3.5-35B-A3B (30 Gated DeltaNet and 10 full-attention layers, 256 experts and a shared
+  one in each) planned with qwen3_30b_a3b's run: 16 trainer GPUs of 80 GB and a vLLM GPU given
+  0.95 of its memory (at the preset's 0.9 its bf16 weights and slots' state leave no KV cache);
+  8 trainer GPUs hold too little on 80 GB, enough on 141 GB, where routing replay's JAX engine
+  (the weights and the next update) also fits; LoRA stops at the experts in one line."""
+  hf_config, source = memory_plan.read_hf_config(ROOT / 'configs/models/Qwen3.5-35B-A3B')
+
+  def plan(devices, card, *edits):
+    c = config_lib.load_preset('qwen3_30b_a3b')
+    c.generation.num_generators = 1
+    for edit in edits:
+      edit(c)
+    return memory_plan.plan(c, hf_config, num_devices=devices, source=source,
+                            device_gib=accelerators.card_named(card).usable_gib)
+
+  def share(c):
+    c.generation.vllm.gpu_memory_utilization = 0.95
+
+  def eight(c):
+    c.train.mesh, c.train.num_processes = '1,8,1,1', 1
+
+  def replay(c):
+    c.model.moe_routing, c.generation.backend = 'replay', 'jax'
+
+  def lora(c):
+    c.model.lora.rank = 32
+
+  p = plan(17, 'h100')
+  assert p.refusal.startswith('the KV cache (0 MiB per generator, kv=free) holds -')
+  p = plan(17, 'h100', share)
+  assert p.fits, p.refusal
+  f = p.facts
+  assert (f['train_devices'], f['mesh']) == (16, '1,4,1,4')
+  assert round(f['params'] / 1e9, 2) == 34.66 and round(f['active_params'] / 1e9, 2) == 3.45
+  assert p.generator['weights'] == f['params'] * 2
+  assert p.generator['state'] == 64 * 30 * (3 * 8192 * 2 + 32 * 128 * 128 * 4)
+  assert plan(9, 'h100', eight).refusal.startswith('a trainer device needs 101.5 GiB > 78')
+  assert plan(9, 'h200', eight).fits
+  on_jax = plan(9, 'h200', eight, replay)
+  assert on_jax.fits and on_jax.generator['update'] == f['params'] * 2
+  with pytest.raises(ValueError, match=r'^config.model.lora: LoRA on a mixture-of-experts model '
+                                       r'\(256 experts in 40 layers\)'):
+    plan(9, 'h200', eight, lora)
+
+
+def test_the_qwen3_5_9b_lora_preset_shares_the_base_on_one_80_gb_card():
+  """Qwen3.5-9B with LoRA on one 80 GB card (the 78 GiB a process gets on an H100): the frozen
+  bf16 base is one copy that the trainer and the JAX engine both read; the engine's KV pages
+  hold the 8 full-attention layers alone, all 128 slots at full length, beside each slot's state
+  in the 24 Gated DeltaNet layers; full fine-tuning of the same run does not fit."""
+  config = config_lib.load_preset('qwen3_5_9b_lora_1xgpu')
+  hf_config, source = memory_plan.read_hf_config(ROOT / 'configs/models/Qwen3.5-9B')
+  gib = accelerators.card_named('h100').usable_gib
+  p = memory_plan.plan(config, hf_config, num_devices=1, device_gib=gib, source=source)
+  assert p.fits, p.refusal
+  f, g = p.facts, config_lib.validate(config, runnable=False).generation
+  assert (f['mesh'], f['train_devices'], f['generator_devices']) == ('1,1,1', 1, 0)
+  assert f['engine_shares_base'] and (f['attention_layers'], f['linear_layers']) == (8, 24)
+  assert p.trainer['base'] == f['params'] * 2
+  # Keys and values of 4 heads of 256 in 8 layers, bf16: 32 KiB a position; every slot full.
+  pages = 1 + g.num_slots * -(-g.max_seq_len // g.kv_page_size)
+  assert p.generator['kv'] == pages * g.kv_page_size * 2 * 8 * 4 * 256 * 2
+  assert f['kv_pool_full_sequences'] == g.num_slots == 128
+  assert p.trainer_total + p.generator_total < 0.85 * gib * memory_plan.GIB
+  config.model.lora.rank = 0
+  full = memory_plan.plan(config, hf_config, num_devices=1, device_gib=gib, source=source)
+  assert 'a trainer device needs' in full.refusal

@@ -338,14 +338,17 @@ def test_sharded_expert_parallel_step_equals_single_device(monkeypatch):
   assert 'moe/routes_used_differ' not in m8
 
 
-@pytest.mark.parametrize('norm_topk_prob', [True, False])
+@pytest.mark.parametrize('norm_topk_prob, shared', [(True, 0), (False, 0), (True, 8)])
 def test_replay_is_the_dense_dispatch_of_the_samplers_experts_with_the_current_gates(
-    norm_topk_prob):
+    norm_topk_prob, shared):
   """A replayed token's output is the one-hot dense dispatch (every expert on every token,
   combined by gates zero off its experts) over the sampler's expert ids, with the gates the
   current router gives those experts; a token not replayed goes to the router's own top-k. The
-  gradients (the router's included: it keeps learning under replay) are the reference's."""
-  config = dataclasses.replace(ENGINE_MODEL, norm_topk_prob=norm_topk_prob)
+  gradients (the router's included: it keeps learning under replay) are the reference's. With
+  Qwen3.5-MoE's shared expert (`shared`: its width) every token also gets its sigmoid-gated
+  output, replayed or not."""
+  config = dataclasses.replace(ENGINE_MODEL, norm_topk_prob=norm_topk_prob,
+                               shared_expert_intermediate_size=shared)
   u, x_count, k = 24, config.num_experts, config.num_experts_per_tok
   keys = jax.random.split(jax.random.PRNGKey(3), 4)
   x_1xUxD = jax.random.normal(keys[0], (1, u, config.hidden_size))
@@ -373,6 +376,12 @@ def test_replay_is_the_dense_dispatch_of_the_samplers_experts_with_the_current_g
     h_UxXxI = (jax.nn.silu(jnp.einsum('ud,xdi->uxi', x_UxD, w['gate_proj']))
                * jnp.einsum('ud,xdi->uxi', x_UxD, w['up_proj']))
     y_UxD = jnp.einsum('uxi,xid,ux->ud', h_UxXxI, w['down_proj'], combine_UxX)
+    if shared:
+      s = {name: params['shared_expert'][name]['kernel']
+           for name in ('gate_proj', 'up_proj', 'down_proj')}
+      h_UxIs = jax.nn.silu(x_UxD @ s['gate_proj']) * (x_UxD @ s['up_proj'])
+      y_UxD += jax.nn.sigmoid(x_UxD @ params['shared_expert_gate']['kernel']) * (
+          h_UxIs @ s['down_proj'])
     return y_UxD[None], own_UxXk[None]
 
   (y, own), (y_ref, own_ref) = replayed(params), reference(params)

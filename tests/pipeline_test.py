@@ -102,8 +102,10 @@ def test_loop_failure_stops_everything_with_a_named_error(model_dir, tmp_path, m
 
 
 @pytest.mark.serial
-@pytest.mark.parametrize('sig', [signal.SIGINT, signal.SIGTERM], ids=['ctrl_c', 'sigterm'])
-def test_interrupt_stops_within_ten_seconds(model_dir, tmp_path, sig):
+def test_ctrl_c_stops_within_ten_seconds(model_dir, tmp_path):
+  """The main command with its generator in the process (the default placement). SIGTERM, which
+  the same handler takes: ray_pipeline_test (generator actors); a signal of either kind at any
+  point of start-up: faults_test."""
   cmd = [sys.executable, '-m', 'pipelinerl_jax.main', '--config=configs/math.py:tiny',
          f'--workdir={tmp_path}', f'--config.model.path={model_dir}',
          '--config.rl.total_steps=100000', '--config.rl.batch_size=16',
@@ -119,13 +121,13 @@ def test_interrupt_stops_within_ten_seconds(model_dir, tmp_path, sig):
       assert time.monotonic() < deadline, 'training never started'
       time.sleep(0.5)
     t0 = time.monotonic()
-    proc.send_signal(sig)
+    proc.send_signal(signal.SIGINT)
     out, _ = proc.communicate(timeout=30)
     elapsed = time.monotonic() - t0
   finally:
     if proc.poll() is None:
       proc.kill()
-  assert proc.returncode == 128 + sig, out  # 130 for SIGINT, 143 for SIGTERM
+  assert proc.returncode == 130, out  # 128 + SIGINT
   # Both loops stop within 10 s of the signal; the exit checkpoint and the curves come after
   # (the whole exit is bounded by communicate's 30 s above).
   stopped_s = float(re.search(r'loops stopped ([0-9.]+) s after the interrupt', out).group(1))

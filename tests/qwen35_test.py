@@ -26,7 +26,6 @@ from pipelinerl_jax.models.hf import checkpoint as hf_checkpoint
 from pipelinerl_jax.models.hf import files as hf_files
 from pipelinerl_jax.models.hf import schema as hf_schema
 from pipelinerl_jax.models.layers import gated_delta
-from pipelinerl_jax.models.layers import lora as lora_lib
 
 TEXT = dict(vocab_size=96, hidden_size=32, intermediate_size=48, rms_norm_eps=1e-6)
 VISION = dict(depth=1, hidden_size=16, intermediate_size=32, num_heads=2, out_hidden_size=32,
@@ -73,15 +72,21 @@ def checkpoint(tmp_path_factory):
         model = transformers.Qwen3_5ForConditionalGeneration(config)
       else:
         model = transformers.Qwen3_5ForCausalLM(transformers.Qwen3_5TextConfig(**TEXT, **text))
-      with torch.no_grad():
-        for pname, p in model.named_parameters():
-          if not pname.endswith(('A_log', 'dt_bias')):  # keep the decay's own init
-            p.copy_((0.1 if 'norm' in pname else 0.2) * torch.randn_like(p))
       path = tmp_path_factory.mktemp(name)
-      model.eval().save_pretrained(path)
+      randomize(model).save_pretrained(path)
       made[name] = (path, model)
     return made[name]
   return make
+
+
+def randomize(model, scale=0.2):
+  """`model` in eval mode, its weights drawn afresh (norms off their init, so the (1 + w)
+  convention matters), the decay's A_log and dt_bias as initialized."""
+  with torch.no_grad():
+    for pname, p in model.named_parameters():
+      if not pname.endswith(('A_log', 'dt_bias')):  # keep the decay's own init
+        p.copy_((0.1 if 'norm' in pname else scale) * torch.randn_like(p))
+  return model.eval()
 
 
 def hf_logits(model, tokens_BxT):
@@ -245,6 +250,24 @@ def test_chunked_delta_rule_equals_the_recurrent_one_with_gradients():
       float(jnp.max(jnp.abs(o_c[0, 7] - o_c[0, 8]))) > 1e-3)  # (a reset is not a no-op)
 
 
+def test_the_chunked_rule_inverts_its_triangle_with_matmuls_that_programs_can_run_at_once():
+  """(I + A)^-1 by block inversion equals the triangular solve, also where a power series of A
+  would cancel catastrophically (identical keys, beta 1, no decay: A all ones below the
+  diagonal), and the chunked rule's program calls no LAPACK kernel: on CPU that kernel blocks a
+  thread of XLA's intra-op pool until its batch's parts are done, so the engine's prefill and
+  the trainer's step solving at once wait forever on a 2-core host."""
+  ones = jnp.tril(jnp.ones((64, 64)), -1)
+  random = 0.5 * jnp.tril(jax.random.normal(jax.random.PRNGKey(4), (2, 3, 13, 13)), -1)
+  for a in (ones, random):
+    eye = jnp.broadcast_to(jnp.eye(a.shape[-1]), a.shape)
+    solved = jax.scipy.linalg.solve_triangular(a + eye, eye, lower=True, unit_diagonal=True)
+    np.testing.assert_allclose(gated_delta.unit_lower_inverse(a), solved, rtol=1e-5, atol=1e-5)
+  x = jnp.ones((1, 8, 2, 4))
+  lowered = jax.jit(lambda q, k, v: gated_delta.delta_rule_chunked(
+      q, k, v, -x[..., 0], 0.5 * x[..., 0], jnp.zeros((1, 8), jnp.int32), chunk=4)).lower(x, x, x)
+  assert 'lapack' not in lowered.as_text()
+
+
 def test_a_layer_decoded_token_by_token_from_its_state_equals_its_chunked_form():
   """The interface decode builds on: a Gated DeltaNet layer over a sequence at once, against a
   prefill of its first part (chunked, from a zero state) then one recurrent step per token from
@@ -359,11 +382,11 @@ def test_fields_the_model_cannot_honour_are_refused(hf, message):
   assert '\n' not in str(e.value)
 
 
-def test_a_run_with_the_jax_engine_passes_its_check_and_lora_is_refused_in_one_line(
+def test_a_run_with_the_jax_engine_passes_its_check_and_decode_needs_the_linear_states(
     checkpoint, tmp_path):
   """The run's check takes a hybrid dir with backend 'jax' (the engine serves it:
   tests/hybrid_engine_test.py); decoding over a cache without the linear layers' states is
-  refused naming them; LoRA's adapters cover a stack of attention layers only."""
+  refused naming them."""
   from pipelinerl_jax.pipeline import launch
   params = hybrid_params()
   cache = tfm.init_cache(HYBRID, 1, 8)
@@ -376,5 +399,3 @@ def test_a_run_with_the_jax_engine_passes_its_check_and_lora_is_refused_in_one_l
   config = config_lib.load_preset('tiny')
   config.model.path = str(path)
   launch.check(config_lib.validate(config), str(tmp_path / 'run'))
-  with pytest.raises(ValueError, match=re.escape('config.model.lora: LoRA on a hybrid model (3 Gat')):
-    lora_lib.specs(HYBRID, config_lib.LoraSettings(rank=2, alpha=4.0))

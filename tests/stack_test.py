@@ -21,7 +21,8 @@ MODELS = {'qwen1p5b_8xh100': ROOT / 'configs/models/Qwen2.5-Math-1.5B',
           'qwen3_1p7b_1xgpu': ROOT / 'configs/models/Qwen3-1.7B',
           'qwen3_8b_lora_1xgpu': ROOT / 'configs/models/Qwen3-8B',
           'qwen3_30b_a3b': ROOT / 'configs/models/Qwen3-30B-A3B',
-          'qwen3_5_2b_1xgpu': ROOT / 'configs/models/Qwen3.5-2B'}
+          'qwen3_5_2b_1xgpu': ROOT / 'configs/models/Qwen3.5-2B',
+          'qwen3_5_9b_lora_1xgpu': ROOT / 'configs/models/Qwen3.5-9B'}
 
 
 def gpu_presets() -> list[str]:

@@ -1,11 +1,12 @@
 """Routing replay on a mixture of experts: how it changes the train / sampler mismatch, and
 whether the tiny MoE learns with it and without it.
 
-  python -m pipelinerl_jax.bench.moe_replay [--seeds 0,1,2] [--steps 300] [--budget_s 0]
-      [--target 0.8] [--lags 1,2,4,8] [--set SECTION.FIELD=VALUE ...]
+  python -m pipelinerl_jax.bench.moe_replay [--preset tiny_moe] [--seeds 0,1,2] [--steps 300]
+      [--budget_s 0] [--target 0.8] [--lags 1,2,4,8] [--set SECTION.FIELD=VALUE ...]
       [--out PATH.json] [--smoke] [--skip_learning] [--skip_mismatch]
 
-Both parts start from the warm-started demo MoE of the `tiny_moe` preset (configs/math.py).
+Both parts start from the warm-started demo MoE of the preset (configs/math.py): `tiny_moe` (a
+Qwen3-MoE) or `tiny_hybrid_moe` (a Qwen3.5-MoE: Gated DeltaNet layers and a shared expert).
 
 Mismatch: the JAX engine samples B = 256 completions under the warm start (policy 0), recording
 each token's log mu and routes; the policies of a short real pipeline run (`--lags`, optimizer
@@ -56,7 +57,7 @@ from pipelinerl_jax.models import transformer
 from pipelinerl_jax.pipeline import metrics as metrics_lib
 
 ROUTINGS = ('replay', 'recompute')
-PRESET = 'tiny_moe'
+PRESETS = ('tiny_moe', 'tiny_hybrid_moe')
 # The mismatch table with the two routings side by side, one row per (dtype, lag).
 PAIRED_COLUMNS = (('dtype', 'dtype', 's'), ('lag', 'lag', 'd'),
                   ('|logpi-logmu| replay', 'abs_logp_diff_replay', '.2e'),
@@ -85,13 +86,13 @@ SEED_COLUMNS = (('last10', 'reward_final', '.3f'), ('rise', 'rise', '.3f'),
 # The mismatch of one batch of samples, scored by later policies.
 
 
-def sample_batch(model_dir: str, params, config: transformer.ModelConfig, *, prompts: int,
-                 group_size: int, max_tokens: int, seed: int) -> list[api.Completion]:
-  """`prompts` x `group_size` completions of the task's problems under `params`, temperature 1,
+def sample_batch(model_dir: str, params, config: transformer.ModelConfig, *, task,
+                 prompts: int, group_size: int, max_tokens: int, seed: int
+                 ) -> list[api.Completion]:
+  """`prompts` x `group_size` completions of `task`'s problems under `params`, temperature 1,
   each token with its log mu and routes (the JAX engine's)."""
-  tokenizer, requests = ablations.task_requests(
-      model_dir, ablations.task_of(ablations.preset(PRESET)), prompts, group_size, max_tokens,
-      seed)
+  tokenizer, requests = ablations.task_requests(model_dir, task, prompts, group_size,
+                                                max_tokens, seed)
   engine_config = jax_engine.EngineConfig(
       num_slots=len(requests),
       max_seq_len=max(len(r.prompt_tokens) for r in requests) + max_tokens,
@@ -140,15 +141,15 @@ def _routed(params, tokens, targets, positions, segment_ids, routes, replay, *, 
                                            replay_RxT=replay)
 
 
-def mismatch(model_dir: str, snapshots: dict[int, dict], *, prompts: int, group_size: int,
-             max_tokens: int, seed: int = 1) -> list[dict]:
+def mismatch(model_dir: str, snapshots: dict[int, dict], *, task, prompts: int,
+             group_size: int, max_tokens: int, seed: int = 1) -> list[dict]:
   """Rows of (dtype, lag, routing): see the module docstring."""
   config = hf_schema.load_config(model_dir)
   rows = []
   for dtype in ('float32', 'bfloat16'):
     c = dataclasses.replace(config, dtype=dtype)
     p0 = snapshots[0]
-    batch = packed(sample_batch(model_dir, _cast(p0, jnp.zeros((), dtype)), c,
+    batch = packed(sample_batch(model_dir, _cast(p0, jnp.zeros((), dtype)), c, task=task,
                                 prompts=prompts, group_size=group_size, max_tokens=max_tokens,
                                 seed=seed))
     for lag in sorted(snapshots):
@@ -214,6 +215,8 @@ def plot_mismatch(results: list[dict], path: str, title: str):
 
 def main(argv=None):
   parser = argparse.ArgumentParser(description=__doc__.split('\n\n')[0])
+  parser.add_argument('--preset', default=PRESETS[0], choices=PRESETS,
+                      help='the demo MoE (configs/math.py)')
   parser.add_argument('--seeds', default='0,1,2', help='comma-separated RL seeds')
   parser.add_argument('--target', type=float, default=0.8, help='10-step mean reward target')
   parser.add_argument('--lags', default='1,2,4,8', help='policies the mismatch part scores with')
@@ -233,7 +236,7 @@ def main(argv=None):
     sets = learning_speed.parse_sets(args.set)
   except ValueError as e:
     parser.error(str(e))
-  base = ablations.preset(PRESET)
+  base = ablations.preset(args.preset)
   base.log.tensorboard = False
   base = ablations.budgeted(parser, args, base)
   try:
@@ -247,7 +250,7 @@ def main(argv=None):
         f'load {os.getloadavg()[0]:.1f}', flush=True)
   report = dict(device=str(jax.devices()[0]), backend=jax.default_backend(),
                 cpus=os.cpu_count(), host=platform.node(), jax=jax.__version__, args=vars(args),
-                preset=PRESET, model_dir=model_dir, seeds=seeds)
+                preset=args.preset, model_dir=model_dir, seeds=seeds)
   out = pathlib.Path(args.out)
 
   if not args.skip_mismatch:
@@ -257,7 +260,8 @@ def main(argv=None):
         snapshot_steps)
     snapshots[0] = ablations.warm_start_params(model_dir)
     sizes = dict(prompts=4, group_size=4) if args.smoke else dict(prompts=32, group_size=8)
-    rows = mismatch(model_dir, snapshots, max_tokens=base.generation.max_new_tokens, **sizes)
+    rows = mismatch(model_dir, snapshots, task=ablations.task_of(base),
+                    max_tokens=base.generation.max_new_tokens, **sizes)
     print('\nmismatch of one batch sampled under policy 0, scored by policy <lag>:')
     print(ablations.table(paired(rows), PAIRED_COLUMNS), flush=True)
     report['mismatch'] = rows
@@ -286,10 +290,10 @@ def main(argv=None):
     png = out.with_suffix('.png')
     ablations.plot_comparison(
         results, target=args.target, path=str(png),
-        title=f'{PRESET}: routing replay vs recompute, {seeds_text}, '
+        title=f'{args.preset}: routing replay vs recompute, {seeds_text}, '
               f'{os.cpu_count()} CPUs, {jax.default_backend()}')
     mismatch_png = out.with_name(out.stem + '_mismatch.png')
-    plot_mismatch(results, str(mismatch_png), f'{PRESET}: train / sampler mismatch, '
+    plot_mismatch(results, str(mismatch_png), f'{args.preset}: train / sampler mismatch, '
                   f'{seeds_text}')
     report.update(runs=rows, over_seeds=over_seeds, to_target=over, png=str(png),
                   mismatch_png=str(mismatch_png),

@@ -1,11 +1,11 @@
 """The CPU demo's starting policy: a tiny Qwen2 model, SFT-warmed on its task, saved as an HF dir.
 
 `build_demo_model(out_dir, demo, task)` random-initializes a small Qwen2 (or, with
-`demo.architecture='qwen3'`, Qwen3; 'qwen3_moe', Qwen3-MoE; 'qwen3_5', a Qwen3.5 hybrid)
-`ModelConfig` over the character
-tokenizer, imitates a small fixed set of the task's SFT-pool problems until its sampled accuracy
-on unseen RL-pool problems reaches `demo.target_sampled_accuracy` (or the step budget ends), and
-saves config.json + model.safetensors + tokenizer files + warmstart.json. The build is cached:
+`demo.architecture='qwen3'`, Qwen3; 'qwen3_moe', Qwen3-MoE; 'qwen3_5', a Qwen3.5 hybrid;
+'qwen3_5_moe', Qwen3.5-MoE) `ModelConfig` over the character tokenizer, imitates a small fixed
+set of the task's SFT-pool problems until its sampled accuracy on unseen RL-pool problems
+reaches `demo.target_sampled_accuracy` (or the step budget ends), and saves config.json +
+model.safetensors + tokenizer files + warmstart.json. The build is cached:
 warmstart.json carries a hash of the settings, and a dir whose hash matches is returned at once. RL then starts from a
 policy that knows the answer format but gets only a minority of unseen problems right, and has to
 earn the rest.
@@ -65,37 +65,42 @@ def model_dir_for(config: config_lib.Config) -> str:
 
 
 _ARCHITECTURES = {'qwen2': 'Qwen2ForCausalLM', 'qwen3': 'Qwen3ForCausalLM',
-                  'qwen3_moe': 'Qwen3MoeForCausalLM', 'qwen3_5': 'Qwen3_5ForCausalLM'}
+                  'qwen3_moe': 'Qwen3MoeForCausalLM', 'qwen3_5': 'Qwen3_5ForCausalLM',
+                  'qwen3_5_moe': 'Qwen3_5MoeForCausalLM'}
 
 
 def make_model_config(demo: config_lib.DemoModelConfig, vocab_size: int
                       ) -> transformer.ModelConfig:
   qwen2 = demo.architecture == 'qwen2'
-  moe = {}
-  if demo.architecture == 'qwen3_moe':
-    moe = dict(num_experts=demo.num_experts, num_experts_per_tok=demo.num_experts_per_tok,
-               moe_intermediate_size=demo.moe_intermediate_size,
-               norm_topk_prob=demo.norm_topk_prob,
-               moe_layers=tuple(i for i in range(demo.num_layers)
-                                if i not in demo.mlp_only_layers))
-  hybrid = {}
-  if demo.architecture == 'qwen3_5':  # Qwen3.5's attention (gated, partial rotary) and norms
-    interval = demo.full_attention_interval
-    hybrid = dict(attention_output_gate=True, partial_rotary_factor=0.25,
-                  norm_zero_centered=True,
-                  linear_layers=tuple(i for i in range(demo.num_layers) if (i + 1) % interval),
-                  linear_num_key_heads=demo.linear_num_key_heads,
-                  linear_num_value_heads=demo.linear_num_value_heads,
-                  linear_key_head_dim=demo.linear_key_head_dim,
-                  linear_value_head_dim=demo.linear_value_head_dim,
-                  linear_conv_kernel=demo.linear_conv_kernel)
-  return transformer.ModelConfig(
-      vocab_size=vocab_size, hidden_size=demo.hidden_size,
-      intermediate_size=demo.intermediate_size, num_layers=demo.num_layers,
-      num_heads=demo.num_heads, num_kv_heads=demo.num_kv_heads, head_dim=demo.head_dim,
-      qkv_bias=qwen2, qk_norm=not qwen2, tie_embeddings=demo.tie_embeddings,
-      max_position_embeddings=demo.max_position_embeddings,
-      architecture=_ARCHITECTURES[demo.architecture], **moe, **hybrid)
+  extra = {}
+  if demo.architecture in ('qwen3_moe', 'qwen3_5_moe'):
+    extra = dict(num_experts=demo.num_experts, num_experts_per_tok=demo.num_experts_per_tok,
+                 moe_intermediate_size=demo.moe_intermediate_size,
+                 norm_topk_prob=demo.norm_topk_prob,
+                 moe_layers=tuple(i for i in range(demo.num_layers)
+                                  if i not in demo.mlp_only_layers))
+  if demo.architecture == 'qwen3_5_moe':  # as hf.schema reads a Qwen3_5MoeForCausalLM dir
+    extra.update(shared_expert_intermediate_size=demo.shared_expert_intermediate_size,
+                 intermediate_size=0)
+  if demo.architecture in ('qwen3_5', 'qwen3_5_moe'):  # Qwen3.5's attention, norms, layers
+    extra.update(
+        attention_output_gate=True, norm_zero_centered=True,
+        partial_rotary_factor=0.25,
+        linear_layers=tuple(i for i in range(demo.num_layers)
+                            if (i + 1) % demo.full_attention_interval),
+        linear_num_key_heads=demo.linear_num_key_heads,
+        linear_num_value_heads=demo.linear_num_value_heads,
+        linear_key_head_dim=demo.linear_key_head_dim,
+        linear_value_head_dim=demo.linear_value_head_dim,
+        linear_conv_kernel=demo.linear_conv_kernel_dim)
+  return transformer.ModelConfig(**{
+      **dict(vocab_size=vocab_size, hidden_size=demo.hidden_size,
+             intermediate_size=demo.intermediate_size, num_layers=demo.num_layers,
+             num_heads=demo.num_heads, num_kv_heads=demo.num_kv_heads, head_dim=demo.head_dim,
+             qkv_bias=qwen2, qk_norm=not qwen2, tie_embeddings=demo.tie_embeddings,
+             max_position_embeddings=demo.max_position_embeddings,
+             architecture=_ARCHITECTURES[demo.architecture]),
+      **extra})
 
 
 _LATER_SETTINGS = {'architecture': 'qwen2', 'tie_embeddings': False}
@@ -103,17 +108,20 @@ _LATER_SETTINGS = {'architecture': 'qwen2', 'tie_embeddings': False}
 
 def settings_hash(demo: config_lib.DemoModelConfig, task: tasks_base.Task) -> str:
   """What a build depends on: the demo settings and the task (a dataclass: its fields). The
-  expert fields count only for an MoE model, the Gated DeltaNet fields only for a hybrid (a
-  dense model's hash is what it always was)."""
+  expert fields count only for an MoE model, the linear-attention ones only for a Qwen3.5 or
+  Qwen3.5-MoE, the shared expert's only for a Qwen3.5-MoE (another model's hash is what it
+  always was)."""
   task_settings = {'task': type(task).__name__, **dataclasses.asdict(task)}
   # Settings added after builds were cached count only away from their defaults, so a Qwen2
   # build made before them is still found.
   demo_settings = {k: v for k, v in dataclasses.asdict(demo).items()
                    if k not in _LATER_SETTINGS or v != _LATER_SETTINGS[k]}
-  if demo.architecture != 'qwen3_moe':
+  if demo.architecture not in ('qwen3_moe', 'qwen3_5_moe'):
     demo_settings = {k: v for k, v in demo_settings.items() if k not in demo.MOE_FIELDS}
-  if demo.architecture != 'qwen3_5':
+  if demo.architecture not in ('qwen3_5', 'qwen3_5_moe'):
     demo_settings = {k: v for k, v in demo_settings.items() if k not in demo.HYBRID_FIELDS}
+  if demo.architecture != 'qwen3_5_moe':
+    demo_settings.pop('shared_expert_intermediate_size', None)
   blob = json.dumps({'build_version': BUILD_VERSION, 'demo': demo_settings,
                      **task_settings}, sort_keys=True)
   return hashlib.sha256(blob.encode()).hexdigest()[:16]

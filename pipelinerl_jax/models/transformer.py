@@ -1,5 +1,5 @@
 """Decoder-only LM in Flax (linen) covering Qwen2 / Qwen2.5, Qwen3 (dense and MoE), Qwen3.5 (the
-hybrid of Gated DeltaNet and gated full attention) and Llama-3.
+hybrid of Gated DeltaNet and gated full attention, dense and MoE) and Llama-3.
 
 Parameter pytree (layers stacked on a leading axis L by `nn.scan`; kernels are [in, out]):
 
@@ -23,22 +23,25 @@ Parameter pytree (layers stacked on a leading axis L by `nn.scan`; kernels are [
   layers/moe/router/kernel             [L, D, X]              (an MoE layer's MLP: layers/moe.py)
   layers/moe/{gate,up}_proj/kernel     [L, X, D, I]
   layers/moe/down_proj/kernel          [L, X, I, D]
+  layers/moe/shared_expert/{gate,up}_proj/kernel [L, D, Is]   (Qwen3.5-MoE's shared expert,
+  layers/moe/shared_expert/down_proj/kernel [L, Is, D]         beside the routed ones, and its
+  layers/moe/shared_expert_gate/kernel [L, D, 1]               sigmoid gate)
   final_norm/scale                     [D]
   lm_head/kernel                       [D, V]                 (absent when embeddings are tied)
 
 Shape letters (the README's table): R rows, T query tokens, S key/cache positions, D model
 width, N query heads, K key/value heads, Q = N // K, Dh head dim, E rotary frequencies (Dh / 2),
 F MLP width, V vocab, L layers; J chunks of Tb positions (logits are made a chunk at a time);
-for mixtures of experts X experts, Xk experts per token, I expert width, Ls MoE layers; for
-Gated DeltaNet layers (layers/gated_delta.py) Hk / Hv key / value heads of Dk / Dv, Cc
-convolution channels, Kc convolution taps.
+for mixtures of experts X experts, Xk experts per token, I expert width, Is the shared expert's
+width, Ls MoE layers; for Gated DeltaNet layers (layers/gated_delta.py) Hk / Hv key / value
+heads of Dk / Dv, Cc convolution channels, Kc convolution taps.
 
-Layers are stacked and scanned in runs of one kind (`layer_groups`): a model whose layers are all
-alike (Qwen3-30B-A3B: every layer MoE) is one scan over `layers`; a change of kind (Qwen3-MoE's
-`mlp_only_layers`, `decoder_sparse_step`; Qwen3.5's `layer_types`, three Gated DeltaNet layers to
-one full-attention layer) splits the stack into runs `layers_0`, `layers_1`, ..., each its own
-scan over its own stacked params. Runs keep one scan's compile time and memory layout for the
-common case and cost one more scan per change of kind.
+Layers are stacked and scanned in runs of one kind (`ModelConfig.layer_groups`): a model whose
+layers are all alike (Qwen3-30B-A3B: every layer MoE) is one scan over `layers`; a change of kind
+(Qwen3-MoE's `mlp_only_layers`, `decoder_sparse_step`; Qwen3.5's `layer_types`, three Gated
+DeltaNet layers to one full-attention layer) splits the stack into runs `layers_0`, `layers_1`,
+..., each its own scan over its own stacked params (and LoRA adapters). Runs keep one scan's
+compile time and memory layout for the common case and cost one more scan per change of kind.
 
 Qwen3.5's full attention (`attention_output_gate`) has q_proj emit each head's query and a gate,
 and multiplies attention's output by sigmoid(gate) before o_proj; RoPE turns the first
@@ -91,6 +94,16 @@ class RopeScaling:
   original_max_position_embeddings: int = 8192
 
 
+class LayerGroup(NamedTuple):
+  """A run of consecutive layers of one kind, scanned together over params stacked under
+  `name`: layers first..first+count-1, MoE or dense MLP, Gated DeltaNet or full attention."""
+  name: str
+  first: int
+  count: int
+  moe: bool
+  linear: bool = False
+
+
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
   """Architecture and numerics. Built from an HF config.json by `hf.schema.load_config`."""
@@ -131,14 +144,17 @@ class ModelConfig:
   # Generation: how a decode step reads the paged KV cache (layers/paged_attention.py); set by the
   # engine from generation.decode_attention.
   decode_attention: str = 'xla'   # 'xla' | 'pallas' | 'cudnn'
-  # Mixture of experts (Qwen3-MoE, layers/moe.py): the layers in `moe_layers` replace their MLP
-  # by num_experts experts of width moe_intermediate_size, num_experts_per_tok per token;
-  # () = a dense model. `moe_dispatch`: 'ragged' (tokens sorted by expert, grouped matmul) or
-  # 'dense' (every expert on every token: the reference).
+  # Mixture of experts (Qwen3-MoE, Qwen3.5-MoE: layers/moe.py): the layers in `moe_layers`
+  # replace their MLP by num_experts experts of width moe_intermediate_size, num_experts_per_tok
+  # per token; () = a dense model. Qwen3.5-MoE adds a shared expert every token goes through, of
+  # width shared_expert_intermediate_size (0 = none), its output scaled by a sigmoid gate.
+  # `moe_dispatch`: 'ragged' (tokens sorted by expert, grouped matmul) or 'dense' (every expert
+  # on every token: the reference).
   num_experts: int = 0
   num_experts_per_tok: int = 0
   moe_intermediate_size: int = 0
   norm_topk_prob: bool = False
+  shared_expert_intermediate_size: int = 0
   moe_layers: tuple[int, ...] = ()
   moe_dispatch: str = 'ragged'
   # Hybrid models (Qwen3.5, layers/gated_delta.py): the layers in `linear_layers` replace
@@ -176,6 +192,10 @@ class ModelConfig:
       raise ValueError(f'MoE layers need num_experts >= num_experts_per_tok >= 1 and '
                        f'moe_intermediate_size >= 1, got {self.num_experts}, '
                        f'{self.num_experts_per_tok}, {self.moe_intermediate_size}')
+    if self.shared_expert_intermediate_size < 0 or (self.shared_expert_intermediate_size
+                                                    and not layers):
+      raise ValueError(f'shared_expert_intermediate_size={self.shared_expert_intermediate_size} '
+                       'needs MoE layers and must be >= 0')
     if self.moe_dispatch not in moe_lib.DISPATCHES:
       raise ValueError(f'moe_dispatch={self.moe_dispatch!r} is not one of {moe_lib.DISPATCHES}')
     if not (0 < self.partial_rotary_factor <= 1 and self.rotary_dim >= 2
@@ -217,6 +237,24 @@ class ModelConfig:
     return tuple(i for i in range(self.num_layers) if i not in linear)
 
   @property
+  def layer_groups(self) -> tuple[LayerGroup, ...]:
+    """The model's runs of layers (see the module docstring): one group `layers` when every
+    layer is of one kind, else `layers_0`, `layers_1`, ... in order. A property, so that the
+    layers' code, which reads the config by attribute, finds the runs without importing this
+    module (layers/lora.py stacks adapters as the runs stack kernels)."""
+    moe, linear = set(self.moe_layers), set(self.linear_layers)
+    runs = []
+    for i in range(self.num_layers):
+      kind = (i in moe, i in linear)
+      if runs and runs[-1][2] == kind:
+        runs[-1][1] += 1
+      else:
+        runs.append([i, 1, kind])
+    names = ['layers'] if len(runs) == 1 else [f'layers_{j}' for j in range(len(runs))]
+    return tuple(LayerGroup(n, first, count, *kind)
+                 for n, (first, count, kind) in zip(names, runs))
+
+  @property
   def rotary_dim(self) -> int:
     """The dims of each head RoPE turns (transformers: int(head_dim * partial_rotary_factor))."""
     return int(self.head_dim * self.partial_rotary_factor)
@@ -231,10 +269,17 @@ class ModelConfig:
     if self.qk_norm:
       attention += 2 * self.head_dim
     moe, linear = len(self.moe_layers), len(self.linear_layers)
-    experts = self.num_experts * 3 * d * self.moe_intermediate_size + d * self.num_experts
+    experts = (self.num_experts * 3 * d * self.moe_intermediate_size + d * self.num_experts
+               + self.shared_expert_params)
     mixers = (l - linear) * attention + linear * self.linear_attention_params
     return (v * d * (1 if self.tie_embeddings else 2) + mixers + l * 2 * d
             + (l - moe) * 3 * d * f + moe * experts + d)
+
+  @property
+  def shared_expert_params(self) -> int:
+    """Params of one MoE layer's shared expert and its gate (0 without one)."""
+    width = self.shared_expert_intermediate_size
+    return (3 * width + 1) * self.hidden_size if width else 0
 
   @property
   def linear_attention_params(self) -> int:
@@ -251,31 +296,6 @@ class ModelConfig:
     idle = self.num_experts - self.num_experts_per_tok
     return self.num_params - len(self.moe_layers) * idle * 3 * self.hidden_size * (
         self.moe_intermediate_size)
-
-
-class LayerGroup(NamedTuple):
-  """A run of consecutive layers of one kind, scanned together over params stacked under
-  `name`: layers first..first+count-1, MoE or dense MLP, Gated DeltaNet or full attention."""
-  name: str
-  first: int
-  count: int
-  moe: bool
-  linear: bool = False
-
-
-def layer_groups(config: ModelConfig) -> tuple[LayerGroup, ...]:
-  """The model's runs of layers (see the module docstring): one group `layers` when every
-  layer is of one kind, else `layers_0`, `layers_1`, ... in order."""
-  moe, linear = set(config.moe_layers), set(config.linear_layers)
-  runs = []
-  for i in range(config.num_layers):
-    kind = (i in moe, i in linear)
-    if runs and runs[-1][2] == kind:
-      runs[-1][1] += 1
-    else:
-      runs.append([i, 1, kind])
-  names = ['layers'] if len(runs) == 1 else [f'layers_{j}' for j in range(len(runs))]
-  return tuple(LayerGroup(n, first, count, *kind) for n, (first, count, kind) in zip(names, runs))
 
 
 # What a rematerialized layer keeps for its backward pass besides its input (the rest is
@@ -443,7 +463,7 @@ class Transformer(nn.Module):
     carry = None if cache is None else _CacheCarry(cache.k, cache.v, zero, table_RxW,
                                                    cache.linear, zero)
     routes, moe_seen = [], 0
-    for group in layer_groups(c):
+    for group in c.layer_groups:
       replayed = None  # this run's slice of the replayed routes, layers first: [n, R, T, Xk]
       if group.moe and routes_RxTxLsxXk is not None:
         replayed = jnp.moveaxis(routes_RxTxLsxXk[:, :, moe_seen:moe_seen + group.count], 2, 0)

@@ -19,15 +19,17 @@ must not be donated or deleted until the receiver is done (the `api.Engine.updat
 ownership contract).
 
 LoRA (models/layers/lora.py): an update is the adapters alone, named and laid out as PEFT saves them
-(A [Ra, Di] and B [Do, Ra] per layer, torch's Linear layout: `lora.peft_shapes`); the
+(A [Ra, Di] and B [Do, Ra] per layer, torch's Linear layout: `hf.peft.shapes`); the
 `update_*` functions take the run's `config.LoraSettings` (None: a full update) and pick the
 one layout or the other.
 
-Atomic units: vLLM fuses q/k/v into one `qkv_proj` module (weights and biases) and gate/up into
-`gate_up_proj`, and re-packs a module only once all of its parts have arrived; a unit sent
-without its siblings is loaded half-old, half-garbage. `fusion_units` groups consecutive
-tensors by the module they land in, and `buckets` packs whole units into byte-bounded buckets for
-transports that move a bounded amount at a time; a unit is never split across buckets.
+Atomic units: vLLM fuses q/k/v into one `qkv_proj` module (weights and biases), gate/up into
+`gate_up_proj`, and a Gated DeltaNet layer's in_proj_qkv/in_proj_z into `in_proj_qkvz` and
+in_proj_b/in_proj_a into `in_proj_ba`; it re-packs a module only once all of its parts have
+arrived, so a unit sent without its siblings is loaded half-old, half-garbage. `fusion_units`
+groups consecutive tensors by the module they land in, and `buckets` packs whole units into
+byte-bounded buckets for transports that move a bounded amount at a time; a unit is never split
+across buckets.
 """
 
 from __future__ import annotations
@@ -45,13 +47,18 @@ import torch
 
 from pipelinerl_jax import config as config_lib
 from pipelinerl_jax.models.hf import names as hf_names
+from pipelinerl_jax.models.hf import peft as hf_peft
 from pipelinerl_jax.models.layers import lora as lora_lib
 from pipelinerl_jax.models import transformer
 
 # HF names of the parts that vLLM loads into one fused module, -> that module's name.
 _FUSED = (
     (re.compile(r'^(.*\.self_attn\.)[qkv]_proj\.(weight|bias)$'), r'\1qkv_proj'),
-    (re.compile(r'^(.*\.mlp\.)(gate|up)_proj\.weight$'), r'\1gate_up_proj'),
+    # An MLP, or a mixture of experts' shared expert (Qwen3.5-MoE: mlp.shared_expert.*).
+    (re.compile(r'^(.*\.mlp\.(?:shared_expert\.)?)(gate|up)_proj\.weight$'), r'\1gate_up_proj'),
+    # A Gated DeltaNet layer (Qwen3.5): qkv with z, b with a.
+    (re.compile(r'^(.*\.linear_attn\.)in_proj_(qkv|z)\.weight$'), r'\1in_proj_qkvz'),
+    (re.compile(r'^(.*\.linear_attn\.)in_proj_(b|a)\.weight$'), r'\1in_proj_ba'),
 )
 
 
@@ -102,7 +109,13 @@ def hf_torch_tensors(params, config: transformer.ModelConfig
       raise ValueError(f'leaf {"/".join(spec.path)} has shape {tuple(t.shape)}, the config '
                        f'implies {spec.shape}')
     t = t if index is None else t[index]
-    yield name, (t.T if spec.transposed else t)
+    yield name, (_reversed_axes(t) if spec.transposed else t)
+
+
+def _reversed_axes(t: torch.Tensor) -> torch.Tensor:
+  """`t` with its axes reversed, a view (torch's `.T` is for matrices only: a conv1d weight has
+  three axes)."""
+  return t.permute(*range(t.ndim - 1, -1, -1))
 
 
 def gathered_torch_tensors(params, config: transformer.ModelConfig, device: jax.Device,
@@ -139,7 +152,7 @@ def update_shapes(config: transformer.ModelConfig, lora: config_lib.LoraSettings
                   ) -> dict[str, tuple[int, ...]]:
   """{name: shape} of every tensor of an update, in wire order: a full one's HF tensors, or the
   adapters' PEFT tensors."""
-  return expected_shapes(config) if lora is None else lora_lib.peft_shapes(config, lora)
+  return expected_shapes(config) if lora is None else hf_peft.shapes(config, lora)
 
 
 def gathered_update_tensors(params, config: transformer.ModelConfig, device: jax.Device,
@@ -150,7 +163,7 @@ def gathered_update_tensors(params, config: transformer.ModelConfig, device: jax
   if lora is None:
     yield from gathered_torch_tensors(params, config, device, dtype)
     return
-  for name, x in lora_lib.peft_tensors(params, config, lora, dtype):
+  for name, x in hf_peft.tensors(params, config, lora, dtype):
     yield name, torch.from_numpy(x) if device.platform == 'cpu' else torch.from_dlpack(
         jax.device_put(x, device))
 
@@ -162,13 +175,10 @@ def update_from_hf(tensors: Iterable[tuple[str, torch.Tensor]], config: transfor
   if lora is None:
     return params_from_hf(tensors, config, dtype)
   got = dict(tensors)
-  check_complete([(n, tuple(t.shape)) for n, t in got.items()], lora_lib.peft_shapes(config, lora))
-  flat = {}
-  for s in lora_lib.specs(config, lora):
-    for which in ('a', 'b'):
-      leaf = np.stack([got[s.peft_name(i, which)].numpy().T for i in range(config.num_layers)])
-      flat[s.path + (which,)] = leaf if dtype is None else leaf.astype(dtype)
-  return lora_lib.nest(flat)
+  check_complete([(n, tuple(t.shape)) for n, t in got.items()], hf_peft.shapes(config, lora))
+  rows = hf_peft.stacked(lambda name, _: got[name].numpy(), config, lora)
+  return lora_lib.nest({path: np.stack(r) if dtype is None else np.stack(r).astype(dtype)
+                        for path, r in rows.items()})
 
 
 def is_zero_copy(tensor: torch.Tensor, leaf: Any) -> bool:

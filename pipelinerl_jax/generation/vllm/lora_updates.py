@@ -29,6 +29,7 @@ from pipelinerl_jax.generation import budget
 from pipelinerl_jax.generation.transport import hf_tensors
 from pipelinerl_jax.models.hf import checkpoint as hf_checkpoint
 from pipelinerl_jax.models.hf import names as hf_names
+from pipelinerl_jax.models.hf import peft as hf_peft
 from pipelinerl_jax.models.layers import lora as lora_lib
 
 UPDATE_WAYS = ('slot', 'merge')
@@ -60,12 +61,8 @@ def from_peft(tensors, model_config, lora: config_lib.LoraSettings) -> dict[tupl
   """{leaf path: [L, ...] tensor} from PEFT-named (name, tensor) pairs (A [Ra, Di], B [Do, Ra] per
   layer, what a collective transport carries): the `to_torch` form, one stacked copy."""
   got = dict(tensors)
-  out = {}
-  for s in lora_lib.specs(model_config, lora):
-    for which in ('a', 'b'):
-      layers = [got[s.peft_name(i, which)].T for i in range(model_config.num_layers)]
-      out[s.path + (which,)] = torch.stack(layers)
-  return out
+  rows = hf_peft.stacked(lambda name, _: got[name], model_config, lora)
+  return {path: torch.stack(r) for path, r in rows.items()}
 
 
 class SlotWriter:
@@ -80,22 +77,25 @@ class SlotWriter:
     # (spec, layer) -> (A's destination [Ra, Di], B's destination [Do, Ra]) in the slot.
     self._dest = {}
     for s in lora_lib.specs(model_config, lora):
+      if s.target not in _MODULE:
+        raise ValueError(f"generation.vllm.lora_update='slot' does not write {s.target} "
+                         "adapters (a Gated DeltaNet projection); use 'merge'")
       name, part = _MODULE[s.target]
-      for i in range(model_config.num_layers):
+      for i in s.layers:
         m = modules.get(f'model.layers.{i}.{name}')
         if m is None:
           raise RuntimeError(f'vLLM has no LoRA layer model.layers.{i}.{name} (for {s.target})')
         a = m.lora_a_stacked[part][self._slot, 0, :lora.rank, :s.in_features]
         b = m.lora_b_stacked[part][self._slot, 0, :s.out_features, :lora.rank]
-        self._dest[s.path, i] = (a, b)
+        self._dest[s.path, i - s.first_layer] = (a, b)
 
   def write(self, adapters: dict[tuple[str, ...], torch.Tensor]) -> None:
     """Copies every layer's A^T and s * B^T (scaled in fp32, then cast to the slot's dtype, as
     the trainer's layer casts s * B) into the slot."""
     scale = self.lora.scale
-    for (path, i), (a_dst, b_dst) in self._dest.items():
-      a_dst.copy_(adapters[path + ('a',)][i].T)
-      b_dst.copy_((adapters[path + ('b',)][i].float() * scale).T)
+    for (path, j), (a_dst, b_dst) in self._dest.items():
+      a_dst.copy_(adapters[path + ('a',)][j].T)
+      b_dst.copy_((adapters[path + ('b',)][j].float() * scale).T)
 
 
 class MergeWriter:
@@ -107,31 +107,31 @@ class MergeWriter:
   def __init__(self, model_dir: str | Path, model_config, lora: config_lib.LoraSettings,
                serving_dtype: torch.dtype):
     self.model_config, self.lora, self.dtype = model_config, lora, serving_dtype
-    targeted = {s.target: s for s in lora_lib.specs(model_config, lora)}
+    targeted = {s.path for s in lora_lib.specs(model_config, lora)}
     sent = lora_lib.specs(model_config, config_lib.LoraSettings(1, 1.0,
                                                             lora_lib.merged_targets(lora)))
-    wanted = {f'{s.module_name(i)}.weight': (s.target, i)
-              for s in sent for i in range(model_config.num_layers)}
+    # name -> (the adapters' path, or None for a fused sibling without one; row in the run).
+    wanted = {f'{hf_peft.module_name(model_config, s, i)}.weight':
+              (s.path if s.path in targeted else None, i - s.first_layer)
+              for s in sent for i in s.layers}
     # In checkpoint order: fused parts adjacent, as the reload wants them.
     self._names = [(name, *wanted[name]) for name, _, _ in hf_names.checkpoint_order(model_config)
                    if name in wanted]
     self._base = dict(zip([n for n, _, _ in self._names],
                           _read_tensors(Path(model_dir), [n for n, _, _ in self._names])))
-    self._paths = {t: s.path for t, s in targeted.items()}
 
   def tensors(self, adapters: dict[tuple[str, ...], torch.Tensor]
               ) -> Iterator[tuple[str, torch.Tensor]]:
     """(HF name, W + s (A B)^T) of every kernel sent, merged in fp32 from the kept base and cast
     to the serving dtype: never from an earlier merge, so nothing drifts."""
-    for name, target, i in self._names:
+    for name, path, j in self._names:
       w_DoxDi = self._base[name]
-      path = self._paths.get(target)
       if path is None:  # a fused sibling without an adapter
         yield name, w_DoxDi.to(self.dtype)
         continue
       # Where the kept base lives (the host): adapters from a GPU transport come over.
-      a_DixRa = adapters[path + ('a',)][i].to(w_DoxDi.device, torch.float32)
-      b_RaxDo = adapters[path + ('b',)][i].to(w_DoxDi.device, torch.float32)
+      a_DixRa = adapters[path + ('a',)][j].to(w_DoxDi.device, torch.float32)
+      b_RaxDo = adapters[path + ('b',)][j].to(w_DoxDi.device, torch.float32)
       yield name, torch.addmm(w_DoxDi.float(), b_RaxDo.T, a_DixRa.T,
                               alpha=self.lora.scale).to(self.dtype)
 

@@ -45,11 +45,13 @@ class _Located(NamedTuple):
     return shape if self.part is None else np.empty(shape, np.bool_)[self.part].shape
 
 
-# transformers 5's in-memory layout of a Qwen3-MoE layer's experts, which
+# transformers 5's in-memory layout of a Qwen3-MoE or Qwen3.5-MoE layer's experts, which
 # `save_pretrained(save_original_format=False)` writes: gate and up of every expert in one
-# [X, 2I, D] tensor, down in one [X, D, I]. The Hub's files (and save_pretrained's default) hold
-# one tensor per expert and projection, the names `hf_names.name_map` uses.
-_FUSED_EXPERTS = re.compile(r'^(model\.layers\.\d+\.mlp\.experts)\.(gate_up_proj|down_proj)$')
+# [X, 2I, D] tensor, down in one [X, D, I] (under `model.language_model.` in a composite dir).
+# The Hub's files (and save_pretrained's default) hold one tensor per expert and projection, the
+# names `hf_names.name_map` uses.
+_FUSED_EXPERTS = re.compile(
+    r'^(model\.(?:language_model\.)?layers\.\d+\.mlp\.experts)\.(gate_up_proj|down_proj)$')
 
 
 def _locate_tensors(model_dir: Path) -> tuple[dict[str, _Located], Path]:

@@ -15,7 +15,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pipelinerl_jax.models import transformer
 from pipelinerl_jax.models.hf import schema as hf_schema
 from pipelinerl_jax.models.layers import gated_delta
 from pipelinerl_jax.models.transformer import ModelConfig
@@ -31,7 +30,7 @@ class TensorSpec:
   transposed: bool = False    # HF's axes reversed: a Linear weight [out, in] for a Dense kernel
                               # [in, out], a conv1d weight [Cc, 1, Kc] for [Kc, 1, Cc]
   first_layer: int = 0        # the model layer of the leaf's row 0 (runs of layers, see
-                              # transformer.layer_groups)
+                              # ModelConfig.layer_groups)
   experts: bool = False       # also one HF tensor per expert, stacked on axis 1 (MoE)
 
   @property
@@ -66,7 +65,7 @@ def name_map(config: ModelConfig) -> list[TensorSpec]:
   widths = {'q': heads * (2 if c.attention_output_gate else 1),  # Qwen3.5: queries and gates
             'k': c.num_kv_heads * c.head_dim, 'v': c.num_kv_heads * c.head_dim}
   specs = [TensorSpec(f'{prefix}embed_tokens.weight', ('embed', 'embedding'), (c.vocab_size, d))]
-  for group in transformer.layer_groups(c):
+  for group in c.layer_groups:
     layer = lambda hf, path, shape, **kw: TensorSpec(
         f'{prefix}layers.{{i}}.{hf}', (group.name, *path), (group.count, *shape), stacked=True,
         first_layer=group.first, **kw)
@@ -90,6 +89,15 @@ def name_map(config: ModelConfig) -> list[TensorSpec]:
       specs += [layer('mlp.gate.weight', ('moe', 'router', 'kernel'), (d, x), transposed=True),
                 expert('gate_proj', (d, i)), expert('up_proj', (d, i)),
                 expert('down_proj', (i, d))]
+      if c.shared_expert_intermediate_size:  # Qwen3.5-MoE: the shared expert and its gate
+        s = c.shared_expert_intermediate_size
+        shared = lambda p, shape: layer(f'mlp.shared_expert.{p}.weight',
+                                        ('moe', 'shared_expert', p, 'kernel'), shape,
+                                        transposed=True)
+        specs += [shared('gate_proj', (d, s)), shared('up_proj', (d, s)),
+                  shared('down_proj', (s, d)),
+                  layer('mlp.shared_expert_gate.weight', ('moe', 'shared_expert_gate', 'kernel'),
+                        (d, 1), transposed=True)]
     else:
       specs += [
           layer('mlp.gate_proj.weight', ('mlp', 'gate_proj', 'kernel'), (d, f), transposed=True),

@@ -12,6 +12,13 @@ loaded, and a save copies them from the original dir unchanged (`Family.carried`
 is a dir of the kind the user started from. Its multimodal RoPE fields (`mrope_section`,
 `mrope_interleaved`) are accepted: for text the three position streams are equal, which makes
 it plain RoPE.
+
+Qwen3.5-MoE comes in the same two layouts (`Qwen3_5MoeForCausalLM`, model_type
+qwen3_5_moe_text; `Qwen3_5MoeForConditionalGeneration`, qwen3_5_moe): the hybrid layers with
+every MLP a mixture of experts beside a shared expert. Its router always renormalizes the top-k
+gates and every layer has experts, as transformers computes it; a config.json saying otherwise
+(`norm_topk_prob` false, `mlp_only_layers`, `decoder_sparse_step` > 1, which other readers such
+as vLLM's Qwen3-Next honour) is refused.
 """
 
 from __future__ import annotations
@@ -37,7 +44,9 @@ class Family:
   qk_norm: bool
   max_positions: int
   head_dim: int | None = None  # None: hidden_size / num_attention_heads
-  moe: bool = False            # Qwen3-MoE's experts (`_moe_from_hf`)
+  # Experts: 'qwen3' (Qwen3-MoE's, `_moe_from_hf`) or 'qwen3_5' (every layer, and a shared
+  # expert: `_qwen3_5_moe_from_hf`); None: a dense model.
+  moe: str | None = None
   hybrid: bool = False         # Qwen3.5: Gated DeltaNet layers, gated attention (`_hybrid_from_hf`)
   # A composite (vision-language) dir: the language model's fields under text_config (of
   # `text_model_type`), its weights under `lm_prefix`; tensors under `carried` are not the
@@ -53,13 +62,20 @@ _FAMILIES = {
                                head_dim=128),
     'LlamaForCausalLM': Family('llama', qkv_bias=False, qk_norm=False, max_positions=2048),
     'Qwen3MoeForCausalLM': Family('qwen3_moe', qkv_bias=False, qk_norm=True,
-                                  max_positions=32768, moe=True),
+                                  max_positions=32768, moe='qwen3'),
     'Qwen3_5ForCausalLM': Family('qwen3_5_text', qkv_bias=False, qk_norm=True,
                                  max_positions=32768, head_dim=256, hybrid=True),
     'Qwen3_5ForConditionalGeneration': Family(
         'qwen3_5', qkv_bias=False, qk_norm=True, max_positions=32768, head_dim=256, hybrid=True,
         text_model_type='qwen3_5_text', lm_prefix='model.language_model.',
         carried=('model.visual.', 'mtp.')),
+    'Qwen3_5MoeForCausalLM': Family('qwen3_5_moe_text', qkv_bias=False, qk_norm=True,
+                                    max_positions=32768, head_dim=256, hybrid=True,
+                                    moe='qwen3_5'),
+    'Qwen3_5MoeForConditionalGeneration': Family(
+        'qwen3_5_moe', qkv_bias=False, qk_norm=True, max_positions=32768, head_dim=256,
+        hybrid=True, moe='qwen3_5', text_model_type='qwen3_5_moe_text',
+        lm_prefix='model.language_model.', carried=('model.visual.', 'mtp.')),
 }
 _ARCHITECTURES = tuple(_FAMILIES)
 _MODEL_TYPES = {family.model_type: arch for arch, family in _FAMILIES.items()}
@@ -68,6 +84,9 @@ _OVERRIDABLE = ('param_dtype', 'dtype', 'lm_head_fp32', 'remat', 'remat_policy',
 # transformers' Qwen3MoeConfig defaults, for fields a config.json leaves out.
 _MOE_DEFAULTS = dict(num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768,
                      norm_topk_prob=False, decoder_sparse_step=1)
+# transformers' Qwen3_5MoeTextConfig defaults (its docstring: "Qwen3.5-35B-A3B style").
+_QWEN3_5_MOE_DEFAULTS = dict(num_experts=256, num_experts_per_tok=8, moe_intermediate_size=512,
+                             shared_expert_intermediate_size=512)
 # transformers' Qwen3_5TextConfig defaults (its docstring: "Qwen3.5-9B style").
 _HYBRID_DEFAULTS = dict(linear_conv_kernel_dim=4, linear_key_head_dim=128,
                         linear_value_head_dim=128, linear_num_key_heads=16,
@@ -150,6 +169,9 @@ def config_from_hf(hf: dict, source: str = CONFIG_FILE, **overrides) -> ModelCon
   layer_types = set(hf.get('layer_types') or ()) - {'full_attention'}
   if layer_types and not family.hybrid:
     fail(f'layer_types {sorted(layer_types)} are not supported (only full_attention)')
+  if family.hybrid and not family.moe and hf.get('mlp_only_layers'):
+    fail(f"mlp_only_layers={hf['mlp_only_layers']} is not supported (a dense Qwen3.5 has no "
+         'experts)')
 
   hidden, heads = field('hidden_size'), field('num_attention_heads')
   if 'head_dim' in hf and hf['head_dim'] is not None:
@@ -164,7 +186,8 @@ def config_from_hf(hf: dict, source: str = CONFIG_FILE, **overrides) -> ModelCon
   max_positions = field('max_position_embeddings', family.max_positions)
   theta, scaling, partial = _rope_from_hf(hf, max_positions, fail, family.hybrid)
   num_layers = field('num_hidden_layers')
-  moe = _moe_from_hf(hf, num_layers, field, fail) if family.moe else {}
+  moe = {'qwen3': _moe_from_hf, 'qwen3_5': _qwen3_5_moe_from_hf}.get(
+      family.moe, lambda *_: {})(hf, num_layers, field, fail)
   hybrid = _hybrid_from_hf(hf, num_layers, field, fail) if family.hybrid else {}
 
   unknown = set(overrides) - set(_OVERRIDABLE)
@@ -176,7 +199,8 @@ def config_from_hf(hf: dict, source: str = CONFIG_FILE, **overrides) -> ModelCon
   return ModelConfig(
       vocab_size=field('vocab_size'),
       hidden_size=hidden,
-      intermediate_size=field('intermediate_size'),
+      # Qwen3.5-MoE has no dense MLP (transformers' config has no such field).
+      intermediate_size=0 if family.moe == 'qwen3_5' else field('intermediate_size'),
       num_layers=num_layers,
       num_heads=heads,
       num_kv_heads=field('num_key_value_heads', heads),
@@ -231,9 +255,6 @@ def _hybrid_from_hf(hf, num_layers, field, fail) -> dict:
   if hf.get('attn_output_gate') is False:
     fail('attn_output_gate=false is not supported (Qwen3.5 attention always gates its output, '
          'as transformers computes it)')
-  if hf.get('mlp_only_layers'):
-    fail(f"mlp_only_layers={hf['mlp_only_layers']} is not supported (a dense Qwen3.5 has no "
-         'experts)')
   hk, hv = get('linear_num_key_heads'), get('linear_num_value_heads')
   if hk < 1 or hv % hk:
     fail(f'linear_num_value_heads={hv} must be a multiple of linear_num_key_heads={hk}')
@@ -288,6 +309,34 @@ def _moe_from_hf(hf, num_layers, field, fail) -> dict:
     fail(f'moe_intermediate_size={width} must be >= 1')
   return dict(num_experts=num_experts, num_experts_per_tok=top_k, moe_intermediate_size=width,
               norm_topk_prob=bool(field('norm_topk_prob', False, bool)), moe_layers=layers)
+
+
+def _qwen3_5_moe_from_hf(hf, num_layers, field, fail) -> dict:
+  """The ModelConfig fields of Qwen3.5-MoE's experts: every layer's MLP is num_experts routed
+  experts (top num_experts_per_tok, renormalized gates) and a shared expert of
+  shared_expert_intermediate_size, as transformers computes it (fields that say otherwise are
+  refused: other readers honour them)."""
+  get = lambda name: field(name, _QWEN3_5_MOE_DEFAULTS[name])
+  num_experts, top_k = get('num_experts'), get('num_experts_per_tok')
+  width, shared = get('moe_intermediate_size'), get('shared_expert_intermediate_size')
+  if hf.get('norm_topk_prob') is False:
+    fail('norm_topk_prob=false is not supported (Qwen3.5-MoE always renormalizes its top-k '
+         'gates, as transformers computes it)')
+  if hf.get('mlp_only_layers'):
+    fail(f"mlp_only_layers={hf['mlp_only_layers']} is not supported (every Qwen3.5-MoE layer "
+         'has experts, as transformers computes it)')
+  if hf.get('decoder_sparse_step', 1) != 1:
+    fail(f"decoder_sparse_step={hf['decoder_sparse_step']} is not supported (every Qwen3.5-MoE "
+         'layer has experts, as transformers computes it)')
+  if not 1 <= top_k <= num_experts:
+    fail(f'num_experts_per_tok={top_k} must be in 1..num_experts={num_experts}')
+  for name, value in (('moe_intermediate_size', width),
+                      ('shared_expert_intermediate_size', shared)):
+    if value < 1:
+      fail(f'{name}={value} must be >= 1')
+  return dict(num_experts=num_experts, num_experts_per_tok=top_k, moe_intermediate_size=width,
+              norm_topk_prob=True, shared_expert_intermediate_size=shared,
+              moe_layers=tuple(range(num_layers)))
 
 
 def _moe_to_hf(c: ModelConfig) -> dict:
@@ -372,6 +421,16 @@ def hf_config(config: ModelConfig, dtype: str = 'bfloat16', extra: dict | None =
                      f'qk_norm={c.qk_norm}')
   if c.is_moe and not family.moe:
     raise ValueError(f'{c.architecture} has no experts; config has moe_layers={c.moe_layers}')
+  qwen3_5_moe = (tuple(range(c.num_layers)), True)
+  if family.moe == 'qwen3_5' and ((c.moe_layers, c.norm_topk_prob) != qwen3_5_moe
+                                  or c.shared_expert_intermediate_size < 1):
+    raise ValueError(f'{c.architecture} has experts in every layer, renormalized gates and a '
+                     f'shared expert; config has moe_layers={c.moe_layers}, norm_topk_prob='
+                     f'{c.norm_topk_prob}, shared_expert_intermediate_size='
+                     f'{c.shared_expert_intermediate_size}')
+  if c.shared_expert_intermediate_size and family.moe != 'qwen3_5':
+    raise ValueError(f'{c.architecture} has no shared expert; config has '
+                     f'shared_expert_intermediate_size={c.shared_expert_intermediate_size}')
   hybrid = (c.attention_output_gate, c.norm_zero_centered)
   if (c.is_hybrid and not family.hybrid) or (family.hybrid and hybrid != (True, True)) or (
       not family.hybrid and any(hybrid)):
@@ -414,8 +473,14 @@ def hf_config(config: ModelConfig, dtype: str = 'bfloat16', extra: dict | None =
   }
   if family.model_type in ('qwen2', 'qwen3', 'qwen3_moe'):
     ours.update(use_sliding_window=False, sliding_window=None)
-  if family.moe:
+  if family.moe == 'qwen3':
     ours.update(_moe_to_hf(c))
+  if family.moe == 'qwen3_5':
+    del ours['intermediate_size']
+    ours.update(num_experts=c.num_experts, num_experts_per_tok=c.num_experts_per_tok,
+                moe_intermediate_size=c.moe_intermediate_size,
+                shared_expert_intermediate_size=c.shared_expert_intermediate_size,
+                output_router_logits=False)
   if not family.qkv_bias:
     ours.update(attention_bias=False)
   if family.model_type == 'llama':

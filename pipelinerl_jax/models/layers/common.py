@@ -49,11 +49,14 @@ def dense(features, use_bias, config, name):
 
 
 class MLP(nn.Module):
+  """SwiGLU of width `width` (None: the model's intermediate_size)."""
   config: Any
+  width: int | None = None
 
   @nn.compact
   def __call__(self, x):
     c = self.config
-    gate = dense(c.intermediate_size, False, c, 'gate_proj')(x)
-    up = dense(c.intermediate_size, False, c, 'up_proj')(x)
+    width = self.width or c.intermediate_size
+    gate = dense(width, False, c, 'gate_proj')(x)
+    up = dense(width, False, c, 'up_proj')(x)
     return dense(c.hidden_size, False, c, 'down_proj')(nn.silu(gate) * up)

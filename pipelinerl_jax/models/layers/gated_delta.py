@@ -16,9 +16,10 @@ an RMSNorm over Dv gated by SiLU(z_t) (a fourth projection) and `out_proj`.
 
 Two forms of the same recurrence, fp32 throughout (the state too, whatever the compute dtype):
   * `delta_rule_chunked` (training, prefill): positions in chunks of Tb; within a chunk every
-    pairwise term at once (the UT transform of the DeltaNet papers: one triangular solve per
-    chunk), a `lax.scan` carries S across chunks. No maintained JAX kernel exists for it
-    (flash-linear-attention's are Triton kernels for PyTorch), so it is plain jnp.
+    pairwise term at once (the UT transform of the DeltaNet papers: a unit lower-triangular
+    system per chunk, solved through its inverse, `unit_lower_inverse`), a `lax.scan` carries
+    S across chunks. No maintained JAX kernel exists for it (flash-linear-attention's are
+    Triton kernels for PyTorch), so it is plain jnp.
   * `delta_rule_step` (decode): one token, the recurrence as written. `delta_rule_recurrent`
     scans it over a sequence: the reference the chunked form is tested against.
 
@@ -174,6 +175,36 @@ def _exp_where(mask, x):
   return jnp.where(mask, jnp.exp(jnp.where(mask, x, 0.0)), 0.0)
 
 
+def unit_lower_inverse(a_NxN: jax.Array) -> jax.Array:
+  """(I + a)^-1 for strictly lower-triangular a [..., n, n], by recursive block inversion with
+  matmuls alone: diagonal blocks of size s, already inverted, pair into blocks of 2s whose
+  lower-left block is -inv22 a21 inv11 (as LAPACK's recursive trtri; stable where the inverse
+  is, unlike a power series of a, whose terms cancel).
+
+  Not `jax.scipy.linalg.solve_triangular`: on CPU its LAPACK kernel splits a batch over XLA's
+  intra-op thread pool and blocks a pool thread until the parts are done, so two programs
+  solving at once (the engine's prefill beside the trainer's step) each hold a thread waiting
+  for parts no free thread runs, and on a 2-core host both wait forever."""
+  n = a_NxN.shape[-1]
+  p = 1 << max(n - 1, 0).bit_length()
+  lead = a_NxN.shape[:-2]
+  a = jnp.pad(a_NxN, [(0, 0)] * len(lead) + [(0, p - n), (0, p - n)])
+  matmul = lambda x, y: jnp.matmul(x, y, precision=jax.lax.Precision.HIGHEST)
+  inv = jnp.ones(lead + (p, 1, 1), a.dtype)   # the inverted diagonal blocks [..., p / s, s, s]
+  size = 1
+  while size < p:
+    pairs = p // (2 * size)
+    blocks = jnp.diagonal(a.reshape(lead + (pairs, 2 * size, pairs, 2 * size)),
+                          axis1=-4, axis2=-2)      # [..., 2s, 2s, pairs]
+    a21 = jnp.moveaxis(blocks, -1, -3)[..., size:, :size]
+    i11, i22 = inv[..., 0::2, :, :], inv[..., 1::2, :, :]
+    i21 = -matmul(i22, matmul(a21, i11))
+    inv = jnp.concatenate([jnp.concatenate([i11, jnp.zeros_like(i11)], axis=-1),
+                           jnp.concatenate([i21, i22], axis=-1)], axis=-2)
+    size *= 2
+  return inv[..., 0, :n, :n]
+
+
 def delta_rule_chunked(q, k, v, g, beta, index_RxT, state=None, chunk: int = DEFAULT_CHUNK):
   """The recurrence in chunks of Tb positions (see the module doc); equal to
   `delta_rule_recurrent` in exact arithmetic. Returns (o [R, T, Hv, Dv], the final state).
@@ -215,8 +246,8 @@ def delta_rule_chunked(q, k, v, g, beta, index_RxT, state=None, chunk: int = DEF
   kk = jnp.einsum('rhjid,rhjkd->rhjik', k_RxHvxJxTbxDk, k_RxHvxJxTbxDk)
   a = beta_RxHvxJxTb[..., None] * kk * decay_RxHvxJxTbxTb * jnp.tril(jnp.ones((tb, tb)), -1)
   rhs = jnp.concatenate([v_RxHvxJxTbxDv, from_start[..., None] * k_RxHvxJxTbxDk], axis=-1)
-  solved = jax.scipy.linalg.solve_triangular(
-      a + jnp.eye(tb), beta_RxHvxJxTb[..., None] * rhs, lower=True, unit_diagonal=True)
+  solved = jnp.matmul(unit_lower_inverse(a), beta_RxHvxJxTb[..., None] * rhs,
+                      precision=jax.lax.Precision.HIGHEST)
   u0_RxHvxJxTbxDv, w_RxHvxJxTbxDk = solved[..., :dv], solved[..., dv:]
   scores = jnp.einsum('rhjid,rhjkd->rhjik', q_RxHvxJxTbxDk, k_RxHvxJxTbxDk) * decay_RxHvxJxTbxTb
   q_read = from_start[..., None] * q_RxHvxJxTbxDk

@@ -9,10 +9,17 @@ be shared, read-only, by the trainer and an inline generation engine. Shape lett
 adapter rank r, Di and Do a projection's input and output widths (the README's table).
 
 Adapters are their own pytree, with the base's paths and an `a` and `b` leaf under each targeted
-projection, stacked over layers like the base's kernels:
+projection, stacked over layers like the base's kernels, run by run of layers of one kind
+(`ModelConfig.layer_groups`: `layers` for a model whose layers are all alike):
 
   layers/attn/{q,k,v,o}_proj/{a [L, Di, Ra], b [L, Ra, Do]}
   layers/mlp/{gate,up,down}_proj/{a, b}
+  layers_0/linear_attn/{in_proj_qkv,in_proj_z,out_proj}/{a, b}    (a hybrid: Qwen3.5's Gated
+  layers_1/attn/...                                                 DeltaNet runs beside
+                                                                    full-attention ones)
+
+A model adapts the targets it has (`targets_in`): a Gated DeltaNet layer's projections where it
+has them, full attention's elsewhere, the MLP's in every layer (not a mixture of experts').
 
 `Adapted(base, adapters, scale)` is what every model function takes as `params` to run with
 adapters; `variables` turns it into the Flax variables (the `lora` collection holds each
@@ -20,9 +27,8 @@ projection's A and s * B), which `Dense` reads. `merge` makes merged weights whe
 them (an export, a generator without a LoRA kernel): always from the pristine base, in fp32,
 so nothing drifts however many updates were merged before.
 
-The PEFT names (`peft_name`) are the ones `peft.PeftModel.save_pretrained` writes for a Qwen2 /
-Llama model: `base_model.model.model.layers.{i}.self_attn.q_proj.lora_A.weight` [Ra, Di] and
-`...lora_B.weight` [Do, Ra], B without the scale (PEFT applies alpha / r itself).
+PEFT's names and adapter dirs: models/hf/peft.py (`AdapterSpec.hf_module` is the module each
+adapter wraps, under the language model's prefix).
 """
 
 from __future__ import annotations
@@ -30,21 +36,22 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from typing import Any, Iterator
+from typing import Any
 
 import flax
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from pipelinerl_jax import config as config_lib
 
 # Every linear map of a layer, by the name HF and the params pytree give it, and its sub-block.
 TARGETS = config_lib.LORA_TARGETS
 _BLOCK = {'q_proj': 'attn', 'k_proj': 'attn', 'v_proj': 'attn', 'o_proj': 'attn',
+          'in_proj_qkv': 'linear_attn', 'in_proj_z': 'linear_attn', 'in_proj_b': 'linear_attn',
+          'in_proj_a': 'linear_attn', 'out_proj': 'linear_attn',
           'gate_proj': 'mlp', 'up_proj': 'mlp', 'down_proj': 'mlp'}
-_HF_BLOCK = {'attn': 'self_attn', 'mlp': 'mlp'}
+_HF_BLOCK = {'attn': 'self_attn', 'linear_attn': 'linear_attn', 'mlp': 'mlp'}
 COLLECTION = 'lora'
 
 
@@ -56,25 +63,29 @@ def active(settings: config_lib.LoraSettings) -> config_lib.LoraSettings | None:
 
 @dataclasses.dataclass(frozen=True)
 class AdapterSpec:
-  """One targeted projection: where its kernel and adapters sit, and their widths."""
+  """One targeted projection of one run of layers: where its kernel and adapters sit, their
+  widths, and the model layers the run's rows are."""
   target: str                  # 'q_proj', ...
   path: tuple[str, ...]        # ('layers', 'attn', 'q_proj'): the kernel is path + ('kernel',)
   in_features: int             # Di
   out_features: int            # Do
+  first_layer: int             # the model layer of row 0
+  count: int                   # rows (layers) in the run
 
-  def peft_name(self, layer: int, which: str) -> str:
-    """PEFT's tensor name of layer `layer`'s A ('a') or B ('b')."""
-    block = _HF_BLOCK[self.path[1]]
-    part = 'lora_A' if which == 'a' else 'lora_B'
-    return f'base_model.model.model.layers.{layer}.{block}.{self.target}.{part}.weight'
+  @property
+  def layers(self) -> range:
+    return range(self.first_layer, self.first_layer + self.count)
 
-  def module_name(self, layer: int) -> str:
-    """The HF module the adapter wraps (PEFT's target module)."""
-    return f'model.layers.{layer}.{_HF_BLOCK[self.path[1]]}.{self.target}'
+  def hf_module(self, layer: int) -> str:
+    """The HF module the adapter of model layer `layer` wraps, under the language model's
+    prefix (`model.` or `model.language_model.`: hf/peft.py adds it)."""
+    return f'layers.{layer}.{_HF_BLOCK[self.path[1]]}.{self.target}'
 
 
-# Projections a serving engine fuses into one module (vLLM: qkv_proj, gate_up_proj).
-FUSED_GROUPS = (('q_proj', 'k_proj', 'v_proj'), ('gate_proj', 'up_proj'))
+# Projections a serving engine fuses into one module (vLLM: qkv_proj, gate_up_proj, and for
+# Qwen3.5's Gated DeltaNet in_proj_qkvz and in_proj_ba).
+FUSED_GROUPS = (('q_proj', 'k_proj', 'v_proj'), ('gate_proj', 'up_proj'),
+                ('in_proj_qkv', 'in_proj_z'), ('in_proj_b', 'in_proj_a'))
 
 
 def merged_targets(lora: config_lib.LoraSettings) -> tuple[str, ...]:
@@ -89,37 +100,71 @@ def merged_targets(lora: config_lib.LoraSettings) -> tuple[str, ...]:
 
 def check_base(model_config) -> None:
   """Raises a one-line ValueError where adapters cannot cover `model_config`'s layers: a mixture
-  of experts (its layers are scanned in runs of one kind, transformer.layer_groups, and its
-  experts are stacked weights, not projections), or a hybrid (the adapters' paths are one stack
-  of full-attention layers, `layers/attn/...`)."""
+  of experts (its experts are stacked weights, not projections)."""
   c = model_config
   if getattr(c, 'moe_layers', ()):
     raise ValueError(f'config.model.lora: LoRA on a mixture-of-experts model ({c.num_experts} '
                      f'experts in {len(c.moe_layers)} layers) is not supported; set '
                      'model.lora.rank=0')
-  if getattr(c, 'linear_layers', ()):
-    raise ValueError(f'config.model.lora: LoRA on a hybrid model ({len(c.linear_layers)} Gated '
-                     'DeltaNet layers) is not supported; set model.lora.rank=0')
+
+
+def _widths(c) -> dict[str, tuple[int, int]]:
+  """(Di, Do) of every projection a layer of `c` may have. Qwen3.5's gated attention's q_proj
+  makes each head's query and its gate; a Gated DeltaNet's in_proj_qkv its q, k and v channels
+  (Cc, layers/gated_delta.py's `dims`)."""
+  d, f = c.hidden_size, c.intermediate_size
+  q, kv = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+  hk, hv = c.linear_num_key_heads, c.linear_num_value_heads
+  dk, dv = c.linear_key_head_dim, c.linear_value_head_dim
+  return {'q_proj': (d, q * (2 if c.attention_output_gate else 1)), 'k_proj': (d, kv),
+          'v_proj': (d, kv), 'o_proj': (q, d),
+          'in_proj_qkv': (d, 2 * hk * dk + hv * dv), 'in_proj_z': (d, hv * dv),
+          'in_proj_b': (d, hv), 'in_proj_a': (d, hv), 'out_proj': (hv * dv, d),
+          'gate_proj': (d, f), 'up_proj': (d, f), 'down_proj': (f, d)}
 
 
 def specs(model_config, lora: config_lib.LoraSettings) -> list[AdapterSpec]:
-  """The targeted projections of `model_config` (a transformer.ModelConfig), in TARGETS order."""
+  """The targeted projections of `model_config` (a transformer.ModelConfig), run by run of
+  layers and in TARGETS order within a run; the targets a run does not have are skipped (a
+  one-line ValueError when no layer has any)."""
   check_base(model_config)
   c = model_config
-  d, f = c.hidden_size, c.intermediate_size
-  q, kv = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
-  widths = {'q_proj': (d, q), 'k_proj': (d, kv), 'v_proj': (d, kv), 'o_proj': (q, d),
-            'gate_proj': (d, f), 'up_proj': (d, f), 'down_proj': (f, d)}
-  return [AdapterSpec(t, ('layers', _BLOCK[t], t), *widths[t]) for t in lora.targets]
+  widths = _widths(c)
+  out = []
+  for group in c.layer_groups:
+    out += [AdapterSpec(t, (group.name, _BLOCK[t], t), *widths[t], group.first, group.count)
+            for t in lora.targets if _BLOCK[t] in _blocks(group)]
+  if not out:
+    has = {b for group in c.layer_groups for b in _blocks(group)}
+    raise ValueError(f'config.model.lora.targets: {", ".join(lora.targets)} name no projection '
+                     f'of {c.architecture} (it has '
+                     f'{", ".join(t for t in TARGETS if _BLOCK[t] in has)})')
+  return out
+
+
+def _blocks(group) -> tuple[str, str]:
+  """The sub-blocks of a run of layers (a transformer.LayerGroup): its mixer and its MLP."""
+  return ('linear_attn' if group.linear else 'attn', 'moe' if group.moe else 'mlp')
+
+
+def targets_in(model_config, lora: config_lib.LoraSettings) -> tuple[str, ...]:
+  """The targets `model_config` has, in TARGETS order: what its adapters are on."""
+  have = {s.target for s in specs(model_config, lora)}
+  return tuple(t for t in lora.targets if t in have)
+
+
+def by_layer(adapter_specs: list[AdapterSpec]) -> list[tuple[int, AdapterSpec]]:
+  """(model layer, spec) of every adapted projection, layer by layer and in `adapter_specs`'
+  order within a layer: the order PEFT tensors are saved and sent in."""
+  return sorted(((i, s) for s in adapter_specs for i in s.layers), key=lambda pair: pair[0])
 
 
 def shapes(model_config, lora: config_lib.LoraSettings) -> dict[tuple[str, ...], tuple[int, ...]]:
-  """{leaf path: shape} of every adapter leaf (a [L, Di, Ra], b [L, Ra, Do])."""
-  l, r = model_config.num_layers, lora.rank
-  out = {}
+  """{leaf path: shape} of every adapter leaf (a [L, Di, Ra], b [L, Ra, Do]; L the run's)."""
+  r, out = lora.rank, {}
   for s in specs(model_config, lora):
-    out[s.path + ('a',)] = (l, s.in_features, r)
-    out[s.path + ('b',)] = (l, r, s.out_features)
+    out[s.path + ('a',)] = (s.count, s.in_features, r)
+    out[s.path + ('b',)] = (s.count, r, s.out_features)
   return out
 
 
@@ -155,12 +200,12 @@ def init_adapters(model_config, lora: config_lib.LoraSettings, rng: jax.Array, d
                   ) -> dict:
   """A uniform within +-1/sqrt(Di) (x A then has x's scale), B zeros: the delta starts at 0."""
   flat = {}
-  keys = jax.random.split(rng, len(lora.targets))
-  for key, s in zip(keys, specs(model_config, lora)):
-    l, r = model_config.num_layers, lora.rank
+  adapter_specs = specs(model_config, lora)
+  for key, s in zip(jax.random.split(rng, len(adapter_specs)), adapter_specs):
     bound = 1.0 / s.in_features ** 0.5
-    flat[s.path + ('a',)] = jax.random.uniform(key, (l, s.in_features, r), dtype, -bound, bound)
-    flat[s.path + ('b',)] = jnp.zeros((l, r, s.out_features), dtype)
+    flat[s.path + ('a',)] = jax.random.uniform(key, (s.count, s.in_features, lora.rank), dtype,
+                                               -bound, bound)
+    flat[s.path + ('b',)] = jnp.zeros((s.count, lora.rank, s.out_features), dtype)
   return nest(flat)
 
 
@@ -234,42 +279,3 @@ def merge(base, adapters, *, scale: float, dtype: Any = None):
     return (w.astype(jnp.float32) + scale * delta_LxDixDo).astype(out_dtype)
   keys = lambda p: tuple(k.key for k in p)
   return jax.tree_util.tree_map_with_path(lambda p, w: leaf(keys(p), w), base)
-
-
-# ---------------------------------------------------------------------------------------------
-# PEFT's adapter format: adapter_config.json + adapter_model.safetensors.
-
-PEFT_CONFIG_FILE = 'adapter_config.json'
-PEFT_WEIGHTS_FILE = 'adapter_model.safetensors'
-
-
-def peft_tensors(adapters, model_config, lora: config_lib.LoraSettings, dtype: Any = None
-                 ) -> Iterator[tuple[str, np.ndarray]]:
-  """(PEFT name, host array) of every adapter tensor, layer by layer: A as [Ra, Di] and B as
-  [Do, Ra] (torch Linear layout), B unscaled; in `dtype` (None: the adapters' own)."""
-  host = {path: np.asarray(jax.device_get(x)) for path, x in leaves(adapters)}
-  for i in range(model_config.num_layers):
-    for s in specs(model_config, lora):
-      for which in ('a', 'b'):
-        x = host[s.path + (which,)][i].T
-        x = x if dtype is None else x.astype(jnp.dtype(dtype))
-        yield s.peft_name(i, which), np.ascontiguousarray(x)
-
-
-def peft_shapes(model_config, lora: config_lib.LoraSettings) -> dict[str, tuple[int, ...]]:
-  """{PEFT name: shape} of every adapter tensor, in `peft_tensors`' order (what a collective
-  transport carries for a LoRA update)."""
-  out = {}
-  for i in range(model_config.num_layers):
-    for s in specs(model_config, lora):
-      out[s.peft_name(i, 'a')] = (lora.rank, s.in_features)
-      out[s.peft_name(i, 'b')] = (s.out_features, lora.rank)
-  return out
-
-
-def peft_config(lora: config_lib.LoraSettings, base_model: str) -> dict:
-  """adapter_config.json: the fields PEFT reads for a plain LoRA; it fills in the rest."""
-  return dict(peft_type='LORA', task_type='CAUSAL_LM', base_model_name_or_path=base_model,
-              r=lora.rank, lora_alpha=lora.alpha, target_modules=list(lora.targets),
-              lora_dropout=0.0, bias='none', fan_in_fan_out=False, use_rslora=False,
-              use_dora=False, init_lora_weights=True, inference_mode=True, modules_to_save=None)

@@ -1,9 +1,15 @@
-"""Mixture of experts in Qwen3-MoE's form: a router, top-k experts per token, expert MLPs.
+"""Mixture of experts in Qwen3-MoE's and Qwen3.5-MoE's form: a router, top-k experts per token,
+expert MLPs, and for Qwen3.5-MoE a shared expert.
 
-One rule, Qwen3-MoE's (transformers' `Qwen3MoeSparseMoeBlock`): router logits x W_r, a softmax
-over all X experts in fp32, the Xk most probable experts, their probabilities as gates
-(renormalized to sum to 1 when `norm_topk_prob`), no shared expert. An expert is a SwiGLU MLP
-of width I; a token's output is the gated sum of its experts' outputs.
+One routing rule, Qwen3-MoE's (transformers' `Qwen3MoeSparseMoeBlock`): router logits x W_r, a
+softmax over all X experts in fp32, the Xk most probable experts, their probabilities as gates
+(renormalized to sum to 1 when `norm_topk_prob`). An expert is a SwiGLU MLP of width I; a
+token's output is the gated sum of its experts' outputs. Qwen3.5-MoE (transformers'
+`Qwen3_5MoeSparseMoeBlock`) routes the same way, always renormalized, and adds a shared expert:
+a SwiGLU MLP of width Is that every token goes through, its output scaled by
+sigmoid(x w_s) (`shared_expert_gate`, one weight per model dim), beside the routed experts'
+sum. Routing replay and the expert axis concern the routed experts only; the shared expert is a
+dense MLP, sharded as one.
 
 Two ways to compute the experts, one result:
   * `experts_ragged` (the default): the U·Xk token-expert assignments sorted by expert, so each
@@ -26,7 +32,8 @@ rows back. Exact (a sum of the same terms), portable (no ragged all-to-all), and
 local to a device.
 
 Shape letters (the README's table): U tokens of one call flattened (R·T), X experts, Xk experts
-per token, Xl experts one device holds, I expert MLP width, Y token-expert assignments (U·Xk).
+per token, Xl experts one device holds, I expert MLP width, Is the shared expert's, Y
+token-expert assignments (U·Xk).
 """
 
 from __future__ import annotations
@@ -37,6 +44,8 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
+
+from pipelinerl_jax.models.layers.common import MLP, dense
 
 DISPATCHES = ('ragged', 'dense')
 EXPERT_AXIS = 'expert'
@@ -159,13 +168,15 @@ class _Kernel(nn.Module):
 
 
 class MoE(nn.Module):
-  """Qwen3-MoE's sparse MLP block. `__call__(x_RxTxD, token_mask_RxT, replay_ids_RxTxXk,
-  replay_RxT)` -> (y_RxTxD, LayerRoutes). `token_mask_RxT` marks real tokens for the
-  load-balancing statistics (None: all); replay as in the module docstring (None: none).
+  """The sparse MLP block. `__call__(x_RxTxD, token_mask_RxT, replay_ids_RxTxXk, replay_RxT)` ->
+  (y_RxTxD, LayerRoutes). `token_mask_RxT` marks real tokens for the load-balancing statistics
+  (None: all); replay as in the module docstring (None: none).
 
-  Params: router/kernel [D, X], {gate,up}_proj/kernel [X, D, I], down_proj/kernel [X, I, D].
-  `mesh` (with `batch_axes`): the experts run through `expert_parallel` on it (None: on one
-  device, or wherever XLA places them)."""
+  Params: router/kernel [D, X], {gate,up}_proj/kernel [X, D, I], down_proj/kernel [X, I, D];
+  with config.shared_expert_intermediate_size > 0 also shared_expert/{gate,up,down}_proj
+  (a SwiGLU of width Is) and shared_expert_gate/kernel [D, 1]. `mesh` (with `batch_axes`): the
+  routed experts run through `expert_parallel` on it (None: on one device, or wherever XLA
+  places them)."""
   config: Any
   mesh: Any = None
   batch_axes: tuple[str, ...] = ()
@@ -195,6 +206,10 @@ class MoE(nn.Module):
           x_RxTxD, rows(ids_UxXk), rows(gates_UxXk), *weights)
     else:
       y_RxTxD = experts_ragged(x_UxD, ids_UxXk, gates_UxXk, *weights).reshape(r, t, d)
+    if c.shared_expert_intermediate_size:
+      shared_RxTxD = MLP(c, c.shared_expert_intermediate_size, name='shared_expert')(x_RxTxD)
+      gate_RxTx1 = dense(1, False, c, 'shared_expert_gate')(x_RxTxD)
+      y_RxTxD = y_RxTxD + nn.sigmoid(gate_RxTx1) * shared_RxTxD
 
     real_U = (jnp.ones((r * t,), jnp.float32) if token_mask_RxT is None
               else token_mask_RxT.reshape(r * t).astype(jnp.float32))
