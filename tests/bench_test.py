@@ -674,3 +674,33 @@ def _running(pid: int) -> bool:
   except FileNotFoundError:
     return False
   return stat.rsplit(')', 1)[1].split()[0] != 'Z'
+
+
+def test_hybrid_smoke_keeps_raw_rewards_and_scores_the_engines_tokens(tmp_path):
+  """bench.hybrid --smoke: `tiny` and `tiny_hybrid` (a Qwen3.5 dir) each run 8 steps, their raw
+  rewards kept and the trend computed from them; the mismatch part scores the engine's samples
+  of both models: in fp32 the trainer gives log mu back, a bf16 engine does not."""
+  report, stdout = _run_learning_bench('hybrid', tmp_path, '--scales=3')
+  _assert_raw_rewards_give_the_trend(report, tmp_path, ['tiny', 'tiny_hybrid'])
+  assert [r['name'] for r in report['runs']] == ['tiny', 'tiny_hybrid']
+  hybrid_dir = pathlib.Path(report['model_dirs']['tiny_hybrid'])
+  assert json.loads((hybrid_dir / 'config.json').read_text())['architectures'] == [
+      'Qwen3_5ForCausalLM']
+  rows = {(r['model'], r['engine_dtype']): r for r in report['mismatch']['rows']}
+  assert set(rows) == {(m, d) for m in ('dense', 'hybrid') for d in ('float32', 'bfloat16')}
+  assert {r['scale'] for r in report['mismatch']['rows']} == {3.0}
+  for model in ('dense', 'hybrid'):
+    fp32, bf16 = rows[model, 'float32'], rows[model, 'bfloat16']
+    assert fp32['tokens'] == bf16['tokens'] == 4 * 8 and fp32['nll'] > 0
+    assert fp32['fp32_max'] < 1e-3 and fp32['fp32_ess'] > 0.9999
+    assert bf16['fp32_mean'] > 10 * fp32['fp32_mean']
+  assert '-log mu' in stdout and 'rise/noise' in stdout
+  assert pathlib.Path(report['png']).stat().st_size > 10_000
+
+
+def test_hybrid_bench_names_a_bad_scales_flag():
+  from pipelinerl_jax.bench import hybrid
+  assert hybrid.parse_scales('2,3.5') == [2.0, 3.5]
+  for bad in ('x', '2,-1', ''):
+    with pytest.raises(ValueError, match="^--scales must be comma-separated positive numbers"):
+      hybrid.parse_scales(bad)
