@@ -135,8 +135,9 @@ class DemoModelConfig(_Section):
   mlp_only_layers: tuple[int, ...] = ()
   shared_expert_intermediate_size: int = 32
   # qwen3_5, qwen3_5_moe: every full_attention_interval-th layer full attention, the rest Gated
-  # DeltaNet layers of linear_num_key_heads / linear_num_value_heads heads of linear_key_head_dim /
-  # linear_value_head_dim, with a causal convolution of linear_conv_kernel_dim taps.
+  # DeltaNet layers of linear_num_key_heads / linear_num_value_heads heads of
+  # linear_key_head_dim / linear_value_head_dim, with a causal convolution of
+  # linear_conv_kernel_dim taps.
   full_attention_interval: int = 4
   linear_num_key_heads: int = 2
   linear_num_value_heads: int = 4
@@ -198,7 +199,7 @@ class DemoModelConfig(_Section):
 
   MOE_FIELDS = ('num_experts', 'num_experts_per_tok', 'moe_intermediate_size', 'norm_topk_prob',
                 'mlp_only_layers')
-  # Fields only a Qwen3.5 or Qwen3.5-MoE demo reads (a build of another architecture ignores them).
+  # Fields only a Qwen3.5 or Qwen3.5-MoE demo reads (another architecture's build ignores them).
   HYBRID_FIELDS = ('full_attention_interval', 'linear_num_key_heads', 'linear_num_value_heads',
                    'linear_key_head_dim', 'linear_value_head_dim', 'linear_conv_kernel_dim')
 

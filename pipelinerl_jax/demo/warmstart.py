@@ -5,10 +5,10 @@
 'qwen3_5_moe', Qwen3.5-MoE) `ModelConfig` over the character tokenizer, imitates a small fixed
 set of the task's SFT-pool problems until its sampled accuracy on unseen RL-pool problems
 reaches `demo.target_sampled_accuracy` (or the step budget ends), and saves config.json +
-model.safetensors + tokenizer files + warmstart.json. The build is cached:
-warmstart.json carries a hash of the settings, and a dir whose hash matches is returned at once. RL then starts from a
-policy that knows the answer format but gets only a minority of unseen problems right, and has to
-earn the rest.
+model.safetensors + tokenizer files + warmstart.json. The build is cached: warmstart.json carries
+a hash of the settings, and a dir whose hash matches is returned at once. RL then starts from a
+policy that knows the answer format but gets only a minority of unseen problems right, and has
+to earn the rest.
 
 `model_dir_for(config)` is where a run finds its model: config.model.path, or this build.
 """

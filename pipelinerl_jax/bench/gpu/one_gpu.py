@@ -50,6 +50,8 @@ def quick_hf(preset: str) -> dict[str, Any]:
 def _full_hf(preset: str):
   from pipelinerl_jax import memory_plan
   return memory_plan.read_hf_config(ROOT / PRESET_MODELS[preset])
+
+
 # Kept for what follows the run's stop: the engine's drain, the final checkpoint, teardown.
 AFTER_RUN_S = 45.0
 
