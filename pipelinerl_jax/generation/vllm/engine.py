@@ -249,7 +249,7 @@ class VllmEngine(api.QueuedEngine):
     if config.lm_head_fp32:
       kwargs['hf_overrides'] = {'head_dtype': 'float32'}
     if lora is not None:
-      kwargs.update(lora_updates.llm_kwargs(lora, config.lora_update))
+      kwargs.update(lora_updates.llm_kwargs(lora, config.lora_update, self.model_config))
     kwargs.update(hybrids.llm_kwargs(self.model_config))
     kwargs.update(llm_kwargs)
     self.llm_kwargs = dict(kwargs)  # what vLLM was started with (memory share, graphs, ...)

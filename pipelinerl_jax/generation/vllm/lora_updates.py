@@ -41,12 +41,17 @@ _MODULE = {'q_proj': ('self_attn.qkv_proj', 0), 'k_proj': ('self_attn.qkv_proj',
            'down_proj': ('mlp.down_proj', 0)}
 
 
-def llm_kwargs(lora: config_lib.LoraSettings, way: str) -> dict[str, Any]:
-  """vLLM's start-up arguments for serving `lora` the `way` given."""
+def llm_kwargs(lora: config_lib.LoraSettings, way: str, model_config) -> dict[str, Any]:
+  """vLLM's start-up arguments for serving `lora` the `way` given; a target 'slot' cannot write
+  is refused here, before vLLM starts."""
   if way not in UPDATE_WAYS:
     raise ValueError(f'lora update way {way!r}: expected one of {UPDATE_WAYS}')
   if way == 'merge':
     return {}
+  for s in lora_lib.specs(model_config, lora):
+    if s.target not in _MODULE:
+      raise ValueError(f"generation.vllm.lora_update='slot' does not write {s.target} "
+                       "adapters (a Gated DeltaNet projection); use 'merge'")
   return dict(enable_lora=True, max_lora_rank=budget.vllm_lora_rank(lora.rank), max_loras=1,
               max_cpu_loras=1)
 
@@ -76,10 +81,7 @@ class SlotWriter:
     self._slot = manager.lora_index_to_id.index(LORA_ID)
     # (spec, layer) -> (A's destination [Ra, Di], B's destination [Do, Ra]) in the slot.
     self._dest = {}
-    for s in lora_lib.specs(model_config, lora):
-      if s.target not in _MODULE:
-        raise ValueError(f"generation.vllm.lora_update='slot' does not write {s.target} "
-                         "adapters (a Gated DeltaNet projection); use 'merge'")
+    for s in lora_lib.specs(model_config, lora):  # every target one of _MODULE's (llm_kwargs)
       name, part = _MODULE[s.target]
       for i in s.layers:
         m = modules.get(f'model.layers.{i}.{name}')
