@@ -552,7 +552,7 @@ def test_kv_cache_bytes_match_the_engine_cache():
       config = dataclasses.replace(train_bench.MODEL_PRESETS[name], dtype=dtype)
       cache = jax.eval_shape(lambda: transformer.init_cache(config, 64, 1280))
       assert kit_engine.kv_cache_bytes(config, 64, 1280) == sum(x.size * x.dtype.itemsize
-                                                         for x in cache)
+                                                         for x in jax.tree.leaves(cache))
 
 
 def test_reward_summary_compares_first_and_last_steps():
