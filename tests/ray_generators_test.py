@@ -265,8 +265,8 @@ def test_vllm_actor_over_gloo_stages_each_update_in_one_buffer_and_survives_a_ki
   """One vLLM start-up, then its restart. Updates into the actor's one staging buffer, handed to
   vLLM with a release: with no request in flight, the idle engine loads each update at once, so
   the next one, back to back, finds the buffer free (else it would wait for it past its
-  deadline). Then the actor is killed with -9 mid-requests: Ray restarts it, it joins a new group
-  and gets the latest version, and every request finishes, decoded by it; vLLM's one-rank file
+  deadline). Then the actor is killed with -9 while it has requests: Ray restarts it, it joins a
+  new group and gets the latest version, and every request finishes, decoded by it; vLLM's one-rank file
   store is not left in /tmp (this phase runs alone)."""
   _, config, _ = model
   stores = lambda: set(pathlib.Path(tempfile.gettempdir()).glob('vllm_dist_*'))  # noqa: E731
@@ -286,8 +286,14 @@ def test_vllm_actor_over_gloo_stages_each_update_in_one_buffer_and_survives_a_ki
       pool.submit(r)
     done = pool.step()
     os.kill(pool.members()[0]['pid'], signal.SIGKILL)
+    # An idle host's vLLM may finish all of `reqs` before the kill lands; requests submitted
+    # after it always meet the dead actor, so the restart is exercised either way (requeuing
+    # requests in flight at a kill: test_killed_actor_is_restarted_...).
+    after = requests('x', groups=2, max_tokens=40)
+    for r in after:
+      pool.submit(r)
     done += run_until_done(pool, deadline_s=180)
-    assert sorted(c.request_id for c in done) == sorted(r.request_id for r in reqs)
+    assert sorted(c.request_id for c in done) == sorted(r.request_id for r in reqs + after)
     assert pool.stats()['generation/restarts'] == 1
     for c in done:  # before and after the restart: the latest weights
       assert (c.versions == 4).all()
