@@ -9,7 +9,6 @@ noise. So the bounds are on the mean and on most tokens, not on every token; the
 routing replay is what makes a MoE's routes the trainer's (docs/moe.md).
 """
 
-import dataclasses
 
 import numpy as np
 import pytest
@@ -24,17 +23,13 @@ REQUESTS, TOKENS, UPDATE_AT = 3, 12, 5
 @pytest.fixture(scope='module')
 def model(built_once):
   workdir = built_once('qwen35-moe-vllm', lambda d: bench.build(d, scale=0.05, moe=True))
-  m = bench.load(bench.build(workdir, scale=0.05, moe=True))
-  return dataclasses.replace(m, old=bench.bf16_exact(m.old), new=bench.bf16_exact(m.new))
+  return bench.exact(bench.load(bench.build(workdir, scale=0.05, moe=True)))
 
 
 @pytest.fixture(scope='module')
 def engine(model):
-  from pipelinerl_jax.generation.vllm import engine as vllm_engine
-  eng = vllm_engine.VllmEngine(model.dir, vllm_engine.VllmEngineConfig(
-      max_num_seqs=REQUESTS, max_model_len=64, kv_cache_bytes=32 << 20, dtype='bfloat16'))
-  yield eng
-  eng.close()
+  with bench.start_engine(model.dir, REQUESTS, 64) as eng:
+    yield eng
 
 
 @pytest.mark.needs('vllm')

@@ -9,7 +9,6 @@ arithmetic. The model and the references are bench.vllm_hybrid's (docs/models.md
 figures).
 """
 
-import dataclasses
 import json
 import types
 
@@ -30,17 +29,13 @@ def model(built_once):
   """bench.vllm_hybrid's model at std 0.05 (vLLM's bf16 noise ~3e-3 nats, the update's effect
   on log mu ~0.2), its weights rounded to bf16."""
   workdir = built_once('qwen35-vllm', lambda d: bench.build(d, scale=0.05))
-  m = bench.load(bench.build(workdir, scale=0.05))  # built: its path
-  return dataclasses.replace(m, old=bench.bf16_exact(m.old), new=bench.bf16_exact(m.new))
+  return bench.exact(bench.load(bench.build(workdir, scale=0.05)))
 
 
 @pytest.fixture(scope='module')
 def engine(model):
-  from pipelinerl_jax.generation.vllm import engine as vllm_engine
-  eng = vllm_engine.VllmEngine(model.dir, vllm_engine.VllmEngineConfig(
-      max_num_seqs=REQUESTS, max_model_len=64, kv_cache_bytes=32 << 20, dtype='bfloat16'))
-  yield eng
-  eng.close()
+  with bench.start_engine(model.dir, REQUESTS, 64) as eng:
+    yield eng
 
 
 @pytest.mark.needs('vllm')

