@@ -151,17 +151,10 @@ def mismatch(*, scales: list[float], num_requests: int, prompt_len: int, max_tok
 
 
 def run_row(seed: int, result: dict, target: float, targets) -> dict:
-  """One run's table row: `ablations.summarize`, the reward trend, the means of its mismatch
-  metrics over the steps, the load."""
-  records = result['records']
-  summary = ablations.summarize(result, targets)
-  mean = lambda key: float(np.mean([r[key] for r in records])) if records else float('nan')
-  reached = summary['to_target'][f'{target:g}']
-  return dict(summary, **reward_trend.of_records(records), seed=seed,
-              t_target=reached and reached['time_s'], s_target=reached and reached['samples'],
-              versions_per_sample=mean('versions_per_sample_mean'),
-              abs_logp_diff=mean('abs_logp_diff'), ess_mean=summary['ess']['mean'],
-              load=(summary['load_before'] + summary['load_after']) / 2)
+  """One run's table row (`reward_trend.run_row`) with the means of its mismatch metrics."""
+  return reward_trend.run_row(seed, result, target, targets,
+                              dict(versions_per_sample='versions_per_sample_mean',
+                                   abs_logp_diff='abs_logp_diff'))
 
 
 def parse_scales(text: str) -> list[float]:

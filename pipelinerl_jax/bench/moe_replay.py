@@ -164,17 +164,10 @@ def mismatch(model_dir: str, snapshots: dict[int, dict], *, task, prompts: int,
 
 
 def run_row(seed: int, result: dict, target: float, targets) -> dict:
-  """One run's table row: `ablations.summarize`, the reward trend, the means of its mismatch
-  metrics over the steps, the load."""
-  records = result['records']
-  summary = ablations.summarize(result, targets)
-  mean = lambda key: float(np.mean([r[key] for r in records])) if records else float('nan')
-  reached = summary['to_target'][f'{target:g}']
-  return dict(summary, **reward_trend.of_records(records), seed=seed,
-              t_target=reached and reached['time_s'], s_target=reached and reached['samples'],
-              abs_logp_diff=mean('abs_logp_diff'), ess_mean=summary['ess']['mean'],
-              routes_differ=mean('moe/routes_differ'),
-              load=(summary['load_before'] + summary['load_after']) / 2)
+  """One run's table row (`reward_trend.run_row`) with the means of its mismatch metrics."""
+  return reward_trend.run_row(seed, result, target, targets,
+                              dict(abs_logp_diff='abs_logp_diff',
+                                   routes_differ='moe/routes_differ'))
 
 
 def paired(rows: list[dict]) -> list[dict]:

@@ -68,6 +68,22 @@ def of_records(records: Sequence[dict[str, Any]]) -> dict[str, float]:
   return trend([r['step'] for r in records], [r['reward_mean'] for r in records])
 
 
+def run_row(seed: int, result: dict[str, Any], target: float, targets: Sequence[float],
+            means: dict[str, str]) -> dict[str, Any]:
+  """One learning run's table row: `ablations.summarize`, the reward trend, the time and samples
+  to `target`, the load, and for each {column: metric} of `means` the metric's mean over the
+  run's steps."""
+  records = result['records']
+  summary = ablations.summarize(result, targets)
+  reached = summary['to_target'][f'{target:g}']
+  return dict(summary, **of_records(records), seed=seed,
+              t_target=reached and reached['time_s'], s_target=reached and reached['samples'],
+              ess_mean=summary['ess']['mean'],
+              load=(summary['load_before'] + summary['load_after']) / 2,
+              **{column: float(np.mean([r[key] for r in records])) if records else float('nan')
+                 for column, key in means.items()})
+
+
 def over_seeds(rows: Sequence[dict[str, Any]], keys: Sequence[str] = KEYS
                ) -> dict[str, dict[str, Any]]:
   """Per key, `ablations.seed_stats` (median, min, max, n) over the rows (one per seed) that
