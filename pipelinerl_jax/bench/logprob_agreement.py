@@ -21,8 +21,9 @@ import dataclasses
 import json
 import os
 import pathlib
-import subprocess
 import sys
+
+from pipelinerl_jax.bench import one_process
 
 VARIANTS = {'fp32': ('float32', False), 'bf16': ('bfloat16', False),
             'bf16+lm_head_fp32': ('bfloat16', True)}
@@ -104,7 +105,7 @@ def main(argv=None):
   if args.quick:
     args.size, args.requests, args.tokens = 'quick', 4, 16
   if args.one:
-    print('RESULT ' + json.dumps(run_variant(args.one, args)), flush=True)
+    one_process.emit(run_variant(args.one, args))
     return
   variants = [v for v in args.variants.split(',') if v]
   if set(variants) - set(VARIANTS):
@@ -116,13 +117,8 @@ def main(argv=None):
     cmd = [sys.executable, '-m', 'pipelinerl_jax.bench.logprob_agreement', f'--one={variant}',
            f'--size={args.size}', f'--scale={args.scale}', f'--requests={args.requests}',
            f'--tokens={args.tokens}', f'--workdir={args.workdir}', f'--model-dir={args.model_dir}']
-    proc = subprocess.run(cmd, capture_output=True, text=True,
-                          env={**os.environ, 'VLLM_ENABLE_V1_MULTIPROCESSING': '0'})
-    lines = [l for l in proc.stdout.splitlines() if l.startswith('RESULT ')]
-    if proc.returncode or not lines:
-      sys.stderr.write(proc.stderr[-4000:])
-      raise SystemExit(f'variant {variant} failed (exit {proc.returncode})')
-    r = json.loads(lines[-1][len('RESULT '):])
+    r = one_process.run(cmd, f'variant {variant}',
+                        env={**os.environ, 'VLLM_ENABLE_V1_MULTIPROCESSING': '0'})
     rows.append(r)
     print(f'{variant:<18} {r["tokens"]:>6} {"":>17} {r["mean_abs_vs_fp32_trainer"]:>8.2e} '
           f'{r["max_abs_vs_fp32_trainer"]:>8.2e} {"":>17} {r["mean_abs_vs_bf16_trainer"]:>8.2e} '

@@ -34,9 +34,10 @@ import os
 import pathlib
 import platform
 import statistics
-import subprocess
 import sys
 import time
+
+from pipelinerl_jax.bench import one_process
 
 SIZES = {
     # name: (vocab, hidden, layers, heads, kv_heads, head_dim, intermediate), tied embeddings
@@ -247,7 +248,7 @@ def main(argv=None):
     path = pathlib.Path(args.workdir) / f'{size}_{engine}.json'  # (kept should the run stop)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(result))
-    print('RESULT ' + json.dumps(result), flush=True)
+    one_process.emit(result)
     return
   sizes = ['quick'] if args.quick else [s for s in args.sizes.split(',') if s]
   engines = [e for e in args.engines.split(',') if e]
@@ -270,13 +271,8 @@ def main(argv=None):
     env = {**os.environ, 'VLLM_ENABLE_V1_MULTIPROCESSING': '0'}
     if engine != 'jax':  # the params vLLM is fed live on the host, JAX leaves the GPU to vLLM
       env['JAX_PLATFORMS'] = 'cpu'
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
-    lines = [l for l in proc.stdout.splitlines() if l.startswith('RESULT ')]
-    if proc.returncode or not lines:
-      sys.stderr.write(proc.stderr[-4000:])
-      raise SystemExit(f'{size} {engine} failed (exit {proc.returncode})')
-    rows.append(dict(json.loads(lines[-1][len('RESULT '):]), load_before=load_before,
-                     load_after=os.getloadavg()[0]))
+    rows.append(dict(one_process.run(cmd, f'{size} {engine}', env=env),
+                     load_before=load_before, load_after=os.getloadavg()[0]))
   print(ablations.table(table_rows(rows), COLUMNS))
   out = dict(host=platform.node(), cpus=os.cpu_count(), rank=args.rank, repeats=args.repeats,
              workload=dict(requests=args.requests, prompt=PROMPT, new_tokens=args.new_tokens,

@@ -38,8 +38,9 @@ import functools
 import json
 import os
 import pathlib
-import subprocess
 import sys
+
+from pipelinerl_jax.bench import one_process
 
 # transformers' Qwen3_5TextConfig fields of the bench model (tests/vllm_hybrid_test.py too).
 TEXT_CONFIG = dict(
@@ -300,7 +301,7 @@ def main(argv=None):
   if args.quick:
     args.requests, args.tokens, args.update_at = 2, 12, 4
   if args.one:
-    print('RESULT ' + json.dumps(run_state(args.one, args)), flush=True)
+    one_process.emit(run_state(args.one, args))
     return
   states = [s for s in args.states.split(',') if s]
   if set(states) - set(STATES):
@@ -312,12 +313,7 @@ def main(argv=None):
            f'--scale={args.scale}', f'--requests={args.requests}', f'--tokens={args.tokens}',
            f'--update-at={args.update_at}', f'--workdir={args.workdir}'] + (
                ['--moe'] if args.moe else [])
-    proc = subprocess.run(cmd, capture_output=True, text=True)
-    lines = [l for l in proc.stdout.splitlines() if l.startswith('RESULT ')]
-    if proc.returncode or not lines:
-      sys.stderr.write(proc.stderr[-4000:])
-      raise SystemExit(f'state {state} failed (exit {proc.returncode})')
-    for r in json.loads(lines[-1][len('RESULT '):]):
+    for r in one_process.run(cmd, f'state {state}'):
       rows.append(r)
       cells = '  '.join(f'{r[c + "_mean"]:>10.1e} / {r[c + "_max"]:<9.1e}' for c in COMPARISONS)
       print(f'{r["state"]:<9} {r["weights"]:<7} {r["tokens"]:>6}  {cells}', flush=True)

@@ -25,9 +25,10 @@ import os
 import pathlib
 import platform
 import statistics
-import subprocess
 import sys
 import time
+
+from pipelinerl_jax.bench import one_process
 
 SIZES = {
     # name: (vocab, hidden, layers, heads, kv_heads, intermediate); head_dim 64 (vLLM CPU)
@@ -142,7 +143,7 @@ def main(argv=None):
   args = parser.parse_args(argv)
 
   if args.one:
-    print('RESULT ' + json.dumps(run_size(args.one, args)), flush=True)
+    one_process.emit(run_size(args.one, args))
     return
   sizes = ['quick'] if args.quick else [s for s in args.sizes.split(',') if s]
   unknown = set(sizes) - set(SIZES)
@@ -157,13 +158,8 @@ def main(argv=None):
     cmd = [sys.executable, '-m', 'pipelinerl_jax.bench.weight_sync', f'--one={size}',
            f'--dtype={args.dtype}', f'--repeats={args.repeats}', f'--workdir={args.workdir}',
            f'--update-every={args.update_every}']
-    proc = subprocess.run(cmd, capture_output=True, text=True,
-                          env={**os.environ, 'VLLM_ENABLE_V1_MULTIPROCESSING': '0'})
-    lines = [l for l in proc.stdout.splitlines() if l.startswith('RESULT ')]
-    if proc.returncode or not lines:
-      sys.stderr.write(proc.stderr[-4000:])
-      raise SystemExit(f'size {size} failed (exit {proc.returncode})')
-    rows.append(json.loads(lines[-1][len('RESULT '):]))
+    rows.append(one_process.run(cmd, f'size {size}',
+                                env={**os.environ, 'VLLM_ENABLE_V1_MULTIPROCESSING': '0'}))
     print_row(rows[-1])
   out = dict(host=platform.node(), cpus=os.cpu_count(), rows=rows,
              sync_over_memcpy={r['size']: r['sync_over_memcpy'] for r in rows})

@@ -8,14 +8,12 @@ size an item as it ends.
 
 from __future__ import annotations
 
-import json
 import subprocess
 import sys
 from typing import Any
 
+from pipelinerl_jax.bench import one_process
 from pipelinerl_jax.bench.gpu import section as section_lib
-
-RESULT = 'RESULT '   # bench/lora.py's line of one size's JSON
 
 
 def run(s: section_lib.Section) -> None:
@@ -33,12 +31,11 @@ def run(s: section_lib.Section) -> None:
     except subprocess.TimeoutExpired:
       s.skip(name, 'time budget (cut short)')
       continue
-    lines = [l for l in proc.stdout.splitlines() if l.startswith(RESULT)]
-    if proc.returncode or not lines:
+    row = one_process.parse(proc.stdout)  # bench/lora.py's result for the size
+    if proc.returncode or row is None:
       tail = (proc.stderr.strip().splitlines() or [''])[-1]
       s.fail(name, RuntimeError(f'bench.lora {size} exited {proc.returncode}: {tail}'))
       continue
-    row = json.loads(lines[-1][len(RESULT):])
     row['update_ratio'] = row['full_update_s'] / row['lora_update_s']
     row['byte_ratio'] = row['full_bytes'] / row['lora_bytes']
     if row.get('base_tokens_per_s'):
