@@ -22,6 +22,7 @@ import pytest
 from pipelinerl_jax.generation import api
 from pipelinerl_jax.generation import jax_engine as engine_lib
 from pipelinerl_jax.models import transformer as tfm
+import paged_engine_test  # tests/ is on sys.path
 from qwen35_test import HYBRID, hybrid_params  # tests/ is on sys.path
 
 S = 48
@@ -53,18 +54,8 @@ def requests(n_group=3):
 
 
 def run(params, config=CONFIG, new_params=None, k=3, reqs=None, model=HYBRID):
-  """Every request to completion; `new_params` (version 1) is applied after k steps."""
-  with engine_lib.JaxEngine(model, params, config) as eng:
-    for r in reqs or requests():
-      eng.submit(r)
-    done = {}
-    for step in range(1000):
-      if new_params is not None and step == k:
-        eng.update_params(new_params, 1)
-      done.update((c.request_id, c) for c in eng.step())
-      if not eng.num_unfinished:
-        break
-    stats = eng.stats()
+  """paged_engine_test's run on a hybrid, which must also give back every saved state."""
+  done, stats = paged_engine_test.run(params, config, new_params, k, reqs or requests(), model)
   assert stats['kv_pages_free'] == stats['kv_pages']  # every page back
   assert stats['saved_states_free'] == stats['saved_states']  # every saved state back
   return done, stats

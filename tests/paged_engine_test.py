@@ -60,9 +60,9 @@ def requests():
                                                                       seed=4)]
 
 
-def run(params, config, new_params=None, k=3, reqs=None):
+def run(params, config, new_params=None, k=3, reqs=None, model=CFG):
   """Every request to completion; `new_params` (version 1) is applied after k token steps."""
-  with engine_lib.JaxEngine(CFG, params, config) as eng:
+  with engine_lib.JaxEngine(model, params, config) as eng:
     for r in reqs or requests():
       eng.submit(r)
     done = {}
